@@ -1,0 +1,81 @@
+"""Engine configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pagedllm.errors import ConfigError
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
+
+
+def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start, before the model is read.
+
+    Sizes: ``kv_cache_memory`` and ``swap_space`` are in bytes; ``num_kv_blocks``
+    is an exact count of KV blocks and wins over ``kv_cache_memory``.
+    ``max_num_batched_tokens`` is the per-step token budget (prefill chunks plus
+    decode tokens); ``None`` picks a default from the device.
+    """
+
+    model: str | None = None
+    dtype: DType = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    swap_space: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    kv_policy: str = "paged"
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    num_threads: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(
+                f"block_size={self.block_size!r} is not supported; "
+                f"choose one of {list(SUPPORTED_BLOCK_SIZES)}"
+            )
+        _choice("dtype", self.dtype, SUPPORTED_DTYPES)
+        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("kv_policy", self.kv_policy, KV_POLICIES)
+        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+            raise ConfigError(f"device={self.device!r} is not supported; use 'auto', 'cpu' or 'cuda[:N]'")
+        _positive("num_kv_blocks", self.num_kv_blocks)
+        _positive("kv_cache_memory", self.kv_cache_memory)
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("num_threads", self.num_threads)
+        if not isinstance(self.swap_space, int) or self.swap_space < 0:
+            raise ConfigError(f"swap_space must be a byte count >= 0, got {self.swap_space!r}")
+        if self.preemption_mode in ("swap", "auto") and self.swap_space == 0:
+            # Swap needs somewhere to go; say so rather than silently recomputing.
+            if self.preemption_mode == "swap":
+                raise ConfigError("preemption_mode='swap' needs swap_space > 0 (bytes of CPU KV pool)")

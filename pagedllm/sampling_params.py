@@ -1,0 +1,128 @@
+"""Request parameters with vLLM's field names and defaults.
+
+Invalid values raise :class:`pagedllm.errors.RequestError` (a ``ValueError``)
+whose ``param`` names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.errors import RequestError
+
+_GREEDY_EPS = 1e-5
+
+
+def _fail(param: str, message: str) -> None:
+    raise RequestError(f"{param}: {message}", param=param)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            _fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            _fail("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                _fail(name, f"must be in [-2, 2], got {value}")
+        if self.repetition_penalty <= 0.0:
+            _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.temperature < 0.0:
+            _fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            _fail("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            _fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                _fail(name, f"must be an integer >= 0, got {value!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            _fail("stop", "every stop string must be a non-empty string")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", "every stop token id must be an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            _fail("seed", f"must be an integer, got {self.seed!r}")
+        if not self.detokenize and self.stop:
+            _fail("stop", "stop strings need detokenize=True")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: best_of when given, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with both disabled spellings normalised to 0."""
+        return 0 if self.top_k in (0, -1) else self.top_k
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search with HF transformers' semantics (score = sum logprob / len ** length_penalty)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            _fail("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0.0:
+            _fail("temperature", f"must be >= 0, got {self.temperature}")
+        if self.early_stopping not in (True, False, "never"):
+            _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
