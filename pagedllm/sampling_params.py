@@ -6,15 +6,30 @@ whose ``param`` names the field.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from pagedllm.errors import RequestError
 
 _GREEDY_EPS = 1e-5
 
 
-def _fail(param: str, message: str) -> None:
+def _fail(param: str, message: str) -> NoReturn:
     raise RequestError(f"{param}: {message}", param=param)
+
+
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (``True`` is not a sensible count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_finite(owner: object, names: tuple[str, ...]) -> None:
+    """Every named field is a finite real number (NaN slips through range checks)."""
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(name, f"must be a finite number, got {value!r}")
 
 
 @dataclass
@@ -45,16 +60,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            _fail("stop", f"must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            _fail("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        _check_finite(self, _FLOAT_FIELDS)
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             _fail("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             _fail("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -66,25 +85,25 @@ class SamplingParams:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             _fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             _fail("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             _fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (not _is_int(value) or value < 0):
                 _fail(name, f"must be an integer >= 0, got {value!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             _fail("stop", "every stop string must be a non-empty string")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "every stop token id must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             _fail("seed", f"must be an integer, got {self.seed!r}")
         if not self.detokenize and self.stop:
             _fail("stop", "stop strings need detokenize=True")
@@ -104,6 +123,34 @@ class SamplingParams:
         return 0 if self.top_k in (0, -1) else self.top_k
 
 
+_FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
+
+
+def _normalise_logit_bias(logit_bias: object) -> dict[int, float] | None:
+    """``{token id: bias}`` with int keys (JSON sends strings) and finite float values."""
+    if not logit_bias:
+        return None
+    if not isinstance(logit_bias, dict):
+        _fail("logit_bias", f"must map token ids to numbers, got {logit_bias!r}")
+    normalised: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        try:
+            token, bias = int(key), float(value)
+        except (TypeError, ValueError):
+            _fail("logit_bias", f"entry {key!r}: {value!r} is not token id: number")
+        if token < 0 or not math.isfinite(bias):
+            _fail("logit_bias", f"entry {key!r}: {value!r} needs a token id >= 0 and a finite bias")
+        normalised[token] = bias
+    return normalised
+
+
 @dataclass
 class BeamSearchParams:
     """Beam search with HF transformers' semantics (score = sum logprob / len ** length_penalty)."""
@@ -118,10 +165,11 @@ class BeamSearchParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
             _fail("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check_finite(self, ("temperature", "length_penalty"))
         if self.temperature < 0.0:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
         if self.early_stopping not in (True, False, "never"):

@@ -1,0 +1,512 @@
+"""One-shot CUDA check of the Triton attention backend and the engine on it.
+
+Parts (each guarded: a failure is recorded in the JSON and the others still run):
+
+  kernel_check      write_kv and the decode/varlen kernels at full size against the
+                    dense float64 oracle (bf16, 32 q / 8 kv heads, head dim 128,
+                    block sizes 16 and 32, contexts up to 2048; plus fp16 and fp32).
+  decode_bandwidth  paged decode at batch 64 x context 4096: K/V bytes read per
+                    second, against a device-to-device copy and against
+                    scaled_dot_product_attention on the same K/V stored contiguously.
+  engine_greedy     the default model through ``pagedllm.LLM`` on CUDA (bf16, and
+                    fp32) against a CPU fp32 run: greedy token agreement.
+  w64_throughput    workload W64 with CUDA graphs on and off: output tokens/s.
+
+Usage: ``python benchmarks/gpu_check.py --out gpu_check.json`` on a CUDA machine.
+``--interpret`` runs everything small on the CPU under Triton's interpreter
+(timings are then meaningless); ``--skip-engine`` skips the last two parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WORKLOAD = REPO_ROOT.parent / "shared" / "workloads" / "w64.json"
+
+# Short splits and a high program target so tiny shapes still take the split-K path.
+SMALL_SPLITS = {"min_split_tokens": 32, "target_programs": 64}
+
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Explain what a hash table is in one paragraph.",
+    "List three primary colors:",
+    "Once upon a time, in a small village,",
+    "Translate 'good morning' into Spanish.",
+    "What is 17 multiplied by 23?",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON figures")
+    parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="W64 workload JSON")
+    parser.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    parser.add_argument("--skip-engine", action="store_true", help="skip the end-to-end engine parts")
+    parser.add_argument("--time-budget", type=float, default=280.0, help="seconds; later parts are skipped past it")
+    return parser.parse_args(argv)
+
+
+class Clock:
+    """Times a callable: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, torch, device: str):
+        self.torch = torch
+        self.cuda = device == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def median_ms(self, fn, *, warmup: int, reps: int) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                start = self.torch.cuda.Event(enable_timing=True)
+                end = self.torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return times[len(times) // 2]
+
+
+# ---------------------------------------------------------------- (a) kernels
+
+
+def kernel_check(ctx: dict) -> dict:
+    torch = ctx["torch"]
+    from attention_reference import make_paged_batch, naive_attention
+
+    from pagedllm.attention.kernels.paged_decode import paged_decode
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    device, tiny = ctx["device"], ctx["interpret"]
+    if tiny:
+        heads, head_dim, max_ctx, batch = (6, 2), 32, 100, 3
+        dtypes, block_sizes = [torch.float32, torch.bfloat16], [16]
+    else:
+        heads, head_dim, max_ctx, batch = (32, 8), 128, 2048, 8
+        dtypes, block_sizes = [torch.bfloat16], [16, 32]
+    # (atol, rtol): a case passes when |out - ref| <= atol + rtol * |ref| everywhere.
+    tolerance = {torch.float32: (2e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
+    gen = torch.Generator().manual_seed(0)
+
+    def rand_len(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    shapes = {
+        "decode": [(rand_len(0, max_ctx - 1), 1) for _ in range(batch - 1)] + [(max_ctx - 1, 1)],
+        # fresh prefills, prefix hits starting mid-sequence, and decode rows together
+        "mixed": [
+            (0, max_ctx // 4),
+            (max_ctx // 2 + 3, max_ctx // 8),
+            (rand_len(1, max_ctx // 2), rand_len(2, max_ctx // 8)),
+            (max_ctx - 1, 1),
+            (rand_len(1, max_ctx - 1), 1),
+        ],
+    }
+    # Short splits on the tiny shapes so the split-K path runs there too.
+    backend = TritonAttentionBackend(**SMALL_SPLITS) if tiny else TritonAttentionBackend()
+    cases = []
+
+    def record(name: str, dtype, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            err, excess, extra = fn()
+            ok = excess <= 0
+            cases.append({"case": name, "ok": ok, "max_abs_err": err, "atol_rtol": tolerance[dtype], **extra})
+        except Exception as exc:  # noqa: BLE001 - every failure is a reported result
+            cases.append({"case": name, "ok": False, "error": _describe(exc)})
+        cases[-1]["seconds"] = round(time.perf_counter() - t0, 3)
+
+    def attention_case(specs, dtype, block_size, seed, splits=None):
+        def run():
+            b = make_paged_batch(
+                specs, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                head_dim=head_dim, dtype=dtype, device=device, num_padding_tokens=2, seed=seed,
+            )
+            md = b.metadata
+            k_before = b.k_cache.clone()
+            backend.write_kv(b.new_key, b.new_value, b.k_cache, b.v_cache, md.slot_mapping)
+            keep = md.slot_mapping >= 0
+            expect_k = k_before.view(-1, heads[1], head_dim)
+            expect_k[md.slot_mapping[keep]] = b.new_key[keep]
+            write_exact = bool(torch.equal(expect_k, b.k_cache.view(-1, heads[1], head_dim)))
+            if splits is None:
+                out = backend.forward(b.query, b.k_cache, b.v_cache, md, b.scale)
+                used = backend.num_decode_splits(md, heads[1], b.query.device) if md.is_decode_only else 0
+            else:
+                out = torch.zeros_like(b.query)
+                paged_decode(
+                    b.query, b.k_cache, b.v_cache, md.block_tables, md.seq_lens,
+                    md.query_start_loc, b.scale, splits, out,
+                )
+                used = splits
+            n = sum(md.query_lens_host)
+            ref = naive_attention(b.query, b)
+            diff = (out[:n].float() - ref[:n].float()).abs()
+            atol, rtol = tolerance[dtype]
+            excess = (diff - atol - rtol * ref[:n].float().abs()).max().item()
+            padding_zero = bool(torch.count_nonzero(out[n:]) == 0) if splits is None else True
+            if not (write_exact and padding_zero):
+                excess = math.inf
+            extra = {"write_kv_exact": write_exact, "padding_rows_zero": padding_zero, "num_splits": used}
+            return diff.max().item(), excess, extra
+
+        return run
+
+    seed = 0
+    for dtype in dtypes:
+        for block_size in block_sizes:
+            for kind, specs in shapes.items():
+                seed += 1
+                name = f"{kind} {_dtype_name(dtype)} bs{block_size}"
+                record(name, dtype, attention_case(specs, dtype, block_size, seed))
+    # The unsplit decode path, and other dtypes once each.
+    for splits in (1, 3):
+        record(f"decode {splits}-split bf16 bs16", torch.bfloat16,
+               attention_case(shapes["decode"], torch.bfloat16, 16, 100 + splits, splits=splits))
+    extra_dtypes = [] if tiny else [torch.float16, torch.float32]
+    for dtype in extra_dtypes:
+        for kind, specs in shapes.items():
+            seed += 1
+            record(f"{kind} {_dtype_name(dtype)} bs16", dtype, attention_case(specs, dtype, 16, seed))
+    return {"ok": all(c["ok"] for c in cases), "cases": cases}
+
+
+# ------------------------------------------------------- (b) decode bandwidth
+
+
+def decode_bandwidth(ctx: dict) -> dict:
+    torch = ctx["torch"]
+    import torch.nn.functional as F
+
+    from pagedllm.attention.base import AttentionMetadata
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    device, tiny, clock = ctx["device"], ctx["interpret"], ctx["clock"]
+    if tiny:
+        batch, context, num_heads, num_kv_heads, head_dim, block_sizes = 2, 256, 4, 2, 32, [16]
+        warmup, reps = 1, 2
+    else:
+        batch, context, num_heads, num_kv_heads, head_dim, block_sizes = 64, 4096, 32, 8, 128, [16, 32]
+        warmup, reps = 10, 30
+    dtype = torch.bfloat16
+    backend = TritonAttentionBackend(**SMALL_SPLITS) if tiny else TritonAttentionBackend()
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
+    result: dict = {
+        "shape": {"batch": batch, "context": context, "num_heads": num_heads,
+                  "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": "bfloat16"},
+        "kv_bytes": kv_bytes,
+        "runs": [],
+    }
+
+    # Device-to-device copy of the same byte count: reads + writes both count.
+    src = torch.randn(kv_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = clock.median_ms(lambda: dst.copy_(src), warmup=warmup, reps=reps)
+    copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6
+    result["copy_gbs"] = copy_gbs
+    del src, dst
+
+    # SDPA over the same K/V stored contiguously, [B, H, S, D].
+    q_dense = torch.randn(batch, num_heads, 1, head_dim, device=device, dtype=dtype)
+    k_dense = torch.randn(batch, num_kv_heads, context, head_dim, device=device, dtype=dtype)
+    v_dense = torch.randn_like(k_dense)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, scale=scale, enable_gqa=True)
+
+    try:
+        sdpa()
+        result["sdpa_mode"] = "enable_gqa"
+    except (TypeError, RuntimeError):
+        # Older torch: no enable_gqa. Expanded K/V read group-times the bytes.
+        group = num_heads // num_kv_heads
+        k_wide = k_dense.repeat_interleave(group, dim=1)
+        v_wide = v_dense.repeat_interleave(group, dim=1)
+        result["sdpa_mode"] = f"expanded K/V ({group}x bytes)"
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q_dense, k_wide, v_wide, scale=scale)
+
+    sdpa_ms = clock.median_ms(sdpa, warmup=warmup, reps=reps)
+    result["sdpa_ms"] = sdpa_ms
+    result["sdpa_gbs"] = kv_bytes / sdpa_ms / 1e6
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for block_size in block_sizes:
+        blocks_per_seq = context // block_size
+        num_blocks = batch * blocks_per_seq + 1
+        # k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+        v_cache = torch.empty_like(k_cache)
+        # Paged copy of the dense K/V: sequence b's token t lives at table[b][t // bs], offset t % bs.
+        perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq] + 1
+        block_tables = perm.view(batch, blocks_per_seq).to(torch.int32).to(device)
+        flat = block_tables.long().flatten()
+        k_cache[flat] = k_dense.permute(0, 2, 1, 3).reshape(batch * blocks_per_seq, block_size, num_kv_heads, head_dim)
+        v_cache[flat] = v_dense.permute(0, 2, 1, 3).reshape(batch * blocks_per_seq, block_size, num_kv_heads, head_dim)
+        query = q_dense.view(batch, num_heads, head_dim)
+        md = AttentionMetadata(
+            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
+            block_tables=block_tables,
+            seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+            max_query_len=1, max_seq_len=context,
+            seq_lens_host=[context] * batch, query_lens_host=[1] * batch,
+        )
+        out = backend.forward(query, k_cache, v_cache, md, scale)
+        expected = sdpa().view(batch, num_heads, head_dim)
+        max_err = (out.float() - expected.float()).abs().max().item()
+        ms = clock.median_ms(lambda: backend.forward(query, k_cache, v_cache, md, scale), warmup=warmup, reps=reps)
+        gbs = kv_bytes / ms / 1e6
+        result["runs"].append({
+            "block_size": block_size,
+            "num_splits": backend.num_decode_splits(md, num_kv_heads, query.device),
+            "ms": ms,
+            "gbs": gbs,
+            "pct_of_copy": 100 * gbs / copy_gbs,
+            "speedup_vs_sdpa": sdpa_ms / ms,
+            "max_abs_err_vs_sdpa": max_err,
+        })
+        del k_cache, v_cache
+    result["ok"] = all(r["max_abs_err_vs_sdpa"] < 3e-2 for r in result["runs"])
+    return result
+
+
+# ------------------------------------------------------------ (c) and (d)
+
+
+def _generate_tokens(ctx: dict, prompts, max_tokens: int, **llm_kwargs) -> tuple[list[list[int]], dict]:
+    from pagedllm import LLM, SamplingParams
+
+    torch = ctx["torch"]
+    t0 = time.perf_counter()
+    llm = LLM(model=None, **llm_kwargs)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    gen_s = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    info = {"load_s": round(load_s, 2), "generate_s": round(gen_s, 2),
+            "triton_backend_loaded": "pagedllm.attention.triton_backend" in sys.modules}
+    del llm, outputs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return tokens, info
+
+
+def engine_greedy(ctx: dict) -> dict:
+    tiny = ctx["interpret"]
+    prompts = GREEDY_PROMPTS[:2] if tiny else GREEDY_PROMPTS
+    max_tokens = 4 if tiny else 32
+    device = ctx["device"]
+    reference, ref_info = _generate_tokens(ctx, prompts, max_tokens, dtype="float32", device="cpu")
+    result: dict = {"prompts": len(prompts), "max_tokens": max_tokens, "cpu_fp32": ref_info, "runs": []}
+    for dtype in ("bfloat16", "float32"):
+        try:
+            tokens, info = _generate_tokens(ctx, prompts, max_tokens, dtype=dtype, device=device)
+        except Exception as exc:  # noqa: BLE001
+            result["runs"].append({"dtype": dtype, "ok": False, "error": _describe(exc)})
+            continue
+        divergences = [_first_divergence(a, b) for a, b in zip(tokens, reference)]
+        mismatched = [
+            {"prompt": i, "first_divergence": d, "cpu": reference[i][d: d + 3], "cuda": tokens[i][d: d + 3]}
+            for i, d in enumerate(divergences) if d is not None
+        ]
+        result["runs"].append({
+            "dtype": dtype, "ok": True, "exact_matches": len(prompts) - len(mismatched),
+            "mismatches": mismatched, **info,
+        })
+        if tiny:
+            break
+    # bf16 near-ties are expected; fp32 on CUDA should match the CPU exactly or nearly.
+    result["ok"] = all(run["ok"] for run in result["runs"])
+    return result
+
+
+def w64_throughput(ctx: dict, workload_path: str) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    torch, tiny = ctx["torch"], ctx["interpret"]
+    workload = json.loads(Path(workload_path).read_text())
+    prompt_ids = workload["prompt_token_ids"]
+    max_tokens = workload.get("output_len", 128)
+    if tiny:
+        prompt_ids, max_tokens = [p[:48] for p in prompt_ids[:4]], 4
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    result: dict = {"num_requests": len(prompts), "prompt_tokens": sum(map(len, prompt_ids)),
+                    "max_tokens": max_tokens, "runs": []}
+    for enforce_eager in (False, True):
+        run: dict = {"enforce_eager": enforce_eager}
+        try:
+            t0 = time.perf_counter()
+            llm = LLM(model=None, dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager)
+            run["load_s"] = round(time.perf_counter() - t0, 2)
+            # Warm-up: compile kernels and capture graphs outside the timed run.
+            llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            ctx["clock"].sync()
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            ctx["clock"].sync()
+            elapsed = time.perf_counter() - t0
+            out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            run.update({
+                "ok": out_tokens == len(prompts) * max_tokens,
+                "seconds": round(elapsed, 3),
+                "output_tokens": out_tokens,
+                "output_tok_s": out_tokens / elapsed,
+                "total_tok_s": (out_tokens + result["prompt_tokens"]) / elapsed,
+            })
+            del llm, outputs
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001
+            run.update({"ok": False, "error": _describe(exc)})
+        result["runs"].append(run)
+    result["ok"] = all(r["ok"] for r in result["runs"])
+    return result
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _describe(exc: BaseException) -> str:
+    tail = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
+    return "".join(tail)[-1500:]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _environment(torch, triton, device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__, "device": device}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update({"gpu": props.name, "sms": props.multi_processor_count,
+                    "gpu_memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda})
+    return env
+
+
+def _summary_lines(report: dict) -> list[str]:
+    lines = [f"{'part':<18} {'status':<8} figures"]
+
+    def status(part: dict) -> str:
+        return "skipped" if part.get("skipped") else ("ok" if part.get("ok") else "FAILED")
+
+    kc = report["kernel_check"]
+    figures = ""
+    if "cases" in kc:
+        bad = [c["case"] for c in kc["cases"] if not c["ok"]]
+        worst = max((c.get("max_abs_err", 0.0) for c in kc["cases"]), default=0.0)
+        figures = f"{len(kc['cases']) - len(bad)}/{len(kc['cases'])} cases pass, worst err {worst:.2e}"
+        figures += f"; failing: {', '.join(bad)}" if bad else ""
+    lines.append(f"{'kernel_check':<18} {status(kc):<8} {figures}")
+
+    bw = report["decode_bandwidth"]
+    for run in bw.get("runs", []):
+        lines.append(
+            f"{'decode_bandwidth':<18} {status(bw):<8} bs{run['block_size']} splits {run['num_splits']}: "
+            f"{run['gbs']:.0f} GB/s = {run['pct_of_copy']:.0f}% of copy ({bw['copy_gbs']:.0f} GB/s), "
+            f"{run['speedup_vs_sdpa']:.2f}x SDPA ({bw['sdpa_gbs']:.0f} GB/s)"
+        )
+    if not bw.get("runs"):
+        lines.append(f"{'decode_bandwidth':<18} {status(bw):<8}")
+
+    eg = report["engine_greedy"]
+    runs = eg.get("runs", [])
+    figures = "; ".join(
+        f"{r['dtype']}: {r['exact_matches']}/{eg['prompts']} exact" if r["ok"] else f"{r['dtype']}: error"
+        for r in runs
+    )
+    lines.append(f"{'engine_greedy':<18} {status(eg):<8} {figures}")
+
+    w64 = report["w64_throughput"]
+    figures = "; ".join(
+        f"{'eager' if r['enforce_eager'] else 'graphs'}: "
+        + (f"{r['output_tok_s']:.0f} out tok/s" if "output_tok_s" in r else "error")
+        for r in w64.get("runs", [])
+    )
+    lines.append(f"{'w64_throughput':<18} {status(w64):<8} {figures}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+    sys.path.insert(0, str(REPO_ROOT))
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+
+    import torch
+    import triton
+
+    started = time.perf_counter()
+    device = "cpu" if args.interpret else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --interpret to check this script on the CPU", file=sys.stderr)
+        return 2
+    ctx = {"torch": torch, "device": device, "interpret": args.interpret, "clock": Clock(torch, device)}
+    report: dict = {"environment": _environment(torch, triton, device), "interpret": args.interpret}
+
+    parts = [
+        ("kernel_check", lambda: kernel_check(ctx), False),
+        ("decode_bandwidth", lambda: decode_bandwidth(ctx), False),
+        ("engine_greedy", lambda: engine_greedy(ctx), True),
+        ("w64_throughput", lambda: w64_throughput(ctx, args.workload), True),
+    ]
+    for name, run, needs_engine in parts:
+        elapsed = time.perf_counter() - started
+        if needs_engine and args.skip_engine:
+            report[name] = {"skipped": True, "reason": "--skip-engine"}
+        elif elapsed > args.time_budget:
+            report[name] = {"skipped": True, "reason": f"time budget spent ({elapsed:.0f} s)"}
+        else:
+            t0 = time.perf_counter()
+            try:
+                report[name] = run()
+            except Exception as exc:  # noqa: BLE001 - one part failing must not stop the rest
+                report[name] = {"ok": False, "error": _describe(exc)}
+            report[name]["seconds"] = round(time.perf_counter() - t0, 2)
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))  # partial results survive a kill
+    report["total_seconds"] = round(time.perf_counter() - started, 2)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print("\n".join(_summary_lines(report)))
+    print(f"total {report['total_seconds']:.0f} s; figures in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Launch-time choices shared by the attention kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton.language as tl
+
+# Scores are kept in base 2 (exp2 is the native instruction): s * scale * LOG2E.
+LOG2E = 1.4426950408889634
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def dot_operands(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """(operand dtype, input precision) for ``tl.dot`` on inputs of ``dtype``.
+
+    fp16/bf16 multiply natively with fp32 accumulation; fp32 asks for full
+    IEEE products (TF32 would miss the fp32 tolerance). Triton's CPU
+    interpreter multiplies bf16 tensors as their raw 16-bit patterns, so there
+    bf16 operands are widened to fp32 first (exact: bf16 fits in fp32).
+    """
+    if dtype not in _TL_DTYPES:
+        raise TypeError(f"attention kernels support float16, bfloat16 and float32, not {dtype}")
+    if dtype == torch.float32:
+        return tl.float32, "ieee"
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return tl.float32, "ieee"
+    return _TL_DTYPES[dtype], "tf32"  # precision is ignored for 16-bit operands

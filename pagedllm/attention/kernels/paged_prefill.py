@@ -1,0 +1,170 @@
+"""Paged varlen attention: causal attention for any mix of query lengths.
+
+Serves prefill, chunked prefill, prefix-cache hits and batches that mix those
+with decode rows. Query token ``i`` of a sequence sits at position
+``seq_len - query_len + i`` and sees context positions ``0 ..`` its own, read
+through the block table (its own K/V were written to the cache beforehand).
+
+Rows of a program's query tile are (token, head) pairs: ``BLOCK_Q`` tokens times
+the ``GROUP_PAD`` query heads that share one KV head, so each K/V tile is loaded
+once for the whole group.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.attention.kernels.common import LOG2E, dot_operands
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd,  # shared by k_cache and v_cache
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # context tokens per loop step
+    DOT_DTYPE: tl.constexpr,  # operand dtype for tl.dot (see common.dot_operands)
+    DOT_PRECISION: tl.constexpr,
+):
+    """Causal attention of one query tile of one sequence, for one KV head's group.
+
+    Grid: ``(num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)``. Program
+    ``(s, t, h)`` takes query tokens ``t * BLOCK_Q ..`` of sequence ``s`` (it exits
+    at once if the sequence has fewer) and heads ``h * GROUP ..``, as a
+    ``[BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD]`` tile whose row ``r`` is token
+    ``r // GROUP_PAD``, head ``r % GROUP_PAD``. It walks context positions
+    ``0 .. last query position of the tile`` ``BLOCK_N`` at a time through
+    ``block_tables[s]``, masks keys after each row's position, keeps an fp32
+    online softmax, and stores the normalised rows into ``out``.
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - query_len  # tokens cached before this step
+
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # query token within the sequence
+    group_idx = rows % GROUP_PAD
+    row_ok = (q_idx < query_len) & (group_idx < GROUP)
+    q_pos = ctx_len + q_idx  # [BLOCK_M] position of each row's token
+    heads = kv_head * GROUP + group_idx
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < head_dim
+
+    tokens = (q_start + q_idx).to(tl.int64)
+    q_ptrs = query_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # Keys past the tile's last query position are masked for every row.
+    last_q = tl.minimum((q_tile + 1) * BLOCK_Q, query_len)
+    kv_end = ctx_len + last_q
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_ch
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        pos_ok = pos < kv_end
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head_off
+        kv_off = slot_off[:, None] + dims[None, :] * stride_cd  # [BLOCK_N, D]
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        # Position 0 is in the first tile and visible to every row, so after
+        # the first step m_i is finite and fully masked later tiles add nothing.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def prefill_tiles(group: int, head_dim: int, dtype: torch.dtype, block_size: int) -> tuple[int, int, int]:
+    """(GROUP_PAD, BLOCK_Q, BLOCK_N) for the varlen kernel.
+
+    About 64 query rows per program (tokens x heads of one group) and 64
+    context tokens per step; fp32 halves the context tile to bound shared memory.
+    """
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, 64 // group_pad)
+    block_n = max(32 if dtype == torch.float32 else 64, block_size)
+    return group_pad, block_q, block_n
+
+
+def paged_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal varlen attention through the block tables into ``out``."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_seqs = block_tables.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share one layout")
+    group = num_heads // num_kv_heads
+    dot_dtype, dot_precision = dot_operands(query.dtype)
+    group_pad, block_q, block_n = prefill_tiles(group, head_dim, query.dtype, block_size)
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E,
+        *query.stride(),
+        *k_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        head_dim,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out

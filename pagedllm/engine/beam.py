@@ -1,0 +1,182 @@
+"""Beam search inside the engine, with HF transformers' semantics.
+
+Each step, every live beam contributes one row of logits. The 2W best
+continuations (summed logprobs over all beams) are ranked; continuations that
+end a hypothesis (EOS, or the length limit) and rank among the first W become
+finished hypotheses scored ``sum_logprob / generated_len ** length_penalty``;
+the W best continuations that do not end become the next beams. On the KV
+side, a surviving continuation is its parent beam (first child) or a fork of it
+(later children): blocks are shared and only the last one is copied on write.
+Parents with no surviving child are freed at once.
+
+Scores are kept in float32 tensors and ranked with ``torch.topk`` so that
+near-ties break the same way as the reference implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.engine.sequence import FinishReason, Request, Sequence
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+_NEG = -1.0e9
+
+
+@dataclass
+class BeamState:
+    width: int
+    running_scores: torch.Tensor  # [num_live_beams] float32, aligned with request.seqs
+    finished_scores: torch.Tensor  # [width] float32, length-penalised; -1e9 = empty slot
+    finished_flags: torch.Tensor  # [width] bool
+    finished_tokens: list[list[int]] = field(default_factory=list)  # generated ids per slot
+    finished_logprobs: list[float] = field(default_factory=list)  # raw summed logprob per slot
+    improvement_possible: bool = True
+
+    @classmethod
+    def start(cls, width: int) -> BeamState:
+        return cls(
+            width=width,
+            running_scores=torch.zeros(1),
+            finished_scores=torch.full((width,), _NEG),
+            finished_flags=torch.zeros(width, dtype=torch.bool),
+            finished_tokens=[[] for _ in range(width)],
+            finished_logprobs=[0.0] * width,
+        )
+
+
+def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+    params = request.params
+    state: BeamState = request.beam or BeamState.start(params.beam_width)
+    request.beam = state
+    width = state.width
+    beams = [seq for seq, _ in rows]
+    index = torch.tensor([r for _, r in rows], device=logits.device)
+    step_logits = logits.index_select(0, index).float()
+    if params.temperature > 0:
+        step_logits = step_logits / params.temperature
+    log_probs = torch.log_softmax(step_logits, dim=-1).cpu()  # [num_beams, vocab]
+    vocab = log_probs.shape[1]
+    accumulated = (log_probs + state.running_scores[:, None]).view(-1)
+    top_scores, top_index = torch.topk(accumulated, k=min(2 * width, accumulated.numel()))
+    parents = (top_index // vocab).tolist()
+    tokens = (top_index % vocab).tolist()
+
+    gen_len = beams[0].num_output_tokens + 1  # length of every candidate
+    ends = _candidate_ends(processor, request, beams[0], tokens, gen_len)
+    _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len)
+    run_scores = top_scores + ends.float() * _NEG
+    keep_scores, keep = torch.topk(run_scores, k=min(width, run_scores.numel()))
+    _update_improvement(state, params, keep_scores, gen_len)
+
+    done = (
+        not state.improvement_possible
+        or (bool(state.finished_flags.all()) and params.early_stopping is True)
+        or bool(ends.all())
+    )
+    if done:
+        processor.scheduler.finish_request(request, FinishReason.STOP)
+        return
+    _advance_beams(processor, request, beams, [parents[i] for i in keep.tolist()],
+                   [tokens[i] for i in keep.tolist()])
+    state.running_scores = keep_scores.clone()
+    processor._num_new_tokens += len(request.seqs)
+
+
+def _candidate_ends(processor, request: Request, beam: Sequence, tokens: list[int], gen_len: int) -> torch.Tensor:
+    params = request.params
+    at_limit = gen_len >= params.max_tokens or beam.num_tokens + 1 >= processor.max_model_len
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(processor.eos_token_ids))
+    return torch.tensor([at_limit or t in stop_ids for t in tokens], dtype=torch.bool)
+
+
+def _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len) -> None:
+    params = request.params
+    width = state.width
+    in_top = torch.arange(len(tokens)) < width
+    just_finished = ends & in_top
+    scores = top_scores / (gen_len ** params.length_penalty)
+    if bool(state.finished_flags.all()) and params.early_stopping is True:
+        scores = scores + _NEG
+    if not state.improvement_possible:
+        scores = scores + _NEG
+    scores = scores + (~just_finished).float() * _NEG
+    merged = torch.cat([state.finished_scores, scores])
+    best = torch.topk(merged, k=width).indices.tolist()
+    cand_tokens = [beams[p].output_token_ids + [t] for p, t in zip(parents, tokens)]
+    all_tokens = state.finished_tokens + cand_tokens
+    all_logprobs = state.finished_logprobs + top_scores.tolist()
+    flags = torch.cat([state.finished_flags, just_finished])
+    state.finished_scores = merged[best].clone()
+    state.finished_flags = flags[best].clone()
+    state.finished_tokens = [all_tokens[i] for i in best]
+    state.finished_logprobs = [all_logprobs[i] for i in best]
+
+
+def _update_improvement(state: BeamState, params, keep_scores: torch.Tensor, gen_len: int) -> None:
+    if params.early_stopping == "never" and params.length_penalty > 0.0:
+        hypothetical_len = params.max_tokens
+    else:
+        hypothetical_len = gen_len
+    best_running = keep_scores[0] / (hypothetical_len ** params.length_penalty)
+    worst = torch.where(state.finished_flags, state.finished_scores.min(), torch.tensor(_NEG))
+    state.improvement_possible = state.improvement_possible and bool((best_running > worst).any())
+
+
+def _advance_beams(processor, request: Request, beams: list[Sequence], parents: list[int], tokens: list[int]) -> None:
+    """Surviving continuations become the live beams: reuse or fork parents, free the rest."""
+    scheduler = processor.scheduler
+    used: set[int] = set()
+    new_seqs: list[Sequence] = []
+    pending: list[tuple[Sequence, int]] = []
+    for parent_index, token in zip(parents, tokens):
+        parent = beams[parent_index]
+        if parent_index in used:
+            child = parent.fork(sample_index=0)
+            scheduler.fork_seq(parent, child)
+        else:
+            used.add(parent_index)
+            child = parent
+        new_seqs.append(child)
+        pending.append((child, token))
+    for i, beam in enumerate(beams):
+        if i not in used:
+            scheduler.free_seq(beam)
+    # Append only after every fork, so a fork copies its parent before the parent grows.
+    for seq, token in pending:
+        seq.token_ids.append(token)
+    request.seqs = new_seqs
+
+
+def beam_output(processor, request: Request) -> RequestOutput | None:
+    if not request.is_finished:
+        return None
+    state: BeamState | None = request.beam
+    outputs = []
+    if state is not None:
+        eos = set(processor.eos_token_ids) | set(request.params.stop_token_ids)
+        for i, (tokens, logprob) in enumerate(zip(state.finished_tokens, state.finished_logprobs)):
+            if not state.finished_flags[i]:
+                continue
+            ended_by_stop = bool(tokens) and tokens[-1] in eos and not request.params.ignore_eos
+            outputs.append(
+                CompletionOutput(
+                    index=len(outputs),
+                    text=processor.tokenizer.decode(tokens, skip_special_tokens=True),
+                    token_ids=list(tokens),
+                    cumulative_logprob=float(logprob),
+                    finish_reason="stop" if ended_by_stop else "length",
+                )
+            )
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=outputs,
+        finished=True,
+        num_cached_tokens=request.num_cached_tokens,
+        metrics=request.metrics,
+        error=request.error,
+    )

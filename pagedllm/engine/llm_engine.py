@@ -1,0 +1,261 @@
+"""The synchronous engine: requests in, one scheduling iteration per ``step()``, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.base import get_attention_backend
+from pagedllm.config import EngineConfig
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
+from pagedllm.engine.sequence import FinishReason, Request, Sequence
+from pagedllm.errors import ConfigError, RequestError
+from pagedllm.kv.block_manager import BlockManager
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.stats import KVCacheStats
+from pagedllm.models.loader import load_model
+from pagedllm.models.paths import model_display_name
+from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_CPU_KV_MEMORY = 4 * 2**30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_swapped_reqs: int
+    kv: KVCacheStats
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_preemptions_total: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} requested but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPU: float32 keeps greedy outputs equal to the reference; bf16 is opt-in.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        loaded = load_model(config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        self.model_config = loaded.config
+        self.model_path = loaded.path
+        self.model_name = model_display_name(loaded.path)
+        self.tokenizer = Tokenizer.load(loaded.path)
+        self.kv_cache = self._make_kv_cache()
+        self.max_model_len = self._resolve_max_model_len()
+        self.block_manager = BlockManager(
+            self.kv_cache.num_blocks,
+            config.block_size,
+            num_cpu_blocks=self.kv_cache.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=self.max_model_len,
+                preemption_mode=config.preemption_mode,
+                kv_policy=config.kv_policy,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
+        self.processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.device)
+        self.requests: dict[str, Request] = {}
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        logger.info(
+            "engine ready in %.1f s: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+            time.monotonic() - start, self.model_name, self.device, self.dtype,
+            self.kv_cache.num_blocks, config.block_size, self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    # ---- start-up ---------------------------------------------------------
+
+    def _make_kv_cache(self) -> KVCache:
+        mc, cfg = self.model_config, self.config
+        shape = dict(
+            num_layers=mc.num_layers, block_size=cfg.block_size, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, dtype=self.dtype,
+        )
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            memory = cfg.kv_cache_memory or self._default_kv_memory()
+            num_blocks = KVCache.num_blocks_for_memory(memory, **shape)
+        if num_blocks < 1:
+            raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
+        num_cpu_blocks = cfg.swap_space // KVCache.bytes_per_block(**shape) if cfg.swap_space else 0
+        return KVCache(num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks, **shape)
+
+    def _default_kv_memory(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.5)
+        return DEFAULT_CPU_KV_MEMORY
+
+    def _resolve_max_model_len(self) -> int:
+        model_limit = self.model_config.max_position_embeddings
+        capacity = self.kv_cache.num_blocks * self.config.block_size
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > model_limit:
+            raise ConfigError(f"max_model_len={wanted} exceeds the model's context ({model_limit} tokens)")
+        if wanted is not None and wanted > capacity:
+            raise ConfigError(
+                f"max_model_len={wanted} does not fit the KV cache ({capacity} token slots); "
+                "raise num_kv_blocks / kv_cache_memory or lower max_model_len"
+            )
+        return wanted if wanted is not None else min(model_limit, capacity)
+
+    # ---- requests ---------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | BeamSearchParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text, token_ids = self._tokenize_prompt(prompt)
+        self._check_lengths(token_ids, params)
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            # Prompt logprobs need logits at every prompt position, so this
+            # request neither reads nor feeds the prefix cache.
+            cache_salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
+        request = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+            cache_salt=cache_salt,
+        )
+        request.seqs.append(self.processor.new_sequence(request, sample_index=0))
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        self.num_prompt_tokens_total += len(token_ids)
+
+    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise RequestError("the prompt must be a non-empty string or list of token ids", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        return None, list(prompt)
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+        limit = self.max_model_len
+        if len(token_ids) >= limit:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens but this model's context is {limit} tokens; "
+                "shorten the prompt", param="prompt",
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise RequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(token_ids) + params.max_tokens} exceeds the context of {limit} tokens; "
+                "lower max_tokens or shorten the prompt", param="max_tokens",
+            )
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is not None and not request.is_finished:
+                self.scheduler.finish_request(request, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        s = self.scheduler
+        return len(s.waiting) + len(s.running) + len(s.swapped)
+
+    # ---- one iteration ----------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = {r.request_id: r for r in out.failed}
+        if not out.is_empty:
+            logits, inputs = self.runner.execute(out)
+            self.scheduler.on_step_computed(out)
+            for request in self.processor.process(out, logits, inputs.row_counts):
+                touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            output = self.processor.make_output(request)
+            if output is None:
+                continue
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+            outputs.append(output)
+        self.num_generation_tokens_total += self.processor.take_num_new_tokens()
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running_reqs=len(s.running),
+            num_waiting_reqs=len(s.waiting),
+            num_swapped_reqs=len(s.swapped),
+            kv=self.block_manager.stats(),
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_preemptions_total=s.num_preemptions,
+        )
+
+    def sequence(self, request_id: str) -> list[Sequence]:
+        return list(self.requests[request_id].seqs)

@@ -1,0 +1,239 @@
+"""After the forward pass: sample, append tokens, fork samples, check stop conditions.
+
+Works on whole steps: the sampler sees every row of the batch at once; the
+per-sequence Python here is bookkeeping (append, stop checks, detokenize).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.sequence import FinishReason, Request, Sequence, SeqStatus
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling.sampler import Sampler, SamplerOutput, SamplingRow, compute_logprobs, top_k_logprobs
+from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def sample_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
+    """Per-sequence generator: sample i of a seeded request draws from its own stream."""
+    if seed is None:
+        return None
+    stream_seed = seed if sample_index == 0 else hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
+    return torch.Generator(device=device).manual_seed(stream_seed)
+
+
+class OutputProcessor:
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: Tokenizer, max_model_len: int, device: torch.device
+    ) -> None:
+        self.scheduler = scheduler
+        self.device = device
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.sampler = Sampler()
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self._num_new_tokens = 0
+
+    def take_num_new_tokens(self) -> int:
+        n, self._num_new_tokens = self._num_new_tokens, 0
+        return n
+
+    # ---- sequences --------------------------------------------------------
+
+    def new_sequence(self, request: Request, sample_index: int) -> Sequence:
+        seq = Sequence(
+            prompt_len=len(request.prompt_token_ids),
+            token_ids=list(request.prompt_token_ids),
+            sample_index=sample_index,
+        )
+        self._init_seq_state(request, seq)
+        return seq
+
+    def _init_seq_state(self, request: Request, seq: Sequence) -> None:
+        params = request.params
+        if request.is_beam_search:
+            return
+        seq.generator = sample_generator(params.seed, seq.sample_index, self.device)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+
+    # ---- one step ---------------------------------------------------------
+
+    def process(self, out: SchedulerOutput, logits: torch.Tensor, row_counts: list[int]) -> list[Request]:
+        """Consume the step's logits; returns the requests that changed."""
+        jobs: list[tuple[Request, Sequence, int]] = []  # (request, seq, logits row)
+        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
+        touched: dict[str, Request] = {}
+        row = 0
+        for chunk, (request, seq), count in zip(out.chunks, out.entries, row_counts):
+            if chunk.all_logits:
+                self._record_prompt_logprobs(request, chunk, logits[row : row + count])
+            if chunk.needs_logits and not seq.is_finished and not request.is_finished:
+                if request.is_beam_search:
+                    beam_rows.setdefault(request.request_id, []).append((seq, row + count - 1))
+                else:
+                    jobs.extend(self._fan_out(request, seq, row + count - 1))
+                touched[request.request_id] = request
+            row += count
+        if jobs:
+            self._sample(jobs, logits)
+        for rid, rows in beam_rows.items():
+            from pagedllm.engine.beam import beam_step  # beam search lives in its own module
+
+            beam_step(self, touched[rid], rows, logits)
+        return list(touched.values())
+
+    def _fan_out(self, request: Request, seq: Sequence, row: int) -> list[tuple[Request, Sequence, int]]:
+        """The first token of an n>1 request: fork the prompt's sequence into its samples."""
+        if request.forked or request.num_samples == 1:
+            return [(request, seq, row)]
+        request.forked = True
+        jobs = [(request, seq, row)]
+        for index in range(1, request.num_samples):
+            child = seq.fork(index)
+            self._init_seq_state(request, child)
+            self.scheduler.fork_seq(seq, child)
+            request.seqs.append(child)
+            jobs.append((request, child, row))
+        return jobs
+
+    def _sample(self, jobs: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> None:
+        rows = [
+            SamplingRow(
+                params=req.params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                generator=seq.generator,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for req, seq, _ in jobs
+        ]
+        index = torch.tensor([r for _, _, r in jobs], device=logits.device)
+        result = self.sampler(logits.index_select(0, index), rows)
+        for i, (request, seq, _) in enumerate(jobs):
+            self._append(request, seq, result, i)
+
+    def _append(self, request: Request, seq: Sequence, result: SamplerOutput, i: int) -> None:
+        token = result.token_ids[i]
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += result.logprobs[i]
+        self._num_new_tokens += 1
+        now = time.monotonic()
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._position_logprobs(token, result, i))
+        stop_str = seq.detokenizer.add_tokens([token]) if seq.detokenizer is not None else None
+        self._check_stop(request, seq, token, stop_str)
+
+    def _position_logprobs(self, token: int, result: SamplerOutput, i: int) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        for rank, (tid, lp) in enumerate(result.top_logprobs[i] if result.top_logprobs else [], start=1):
+            entry[tid] = Logprob(lp, rank, self.tokenizer.id_to_piece(tid))
+        if token not in entry:
+            rank = result.ranks[i] if result.ranks else None
+            entry[token] = Logprob(result.logprobs[i], rank, self.tokenizer.id_to_piece(token))
+        return entry
+
+    def _check_stop(self, request: Request, seq: Sequence, token: int, stop_str: str | None) -> None:
+        params = request.params
+        past_min = seq.num_output_tokens >= params.min_tokens
+        if stop_str is not None:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
+        elif past_min and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+        elif past_min and not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        elif seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+        else:
+            return
+        self.scheduler.finish_seq(request, seq)
+        if request.is_finished:
+            request.metrics.finished_time = time.monotonic()
+
+    def _record_prompt_logprobs(self, request: Request, chunk, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens 1.. from the logits at positions 0..; token 0 gets None."""
+        k = request.params.prompt_logprobs
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]
+        prompt = request.prompt_token_ids
+        logprobs = compute_logprobs(logits)
+        top_vals, top_ids = top_k_logprobs(logprobs, k) if k else (None, None)
+        for j in range(logits.shape[0]):
+            pos = chunk.start_pos + j + 1
+            if pos >= len(prompt) or len(request.prompt_logprobs) > pos:
+                continue
+            token = prompt[pos]
+            row = logprobs[j]
+            entry: dict[int, Logprob] = {}
+            if top_ids is not None:
+                for rank, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist()), start=1):
+                    entry[tid] = Logprob(lp, rank, self.tokenizer.id_to_piece(tid))
+            if token not in entry:
+                rank = int((row > row[token]).sum().item()) + 1
+                entry[token] = Logprob(float(row[token]), rank, self.tokenizer.id_to_piece(token))
+            request.prompt_logprobs.append(entry)
+
+    # ---- outputs ----------------------------------------------------------
+
+    def make_output(self, request: Request) -> RequestOutput | None:
+        """The request's cumulative output, or None while there is nothing to show yet."""
+        if request.is_beam_search:
+            from pagedllm.engine.beam import beam_output
+
+            return beam_output(self, request)
+        finished = request.status == SeqStatus.FINISHED
+        params = request.params
+        if request.num_samples > 1 and (params.best_of or 0) > params.n and not finished:
+            return None  # best_of picks the winners at the end
+        seqs = sorted(request.seqs, key=lambda s: s.sample_index)
+        if finished and params.best_of and params.best_of > params.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        outputs = [self._completion(seq, index, finished) for index, seq in enumerate(seqs)]
+        if not outputs or (not finished and all(not o.token_ids for o in outputs)):
+            if request.error is None:
+                return None
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=request.prompt_logprobs,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request.metrics,
+            error=request.error,
+        )
+
+    def _completion(self, seq: Sequence, index: int, request_finished: bool) -> CompletionOutput:
+        if seq.detokenizer is None:
+            text = ""
+        elif seq.is_finished or request_finished:
+            text = seq.detokenizer.flush()
+        else:
+            text = seq.detokenizer.text
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=seq.output_token_ids,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+        )

@@ -1,0 +1,320 @@
+"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``). Running requests go first (a decode token each, or the
+next chunk of a prompt), then swapped-out requests come back, then waiting
+prompts are admitted in arrival order. When a running request needs a block
+and none is free, the most recently admitted request is preempted.
+
+The scheduler decides; it never touches tensors. Its output is plain data
+(:class:`SchedulerOutput`) that the runner executes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.engine.sequence import FinishReason, Request, Sequence, SeqStatus
+from pagedllm.kv.block_manager import BlockCopy, BlockManager
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class ScheduledChunk:
+    """New tokens of one sequence for this step (plain data for the runner)."""
+
+    seq_id: int
+    token_ids: list[int]  # the tokens whose KV is computed this step
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]
+    needs_logits: bool  # the chunk completes the sequence: sample from its last position
+    all_logits: bool = False  # logits at every position (prompt logprobs)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    entries: list[tuple[Request, Sequence]] = field(default_factory=list)  # parallel to chunks
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    failed: list[Request] = field(default_factory=list)  # finished at scheduling (never fits)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    preemption_mode: str = "recompute"  # recompute | swap | auto
+    kv_policy: str = "paged"
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
+        self.running: list[Request] = []  # admission order: the tail is preempted first
+        self.swapped: deque[Request] = deque()
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.status = SeqStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
+        """Finish every live sequence of the request and give back all its blocks."""
+        for seq in request.live_seqs():
+            seq.finish_reason = reason
+        self._release(request)
+        request.status = SeqStatus.FINISHED
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+
+    def finish_seq(self, request: Request, seq: Sequence) -> None:
+        """One sequence is done (its finish_reason is set): free its blocks now."""
+        if self.block_manager.has_seq(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
+        if not request.live_seqs():
+            self.finish_request(request, FinishReason.STOP)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+
+    def free_seq(self, seq: Sequence) -> None:
+        if self.block_manager.has_seq(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
+
+    def _release(self, request: Request) -> None:
+        for seq in request.seqs:
+            if self.block_manager.has_seq(seq.seq_id):
+                self.block_manager.free(seq.seq_id)
+
+    # ---- one step ---------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        for request in list(self.running):
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            scheduled, budget, victim_taken = self._schedule_running(request, budget, out)
+            preempted = preempted or victim_taken
+        if not preempted:
+            budget = self._schedule_swapped(budget, out)
+            if not self.swapped:
+                self._schedule_waiting(budget, out)
+        out.num_batched_tokens = sum(len(c.token_ids) for c in out.chunks)
+        return out
+
+    def on_step_computed(self, out: SchedulerOutput) -> None:
+        """The forward pass ran: advance computed counts and publish full blocks to the prefix cache."""
+        for chunk, (_, seq) in zip(out.chunks, out.entries):
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if self.block_manager.has_seq(seq.seq_id):
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    # ---- running ----------------------------------------------------------
+
+    def _plan_tokens(self, request: Request, budget: int) -> dict[int, int] | None:
+        """Tokens to compute per live sequence this step, or None when nothing fits.
+
+        A single sequence may take any chunk. Sequences of a multi-sequence
+        request (samples, beams) advance in lockstep: they all produce logits in
+        the same step, or none does (each keeps at least one token uncomputed).
+        """
+        seqs = request.live_seqs()
+        needed = {s.seq_id: s.num_uncomputed_tokens for s in seqs}
+        if len(seqs) == 1:
+            n = min(next(iter(needed.values())), budget)
+            return {seqs[0].seq_id: n} if n > 0 else None
+        if sum(needed.values()) <= budget:
+            return needed
+        plan, left = {}, budget
+        for sid, n in needed.items():
+            take = min(n - 1, left)
+            if take > 0:
+                plan[sid] = take
+                left -= take
+        return plan or None
+
+    def _blocks_to_append(self, seq: Sequence, num_new: int, shared: bool) -> int:
+        bm = self.block_manager
+        num_slots = bm.get_num_slots(seq.seq_id)
+        target = seq.num_computed_tokens + num_new
+        table_len = len(bm.get_block_table(seq.seq_id))
+        blocks = max(0, math.ceil(target / bm.block_size) - table_len)
+        partial_last = num_slots % bm.block_size != 0 and target > num_slots
+        return blocks + (1 if shared and partial_last else 0)
+
+    def _can_append(self, request: Request, plan: dict[int, int]) -> bool:
+        bm = self.block_manager
+        seqs = [s for s in request.live_seqs() if s.seq_id in plan]
+        if len(seqs) == 1:
+            seq = seqs[0]
+            extra = seq.num_computed_tokens + plan[seq.seq_id] - bm.get_num_slots(seq.seq_id)
+            return extra <= 0 or bm.can_append_slots(seq.seq_id, extra)
+        shared = len(request.live_seqs()) > 1
+        need = sum(self._blocks_to_append(s, plan[s.seq_id], shared) for s in seqs)
+        return need <= bm.get_num_free_blocks()
+
+    def _schedule_running(
+        self, request: Request, budget: int, out: SchedulerOutput
+    ) -> tuple[bool, int, bool]:
+        plan = self._plan_tokens(request, budget)
+        if plan is None:
+            return False, budget, False
+        preempted = False
+        while not self._can_append(request, plan):
+            victim = self.running[-1]
+            preempted = True
+            if victim is request:
+                if len(self.running) == 1:
+                    self._fail(request, out, "the KV cache is too small for this request to continue")
+                else:
+                    self._preempt(request, out)
+                return False, budget, True
+            self._preempt(victim, out)
+        self._emit(request, plan, out)
+        return True, budget - sum(plan.values()), preempted
+
+    def _emit(self, request: Request, plan: dict[int, int], out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        for seq in request.live_seqs():
+            num_new = plan.get(seq.seq_id, 0)
+            if num_new == 0:
+                continue
+            extra = seq.num_computed_tokens + num_new - bm.get_num_slots(seq.seq_id)
+            if extra > 0:
+                out.block_copies.extend(bm.append_slots(seq.seq_id, extra))
+            start = seq.num_computed_tokens
+            complete = start + num_new == seq.num_tokens
+            want_prompt_logprobs = (
+                not request.is_beam_search
+                and request.params.prompt_logprobs is not None
+                and start < seq.prompt_len
+            )
+            out.chunks.append(
+                ScheduledChunk(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids[start : start + num_new],
+                    start_pos=start,
+                    block_table=bm.get_block_table(seq.seq_id),
+                    needs_logits=complete,
+                    all_logits=want_prompt_logprobs,
+                )
+            )
+            out.entries.append((request, seq))
+
+    # ---- preemption -------------------------------------------------------
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.num_preemptions += 1
+        self.block_manager.record_preemption()
+        seq_ids = [s.seq_id for s in request.live_seqs()]
+        mode = self.config.preemption_mode
+        use_swap = mode == "swap" or (mode == "auto" and len(seq_ids) > 1)
+        if use_swap and self.block_manager.can_swap_out(seq_ids):
+            out.swap_out.extend(self.block_manager.swap_out(seq_ids))
+            request.status = SeqStatus.SWAPPED
+            self.swapped.append(request)
+            logger.debug("preempted %s by swap", request.request_id)
+            return
+        for seq in request.live_seqs():
+            self.block_manager.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+        request.status = SeqStatus.WAITING
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s by recompute", request.request_id)
+
+    def _fail(self, request: Request, out: SchedulerOutput, message: str) -> None:
+        request.error = message
+        self.finish_request(request, FinishReason.ERROR)
+        out.failed.append(request)
+
+    # ---- swapped and waiting ---------------------------------------------
+
+    def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            seq_ids = [s.seq_id for s in request.live_seqs()]
+            if not self.block_manager.can_swap_in(seq_ids):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(self.block_manager.swap_in(seq_ids))
+            request.status = SeqStatus.RUNNING
+            self.running.append(request)
+            scheduled, budget, _ = self._schedule_running(request, budget, out)
+        return budget
+
+    def _reserved_tokens(self, request: Request, seq: Sequence) -> int | None:
+        """Up-front reservation under the contiguous baselines of the memory benchmark."""
+        policy = self.config.kv_policy
+        if policy == "paged":
+            return None
+        max_tokens = request.params.max_tokens or (self.config.max_model_len - seq.prompt_len)
+        want = seq.prompt_len + max_tokens
+        if policy == "contiguous-max":
+            want = self.config.max_model_len
+        elif policy == "contiguous-pow2":
+            want = 1 << (want - 1).bit_length()
+        return max(seq.num_tokens, min(want, self.config.max_model_len))
+
+    def _blocks_for(self, request: Request) -> int:
+        bs = self.block_manager.block_size
+        total = 0
+        for seq in request.live_seqs():
+            tokens = self._reserved_tokens(request, seq) or seq.num_tokens
+            total += math.ceil(tokens / bs)
+        return total
+
+    def _can_admit(self, request: Request) -> bool:
+        seqs = request.live_seqs()
+        bm = self.block_manager
+        if len(seqs) == 1:
+            seq = seqs[0]
+            return bm.can_allocate(seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq))
+        watermark = int(0.01 * bm.num_blocks)
+        return self._blocks_for(request) <= bm.get_num_free_blocks() - watermark
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self._blocks_for(request) > self.block_manager.num_blocks:
+                self.waiting.popleft()
+                self._fail(request, out, "the prompt needs more KV blocks than the whole cache holds")
+                continue
+            if not self._can_admit(request):
+                break  # FCFS: later prompts wait behind this one so it is never starved
+            self.waiting.popleft()
+            self._admit(request)
+            scheduled, budget, _ = self._schedule_running(request, budget, out)
+
+    def _admit(self, request: Request) -> None:
+        bm = self.block_manager
+        for seq in request.live_seqs():
+            reserved = self._reserved_tokens(request, seq)
+            num_cached = bm.allocate(seq.seq_id, seq.token_ids, request.cache_salt, reserved)
+            seq.num_computed_tokens = num_cached
+            if seq is request.seqs[0] and not request.forked:
+                request.num_cached_tokens = num_cached
+        request.status = SeqStatus.RUNNING
+        self.running.append(request)

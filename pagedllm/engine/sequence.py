@@ -1,0 +1,126 @@
+"""Sequences and the requests (groups of sequences) they belong to.
+
+A sequence is a token list whose KV is computed up to ``num_computed_tokens``;
+the scheduler's only question about it is how far that count lags behind
+``num_tokens``. There are no prefill/decode phases: a fresh prompt, a later
+chunk, a recompute after preemption and a decode step are all "catch up".
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.outputs import PositionLogprobs, RequestMetrics
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no blocks: not yet admitted, or preempted by recompute
+    RUNNING = "running"  # holds device blocks
+    SWAPPED = "swapped"  # holds CPU blocks only
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: the prompt plus what has been generated for it."""
+
+    prompt_len: int
+    token_ids: list[int]  # prompt followed by generated tokens
+    sample_index: int = 0
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None  # IncrementalDetokenizer when detokenizing
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self, sample_index: int) -> Sequence:
+        """A copy that continues independently (its own id, generator and detokenizer state)."""
+        child = Sequence(
+            prompt_len=self.prompt_len,
+            token_ids=list(self.token_ids),
+            sample_index=sample_index,
+            num_computed_tokens=self.num_computed_tokens,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
+        return child
+
+
+@dataclass(eq=False)
+class Request:
+    """A user request: one prompt and the sequences generated from it.
+
+    ``seqs`` holds the live sequences; finished ones move to ``finished_seqs``.
+    For sampling requests with n or best_of > 1 the prompt is computed once by
+    a single sequence and forked when its first token is sampled.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    metrics: RequestMetrics
+    cache_salt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt_logprobs: list | None = None
+    forked: bool = False  # samples fanned out (only relevant when num_samples > 1)
+    beam: object | None = None  # BeamState for beam search requests
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def num_samples(self) -> int:
+        if self.is_beam_search:
+            return self.params.beam_width
+        return self.params.num_samples
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]

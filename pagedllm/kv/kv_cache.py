@@ -1,0 +1,112 @@
+"""The KV cache tensors: one K and one V pool per layer, plus an optional CPU
+swap pool of the same layout.
+
+The block manager decides which physical blocks hold what; this class only
+moves bytes when told to (copy-on-write copies, swap out, swap in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class KVCache:
+    """Owns the per-layer K/V tensors; the runner applies the block manager's instructions through it.
+
+    ``layers[i]`` is ``(k_cache, v_cache)``, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` on ``device``.
+    ``cpu_layers[i]`` has the same layout with ``num_cpu_blocks`` blocks on the
+    host (pinned when the device is CUDA), and is empty when that count is 0.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(num_layers)
+        ]
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = self.device.type == "cuda"
+        self.cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(num_layers if num_cpu_blocks else 0)
+        ]
+
+    @staticmethod
+    def bytes_per_block(
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one physical block takes across all layers, K and V together."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+    @staticmethod
+    def num_blocks_for_memory(memory_bytes: int, **block_kwargs: Any) -> int:
+        """How many whole blocks fit in ``memory_bytes`` (never negative)."""
+        per_block = KVCache.bytes_per_block(**block_kwargs)
+        return max(0, int(memory_bytes) // per_block)
+
+    def copy_blocks(self, copies: Sequence[Any]) -> None:
+        """Copy every slot of block ``c.src`` into block ``c.dst`` in every layer.
+
+        Sources are read before any destination is written (one gather and one
+        scatter per tensor), so a block may be both a source and a destination.
+        """
+        if not copies:
+            return
+        src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.layers:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    def swap_out(self, mapping: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks into CPU pool blocks: ``(device_block, cpu_block)`` pairs."""
+        if not mapping:
+            return
+        self._require_cpu_pool()
+        dev_idx = torch.tensor([d for d, _ in mapping], dtype=torch.int64, device=self.device)
+        cpu_idx = torch.tensor([c for _, c in mapping], dtype=torch.int64)
+        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers):
+            k_cpu.index_copy_(0, cpu_idx, k_dev.index_select(0, dev_idx).cpu())
+            v_cpu.index_copy_(0, cpu_idx, v_dev.index_select(0, dev_idx).cpu())
+
+    def swap_in(self, mapping: Sequence[tuple[int, int]]) -> None:
+        """Copy CPU pool blocks back to device blocks: ``(cpu_block, device_block)`` pairs."""
+        if not mapping:
+            return
+        self._require_cpu_pool()
+        cpu_idx = torch.tensor([c for c, _ in mapping], dtype=torch.int64)
+        dev_idx = torch.tensor([d for _, d in mapping], dtype=torch.int64, device=self.device)
+        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers):
+            k_dev.index_copy_(0, dev_idx, k_cpu.index_select(0, cpu_idx).to(self.device))
+            v_dev.index_copy_(0, dev_idx, v_cpu.index_select(0, cpu_idx).to(self.device))
+
+    def _require_cpu_pool(self) -> None:
+        if not self.cpu_layers:
+            raise RuntimeError("swap requested but the KV cache was built with num_cpu_blocks=0")

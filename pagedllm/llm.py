@@ -1,0 +1,131 @@
+"""The offline API, shaped like vLLM's ``LLM`` class."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import RequestError
+from pagedllm.kv.stats import KVCacheStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.tokenizer import Tokenizer
+
+PromptInput = str | dict
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    ``model`` is an HF directory or a GGUF file; ``None`` is the default model
+    (SmolLM2-135M-Instruct). ``num_kv_blocks`` (exact) or ``kv_cache_memory``
+    (bytes) size the KV cache. Every other keyword is an :class:`EngineConfig` field.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._request_ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine that is already running (the CLI builds one from its flags)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._request_ids = itertools.count()
+        return llm
+
+    # ---- generation -------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {"prompt_token_ids": tokenizer.encode(
+                tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False,
+            )}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Beam search per prompt; ``.outputs`` holds the beam_width best hypotheses, best first."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
+
+    # ---- introspection ----------------------------------------------------
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        return self.llm_engine.block_manager.stats()
+
+    # ---- the loop ---------------------------------------------------------
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, count: int) -> list:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise RequestError(
+                f"got {len(params)} sampling params for {count} prompts; pass one, or one per prompt",
+                param="sampling_params",
+            )
+        return params
+
+    def _run(self, prompts: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._request_ids)) for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(request_id, prompt, p)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_out_tokens = time.monotonic(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        num_out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        bar.update(1)
+                        elapsed = max(time.monotonic() - start, 1e-6)
+                        bar.set_postfix_str(f"output {num_out_tokens / elapsed:.1f} tok/s")
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]

@@ -1,0 +1,127 @@
+"""The model hyper-parameters pagedllm needs, read from an HF ``config.json`` dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.errors import ModelLoadError, UnsupportedModelError
+
+# Rope variants the Llama implementation computes; anything else is refused at load.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# model_type values whose q/k/v projections always carry a bias (no config key says so).
+_ALWAYS_QKV_BIAS = ("qwen2",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` is even (rotary
+    pairs). ``rope_scaling`` is ``None`` for plain rope, else a dict with a
+    ``rope_type`` of :data:`SUPPORTED_ROPE_TYPES` and that type's parameters.
+    ``o_proj_bias`` is an addition to the published interface: Llama's
+    ``attention_bias`` puts a bias on the output projection too, Qwen2's does not.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    o_proj_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelConfig:
+        """Build from an HF config dict (transformers 4 ``rope_theta``/``rope_scaling``
+        or transformers 5 ``rope_parameters``). Raises ModelLoadError on missing keys."""
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            model_type = str(cfg.get("model_type", "llama"))
+            architectures = cfg.get("architectures") or ["LlamaForCausalLM"]
+            rope_theta, rope_scaling = _rope_settings(cfg)
+            llama_bias = bool(cfg.get("attention_bias", False))
+            qkv_bias = llama_bias or model_type in _ALWAYS_QKV_BIAS
+            config = cls(
+                architecture=str(architectures[0]),
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=qkv_bias,
+                bos_token_id=_optional_int(cfg.get("bos_token_id")),
+                eos_token_ids=_token_ids(cfg.get("eos_token_id")),
+                o_proj_bias=llama_bias and model_type not in _ALWAYS_QKV_BIAS,
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"model config is missing the key {exc.args[0]!r}") from exc
+        config._validate(cfg)
+        return config
+
+    def _validate(self, cfg: dict) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("Llama checkpoints with mlp_bias=True are not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+
+
+def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from either the v4 or the v5 config layout."""
+    params: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling")
+    if legacy:
+        params = {**params, **legacy}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _optional_int(value: Any) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)

@@ -1,0 +1,284 @@
+"""The Llama decoder (also serves Mistral, Qwen2 and SmolLM checkpoints).
+
+Tokens of many sequences arrive flattened into one ``[num_tokens]`` batch; the
+attention backend uses ``AttentionMetadata`` to keep sequences apart. Q/K/V are
+one fused projection and gate/up another, so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.errors import ModelLoadError
+from pagedllm.models.config import ModelConfig
+
+logger = logging.getLogger("pagedllm")
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, the statistic computed in float32 whatever the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
+    """``[head_dim / 2]`` float32 angular frequencies, with the config's scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    return _llama3_frequencies(inv_freq, scaling)
+
+
+def _llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept,
+    and a linear blend between the two wavelength thresholds."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    original_len = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelength > original_len / low, inv_freq / factor, inv_freq)
+    blend = (original_len / wavelength - low) / (high - low)
+    blended = (1 - blend) * slowed / factor + blend * slowed
+    in_between = (wavelength >= original_len / high) & (wavelength <= original_len / low)
+    return torch.where(in_between, blended, slowed)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the two halves of each head (the HF "rotate_half" convention).
+
+    The cos/sin tables cover positions ``0 .. max_position_embeddings - 1`` and
+    are built once per device on first use (not registered as buffers, so a
+    model built on the meta device and materialised later still gets them, and
+    casting the model to bfloat16 keeps them float32).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def _cos_sin(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if device not in self._tables:
+            inv_freq = rope_inverse_frequencies(self.config).to(device)
+            positions = torch.arange(
+                self.config.max_position_embeddings, device=device, dtype=torch.float32
+            )
+            angles = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
+            self._tables[device] = (angles.cos(), angles.sin())
+        return self._tables[device]
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q: [T, H, D], k: [T, KH, D], positions: [T] -> rotated (q, k)."""
+        cos_table, sin_table = self._cos_sin(positions.device)
+        cos = cos_table[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        # rows: [q (H*D) | k (KH*D) | v (KH*D)]
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self,
+        x: Tensor,  # [T, hidden]
+        positions: Tensor,  # [T]
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[Tensor, Tensor],
+        metadata: AttentionMetadata,
+    ) -> Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused (rows ``[gate | up]``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, positions, rotary, kv_cache, metadata) -> Tensor:
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), positions, rotary, kv_cache, metadata
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding -> N decoder layers -> final norm -> LM head (tied or not).
+
+    Parameters live under the names this module defines (fused ``qkv_proj`` and
+    ``gate_up_proj``); :meth:`load_weights` accepts HF checkpoint names.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: Tensor,  # [T] int64
+        positions: Tensor,  # [T] int64
+        kv_caches: list[tuple[Tensor, Tensor]],
+        attn_metadata: AttentionMetadata,
+        logits_indices: Tensor | None = None,  # [num_samples]
+    ) -> Tensor:  # [num_samples, vocab] float32
+        """Logits of the rows in ``logits_indices`` (all rows when None), as float32."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.rotary, kv_cache, attn_metadata)
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)  # [num_samples, hidden]
+        hidden = self.norm(hidden)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors in, splicing q/k/v and gate/up into the fused matrices.
+
+        Raises ModelLoadError on a shape mismatch or when any parameter is left
+        unset; names this model has no use for (rotary buffers, a tied lm_head)
+        are skipped with a debug log.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = self._map_hf_name(hf_name)
+            if target is None:
+                logger.debug("ignoring checkpoint tensor %s", hf_name)
+                continue
+            name, row_start = target
+            if name not in params:
+                logger.debug("ignoring checkpoint tensor %s (no parameter %s)", hf_name, name)
+                continue
+            _copy_rows(params[name], tensor, row_start, hf_name)
+            loaded.add(f"{name}@{row_start}")
+        missing = sorted(set(self._expected_pieces()) - loaded)
+        if missing:
+            raise ModelLoadError(
+                f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}"
+            )
+
+    def _map_hf_name(self, hf_name: str) -> tuple[str, int] | None:
+        """HF tensor name -> (own parameter name, first row it fills), or None to skip."""
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None
+        if "rotary_emb" in name:
+            return None
+        cfg = self.config
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {
+            "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
+            "self_attn.k_proj.": ("self_attn.qkv_proj.", q_rows),
+            "self_attn.v_proj.": ("self_attn.qkv_proj.", q_rows + kv_rows),
+            "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
+            "mlp.up_proj.": ("mlp.gate_up_proj.", cfg.intermediate_size),
+        }
+        for hf_part, (own_part, row_start) in fused.items():
+            if hf_part in name:
+                return name.replace(hf_part, own_part), row_start
+        return name, 0
+
+    def _expected_pieces(self) -> list[str]:
+        """Every (parameter, row offset) a complete checkpoint fills."""
+        cfg = self.config
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        pieces = []
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                pieces += [f"{name}@0", f"{name}@{q_rows}", f"{name}@{q_rows + kv_rows}"]
+            elif ".gate_up_proj." in name:
+                pieces += [f"{name}@0", f"{name}@{cfg.intermediate_size}"]
+            else:
+                pieces.append(f"{name}@0")
+        return pieces
+
+
+def _copy_rows(param: Tensor, tensor: Tensor, row_start: int, hf_name: str) -> None:
+    """Copy ``tensor`` into ``param[row_start : row_start + len(tensor)]`` (dtype/device converted)."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    target = param.data[row_start : row_start + rows] if param.dim() else param.data
+    if target.shape != tensor.shape:
+        raise ModelLoadError(
+            f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor)

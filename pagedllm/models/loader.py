@@ -1,0 +1,139 @@
+"""Build a model and fill it from local files: an HF directory or a GGUF file.
+
+Nothing here downloads anything. The model is first built on the meta device
+(no random initialisation), then materialised on the target device and
+overwritten tensor by tensor from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.attention.base import AttentionBackend
+from pagedllm.errors import ModelLoadError
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.paths import resolve_model_path
+from pagedllm.models.registry import resolve_architecture
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run model plus what the engine needs to know about it.
+
+    ``hf_config`` is the config.json dict (for GGUF: one built from the file's
+    metadata); ``generation_config`` is generation_config.json or ``{}``.
+    """
+
+    model: torch.nn.Module
+    config: ModelConfig
+    path: Path
+    hf_config: dict
+    generation_config: dict
+
+
+def load_model(
+    model: str | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend: AttentionBackend,
+) -> LoadedModel:
+    """Load ``model`` (HF directory, .gguf file, or None for the default model).
+
+    Raises ModelLoadError naming what is missing, UnsupportedModelError for an
+    architecture pagedllm does not implement.
+    """
+    started = time.perf_counter()
+    path = resolve_model_path(model)
+    device = torch.device(device)
+    if path.suffix == ".gguf":
+        from pagedllm.models.gguf_loader import load_gguf_checkpoint
+
+        checkpoint = load_gguf_checkpoint(path)
+        hf_config, weights, generation_config = checkpoint.hf_config, checkpoint.weights, {}
+    else:
+        hf_config = _read_json(path / "config.json", required=True)
+        generation_config = _read_json(path / "generation_config.json", required=False)
+        weights = _safetensors_weights(path)
+    model_cls = resolve_architecture(hf_config)
+    config = ModelConfig.from_hf_config(hf_config)
+    module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device)
+    module.load_weights(weights)
+    module.eval()
+    logger.info(
+        "loaded %s (%s, %s, %s) in %.2f s", path.name, config.architecture,
+        str(dtype).removeprefix("torch."), device, time.perf_counter() - started,
+    )
+    return LoadedModel(module, config, path, hf_config, generation_config)
+
+
+def build_model(
+    model_cls: type,
+    config: ModelConfig,
+    attn_backend: AttentionBackend,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.nn.Module:
+    """An uninitialised model of ``dtype`` on ``device``: every parameter must be loaded."""
+    with torch.device("meta"):
+        module = model_cls(config, attn_backend)
+    module = module.to_empty(device=device)
+    return module.to(dtype)
+
+
+def _read_json(path: Path, *, required: bool) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path.name} is missing in {path.parent}")
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint shards of an HF directory, in index order when an index exists."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index, required=True).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not (directory / name).is_file()]
+        if missing:
+            raise ModelLoadError(f"{directory} is missing shard(s) listed in {index.name}: {missing}")
+        return [directory / name for name in files]
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(directory.glob("*.safetensors"))
+    if shards:
+        return shards
+    raise ModelLoadError(
+        f"{directory} has no model.safetensors (or sharded *.safetensors with "
+        "model.safetensors.index.json); only safetensors checkpoints are supported"
+    )
+
+
+def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every shard, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    files = safetensors_files(directory)  # resolved now, so errors surface before building
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+
+    return tensors()

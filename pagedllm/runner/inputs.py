@@ -1,0 +1,75 @@
+"""Pure functions from a scheduled batch to model input tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_rows] int64: token rows whose logits are returned
+    row_counts: list[int]  # logits rows contributed by each chunk (0, 1, or its length)
+
+
+def build_model_inputs(chunks: Sequence, block_size: int, device: torch.device) -> ModelInputs:
+    """Flatten the chunks of one step into the tensors of one forward pass.
+
+    Each chunk has ``token_ids``, ``start_pos``, ``block_table``, ``needs_logits``
+    and ``all_logits`` (see ScheduledChunk). Slots come from the block tables:
+    ``table[p // block_size] * block_size + p % block_size``.
+    """
+    query_lens = [len(c.token_ids) for c in chunks]
+    seq_lens = [c.start_pos + n for c, n in zip(chunks, query_lens)]
+    query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+
+    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(query_start[-1]))
+    positions = np.concatenate([np.arange(c.start_pos, c.start_pos + n) for c, n in zip(chunks, query_lens)])
+    max_blocks = max(len(c.block_table) for c in chunks)
+    tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c.block_table)] = c.block_table
+    seq_index = np.repeat(np.arange(len(chunks)), query_lens)
+    slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
+
+    logits_rows, row_counts = [], []
+    for c, start, n in zip(chunks, query_start[:-1], query_lens):
+        if c.all_logits:
+            logits_rows.append(np.arange(start, start + n))
+            row_counts.append(n)
+        elif c.needs_logits:
+            logits_rows.append(np.array([start + n - 1]))
+            row_counts.append(1)
+        else:
+            row_counts.append(0)
+    logits_indices = np.concatenate(logits_rows) if logits_rows else np.zeros(0, dtype=np.int64)
+
+    def to_dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        slot_mapping=to_dev(slots, torch.int64),
+        block_tables=to_dev(tables, torch.int32),
+        seq_lens=to_dev(np.asarray(seq_lens, dtype=np.int64), torch.int32),
+        query_start_loc=to_dev(query_start, torch.int32),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        seq_lens_host=seq_lens,
+        query_lens_host=query_lens,
+    )
+    return ModelInputs(
+        input_ids=to_dev(input_ids, torch.int64),
+        positions=to_dev(positions.astype(np.int64), torch.int64),
+        metadata=metadata,
+        logits_indices=to_dev(logits_indices.astype(np.int64), torch.int64),
+        row_counts=row_counts,
+    )

@@ -1,0 +1,43 @@
+"""Executes a scheduled step: apply block copies and swaps, build inputs, run the model."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.runner.inputs import ModelInputs, build_model_inputs
+
+
+class ModelRunner:
+    """Owns the model and the KV tensors; does exactly what the scheduler's output says."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+
+    def apply_memory_ops(self, out: SchedulerOutput) -> None:
+        # Order matters: blocks freed by a swap-out may be the targets of a
+        # swap-in or a copy in the same step, so their contents leave first.
+        if out.swap_out:
+            self.kv_cache.swap_out(out.swap_out)
+        if out.swap_in:
+            self.kv_cache.swap_in(out.swap_in)
+        if out.block_copies:
+            self.kv_cache.copy_blocks(out.block_copies)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
+        """Run one forward pass; returns logits [num_rows, vocab] float32 and the inputs used."""
+        self.apply_memory_ops(out)
+        inputs = build_model_inputs(out.chunks, self.block_size, self.device)
+        logits = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_cache.layers,
+            inputs.metadata,
+            inputs.logits_indices,
+        )
+        return logits, inputs

@@ -1,0 +1,302 @@
+"""Batched token sampling with vLLM's semantics.
+
+One call samples one token for each row of a ``[num_rows, vocab]`` logits
+tensor. Per row, in this order: logit_bias, the min_tokens ban on EOS and
+stop tokens, repetition penalty (prompt + output), frequency and presence
+penalties (output only); then greedy rows take the argmax and the others are
+divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
+
+Every transform is one tensor operation over all rows that use it, and a
+transform no row uses is skipped, so an all-greedy batch without penalties
+costs one argmax (plus the log-softmax that reports logprobs).
+
+Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)``
+i.i.d. per token picks token ``i`` with probability ``p_i``. A row with a seed
+draws its ``q`` from its own generator, exactly ``vocab`` numbers per step, so
+its tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits: the sequence sampled from it and what sampling needs to know."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far (penalties, min_tokens)
+    generator: torch.Generator | None  # the sequence's own generator when params.seed is set
+    eos_token_ids: Sequence[int] = ()  # banned with params.stop_token_ids until min_tokens outputs
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the chosen token and its logprob under the raw (unprocessed) distribution."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    # When any row set params.logprobs: its params.logprobs best (id, logprob) pairs; [] otherwise.
+    top_logprobs: list[list[tuple[int, float]]] | None
+    ranks: list[int] | None  # 1 = the most likely token under the raw distribution
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the vocabulary in float32; ``[rows, vocab]`` in and out."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def top_k_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logprobs of each row and their token ids, best first; each ``[rows, k]``."""
+    values, ids = torch.topk(logprobs, k, dim=-1)
+    return values, ids
+
+
+class Sampler:
+    """Stateless: all per-sequence state (outputs so far, generators) comes in the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
+        processed = _apply_logit_processors(logits.float(), rows)
+        token_ids = _choose_tokens(processed, rows)  # [rows]
+        return _gather_logprobs(raw_logprobs, token_ids, rows)
+
+
+# ---------------------------------------------------------------- logit processors
+
+
+def _apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Bias, min_tokens ban and penalties; returns a new tensor only when something applies."""
+    vocab = logits.shape[1]
+    bias = _sparse_entries(rows, vocab, _bias_entries)
+    banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries)
+    uses_repetition = any(r.params.repetition_penalty != 1.0 for r in rows)
+    uses_output_penalty = any(
+        r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in rows
+    )
+    if bias is None and banned is None and not uses_repetition and not uses_output_penalty:
+        return logits
+    logits = logits.clone()
+    if bias is not None:
+        row_idx, tok_idx, values = (t.to(logits.device) for t in bias)
+        logits.index_put_((row_idx, tok_idx), values, accumulate=True)
+    if banned is not None:
+        row_idx, tok_idx, _ = (t.to(logits.device) for t in banned)
+        logits[row_idx, tok_idx] = float("-inf")
+    if uses_repetition:
+        _apply_repetition_penalty(logits, rows)
+    if uses_output_penalty:
+        _apply_output_penalties(logits, rows)
+    return logits
+
+
+def _bias_entries(row: SamplingRow) -> dict[int, float]:
+    return row.params.logit_bias or {}
+
+
+def _min_tokens_ban_entries(row: SamplingRow) -> dict[int, float]:
+    params = row.params
+    if len(row.output_token_ids) >= params.min_tokens:
+        return {}
+    banned = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        banned.update(row.eos_token_ids)
+    return dict.fromkeys(banned, 0.0)
+
+
+def _sparse_entries(
+    rows: Sequence[SamplingRow], vocab: int, entries_of
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Flattens per-row ``{token: value}`` dicts into (row, token, value) index tensors.
+
+    Token ids outside the vocabulary are dropped: the engine rejects them at
+    request time, and the sampler must not crash the batch for one bad row.
+    """
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token, value in entries_of(row).items():
+            if 0 <= token < vocab:
+                row_idx.append(i)
+                tok_idx.append(token)
+                values.append(value)
+    if not row_idx:
+        return None
+    return torch.tensor(row_idx), torch.tensor(tok_idx), torch.tensor(values, dtype=torch.float32)
+
+
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token occurs in each row's list; ``[rows, vocab]`` float32."""
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
+    lengths = [len(tokens) for tokens in token_lists]
+    if sum(lengths) == 0:
+        return counts
+    ids = torch.cat([torch.as_tensor(list(tokens), dtype=torch.long) for tokens in token_lists])
+    row_idx = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor(lengths))
+    keep = (ids >= 0) & (ids < vocab)
+    ids, row_idx = ids[keep].to(device), row_idx[keep].to(device)
+    counts.index_put_((row_idx, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """HF/vLLM: a token seen in prompt or output has a positive logit divided by the
+    penalty and a negative one multiplied by it (in place)."""
+    vocab = logits.shape[1]
+    seen = (
+        _token_counts(
+            [list(r.prompt_token_ids) + list(r.output_token_ids) for r in rows],
+            vocab,
+            logits.device,
+        )
+        > 0
+    )
+    penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=logits.device)
+    penalty = penalty.unsqueeze(1).expand_as(logits)  # [rows, vocab]
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    torch.where(seen, penalised, logits, out=logits)
+
+
+def _apply_output_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """OpenAI: logit -= frequency * count + presence * (count > 0), over output tokens (in place)."""
+    counts = _token_counts([r.output_token_ids for r in rows], logits.shape[1], logits.device)
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=logits.device)
+    presence = torch.tensor([r.params.presence_penalty for r in rows], device=logits.device)
+    logits -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0).float()
+
+
+# ---------------------------------------------------------------- choosing tokens
+
+
+def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Argmax for greedy rows, a filtered random draw for the rest; ``[rows]`` int64."""
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    if len(greedy) == len(rows):
+        return logits.argmax(dim=-1)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    if greedy:
+        greedy_idx = torch.tensor(greedy, device=logits.device)
+        tokens[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+    random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    random_rows = [rows[i] for i in random]
+    random_idx = torch.tensor(random, device=logits.device)
+    tokens[random_idx] = _sample(logits[random_idx], random_rows)
+    return tokens
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row; ``logits`` is ``[rows, vocab]``."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = [r.params.effective_top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    elif any(k > 0 for k in top_k):
+        logits = _top_k_only(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)  # [rows, vocab]
+    min_p = [r.params.min_p for r in rows]
+    if any(p > 0.0 for p in min_p):
+        probs = _min_p(probs, torch.tensor(min_p, device=device))
+    noise = _exponential_noise(rows, logits.shape[1], device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _k_per_row(top_k: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """top_k as a ``[rows, 1]`` tensor with 'disabled' (0) and k > vocab meaning all of it."""
+    return torch.tensor([vocab if k <= 0 else min(k, vocab) for k in top_k], device=device)[:, None]
+
+
+def _top_k_only(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """Masks every logit below each row's k-th largest (ties with it survive)."""
+    vocab = logits.shape[1]
+    k = _k_per_row(top_k, vocab, logits.device)
+    largest = torch.topk(logits, int(k.max()), dim=-1).values  # [rows, max_k]
+    threshold = largest.gather(1, k - 1)  # [rows, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+) -> torch.Tensor:
+    """Keeps each row's k best tokens, then the smallest set of them whose mass reaches top_p."""
+    vocab = logits.shape[1]
+    k = _k_per_row(top_k, vocab, logits.device)  # [rows, 1]
+    width = int(k.max())
+    # A full sort of the vocabulary is the slow part; when every row has a top_k,
+    # the best max(top_k) tokens are all that can survive.
+    if width < vocab:
+        sorted_logits, order = torch.topk(logits, width, dim=-1)  # both [rows, width]
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # both [rows, vocab]
+    positions = torch.arange(width, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
+    # top_p = 1 keeps everything, even where rounding lets the prefix sum pass 1.
+    p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], device=logits.device)
+    # The best token always survives: its mass_before is 0 and p > 0.
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes tokens less likely than min_p times the row's best token; ``min_p`` is ``[rows]``."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _exponential_noise(
+    rows: Sequence[SamplingRow], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise ``[rows, vocab]``: seeded rows from their own generator (``vocab``
+    uniforms per step), the others from one draw of the default generator."""
+    uniform = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        uniform.uniform_()
+    elif unseeded:
+        idx = torch.tensor(unseeded, device=device)
+        uniform[idx] = torch.rand(len(unseeded), vocab, device=device)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            uniform[i].uniform_(generator=row.generator)
+    # -log(U) is Exp(1); several times cheaper than Tensor.exponential_ on CPU.
+    # U < 1 keeps the noise above 0; U = 0 gives inf noise, i.e. that token loses.
+    return uniform.log_().neg_()
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> SamplerOutput:
+    """The chosen tokens' raw logprobs, plus ranks and top-k lists when any row asked."""
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
+    wanted = [r.params.logprobs for r in rows]
+    if all(k is None for k in wanted):
+        return SamplerOutput(token_ids.tolist(), chosen.squeeze(1).tolist(), None, None)
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1  # [rows]
+    top_lists: list[list[tuple[int, float]]] = [[] for _ in rows]
+    max_k = min(max(k or 0 for k in wanted), raw_logprobs.shape[1])
+    if max_k > 0:
+        values, ids = top_k_logprobs(raw_logprobs, max_k)
+        values_list, ids_list = values.tolist(), ids.tolist()
+        for i, k in enumerate(wanted):
+            if k:
+                top_lists[i] = list(zip(ids_list[i][:k], values_list[i][:k], strict=True))
+    return SamplerOutput(token_ids.tolist(), chosen.squeeze(1).tolist(), top_lists, ranks.tolist())

@@ -1,0 +1,547 @@
+"""OpenAI request and response bodies, and the pure conversions around them.
+
+Requests are parsed leniently (unknown fields are ignored, as OpenAI does) and
+converted to :class:`SamplingParams` / :class:`BeamSearchParams`, whose
+validation raises :class:`RequestError` naming the offending field. Responses
+are built from :class:`RequestOutput` here, so everything in this module can be
+tested without an engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+
+from pagedllm.errors import RequestError
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+# OpenAI's default for /v1/completions.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Chat defaults to what is left of the context, but never more than this.
+DEFAULT_CHAT_MAX_TOKENS_CAP = 1024
+MAX_TOP_LOGPROBS = 20
+# Shown when the chosen token's logprob is unknown (JSON has no -inf); vLLM uses the same value.
+_MISSING_LOGPROB = -9999.0
+
+# token id -> the text shown for it in logprobs
+TokenText = Callable[[int], str]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def validation_error_to_request_error(exc: ValidationError) -> RequestError:
+    """The first pydantic error as a RequestError whose param is the top-level field."""
+    first = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    return RequestError(f"{where}: {first.get('msg', 'invalid value')}", param=param)
+
+
+def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validates a decoded JSON body; raises RequestError (never ValidationError)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error_to_request_error(exc) from None
+
+
+# ---------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    best_of: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    cache_salt: str | None = None
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise RequestError("logit_bias keys must be token ids", param="logit_bias") from None
+
+    def _build_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams | BeamSearchParams:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.use_beam_search:
+            return self._beam_params(max_tokens)
+        return SamplingParams(
+            n=self.n,
+            best_of=self.best_of,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
+        )
+
+    def _beam_params(self, max_tokens: int) -> BeamSearchParams:
+        if self.n < 1:
+            raise RequestError(f"n: must be an integer >= 1, got {self.n}", param="n")
+        if self.best_of is not None and self.best_of < self.n:
+            raise RequestError(f"best_of: must be >= n ({self.n}), got {self.best_of}", param="best_of")
+        if self.stop:
+            raise RequestError("stop strings are not supported with beam search", param="stop")
+        return BeamSearchParams(
+            beam_width=max(self.n, self.best_of or 0),
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            stop_token_ids=list(self.stop_token_ids or []),
+        )
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a non-empty list of single prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise RequestError("prompt must not be empty", param="prompt")
+        return prompts
+
+    def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
+        if self.suffix is not None:
+            raise RequestError("suffix is not supported", param="suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        check_max_tokens(max_tokens)
+        check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param="prompt")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._build_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ChatMessageParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessageParam]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise RequestError("messages must be a non-empty list", param="messages")
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise RequestError(
+                    f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        if requested is None:
+            remaining = max_model_len - num_prompt_tokens
+            if remaining < 1:
+                check_context_length(num_prompt_tokens, 1, max_model_len, prompt_param="messages")
+            max_tokens = min(remaining, DEFAULT_CHAT_MAX_TOKENS_CAP)
+        else:
+            max_tokens = requested
+            check_max_tokens(max_tokens, param)
+            check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param="messages", max_tokens_param=param)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._build_params(max_tokens, logprobs, None)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def check_max_tokens(max_tokens: int, param: str = "max_tokens") -> None:
+    if max_tokens < 1:
+        raise RequestError(f"{param}: must be an integer >= 1, got {max_tokens}", param=param)
+
+
+def check_context_length(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    *,
+    prompt_param: str,
+    max_tokens_param: str = "max_tokens",
+) -> None:
+    """Prompt plus completion must fit the context; the message states all three numbers."""
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return
+    param = prompt_param if num_prompt_tokens >= max_model_len else max_tokens_param
+    raise RequestError(
+        f"this model's maximum context length is {max_model_len} tokens, but the request needs "
+        f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt + {max_tokens} for "
+        f"{max_tokens_param}); shorten the prompt or lower {max_tokens_param}",
+        param=param,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message fragment; unset fields are left out, as in OpenAI's chunks."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---------------------------------------------------------------------------
+# RequestOutput -> response pieces
+# ---------------------------------------------------------------------------
+
+
+def usage_for(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    """Prompt tokens count once per prompt; completion tokens sum over returned samples."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def returned_completions(output: RequestOutput, n: int) -> list[CompletionOutput]:
+    """The n samples the client asked for (best_of and beam search produce more)."""
+    completions = sorted(output.outputs, key=lambda c: c.index)
+    return completions[:n]
+
+
+def _chosen_logprob(position: PositionLogprobs, token_id: int) -> float | None:
+    entry = position.get(token_id)
+    return entry.logprob if entry is not None else None
+
+
+def _top_entries(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
+    """The ``num_top`` most likely entries at one position, best first."""
+    ranked = sorted(
+        position.items(),
+        key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob),
+    )
+    return [(token_id, lp.logprob) for token_id, lp in ranked[:num_top]]
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[PositionLogprobs | None] | None,
+    num_top: int,
+    token_text: TokenText,
+    text_offset: int = 0,
+) -> CompletionLogprobs:
+    """The legacy completions logprobs object for ``token_ids``; offsets start at ``text_offset``."""
+    result = CompletionLogprobs()
+    offset = text_offset
+    for i, token_id in enumerate(token_ids):
+        text = token_text(token_id)
+        position = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        offset += len(text)
+        if position is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(_chosen_logprob(position, token_id))
+        top: dict[str, float] = {}
+        for top_id, logprob in _top_entries(position, num_top):
+            top.setdefault(token_text(top_id), logprob)
+        result.top_logprobs.append(top)
+    return result
+
+
+def merge_completion_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        text_offset=first.text_offset + second.text_offset,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+    )
+
+
+def chat_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[PositionLogprobs | None] | None,
+    num_top: int,
+    token_text: TokenText,
+) -> ChatLogprobs:
+    content = []
+    for i, token_id in enumerate(token_ids):
+        position = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+        text = token_text(token_id)
+        chosen = _chosen_logprob(position, token_id) if position else None
+        top = [
+            ChatTopLogprob(token=token_text(t), logprob=lp, bytes=list(token_text(t).encode("utf-8")))
+            for t, lp in (_top_entries(position, num_top) if position else [])
+        ]
+        content.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=chosen if chosen is not None else _MISSING_LOGPROB,
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=top,
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+class DeltaTracker:
+    """Turns cumulative outputs into deltas for one choice (text and token positions sent)."""
+
+    def __init__(self) -> None:
+        self.num_chars = 0
+        self.num_tokens = 0
+
+    def take(self, completion: CompletionOutput) -> tuple[str, int, int]:
+        """New text, and the [start, end) range of new token positions, since the last call."""
+        text = completion.text[self.num_chars :]
+        start, end = self.num_tokens, len(completion.token_ids)
+        self.num_chars = max(self.num_chars, len(completion.text))
+        self.num_tokens = max(self.num_tokens, end)
+        return text, start, end

@@ -1,0 +1,297 @@
+import math
+
+import pytest
+import torch
+
+from pagedllm.sampling.sampler import (
+    Sampler,
+    SamplingRow,
+    compute_logprobs,
+    top_k_logprobs,
+)
+from pagedllm.sampling_params import SamplingParams
+
+VOCAB = 8
+
+
+def row(params=None, prompt=(), output=(), seed_gen=None, eos=()):
+    return SamplingRow(
+        params=params or SamplingParams(temperature=0.0),
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        generator=seed_gen,
+        eos_token_ids=tuple(eos),
+    )
+
+
+def seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def sampler():
+    return Sampler()
+
+
+def random_logits(rows, vocab=VOCAB, seed=0):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------ greedy and filters
+
+
+def test_greedy_is_argmax(sampler):
+    logits = random_logits(6, vocab=100)
+    out = sampler(logits, [row() for _ in range(6)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.top_logprobs is None and out.ranks is None
+
+
+def test_does_not_modify_input_logits(sampler):
+    logits = random_logits(2)
+    before = logits.clone()
+    params = SamplingParams(temperature=0.7, repetition_penalty=1.5, logit_bias={1: 3.0}, top_p=0.5)
+    sampler(logits, [row(params, prompt=[1, 2], output=[3]), row()])
+    assert torch.equal(logits, before)
+
+
+def test_top_k_1_equals_greedy(sampler):
+    logits = random_logits(4, vocab=50)
+    rows = [row(SamplingParams(temperature=1.5, top_k=1)) for _ in range(4)]
+    for _ in range(5):
+        assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_tiny_top_p_equals_greedy(sampler):
+    logits = random_logits(4, vocab=50)
+    rows = [row(SamplingParams(temperature=1.0, top_p=1e-6)) for _ in range(4)]
+    for _ in range(5):
+        assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_keeps_only_k_best(sampler):
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    rows = [row(SamplingParams(temperature=10.0, top_k=2))]
+    seen = {sampler(logits, rows).token_ids[0] for _ in range(200)}
+    assert seen == {0, 1}
+
+
+def test_top_p_keeps_smallest_set_reaching_p(sampler):
+    # probabilities 0.5, 0.3, 0.2: p=0.6 needs tokens 0 and 1, never token 2
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    rows = [row(SamplingParams(temperature=1.0, top_p=0.6))]
+    seen = {sampler(logits, rows).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_min_p_filters_unlikely_tokens(sampler):
+    # probabilities 0.5, 0.3, 0.15, 0.05; min_p=0.25 keeps p >= 0.125: tokens 0, 1, 2
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    rows = [row(SamplingParams(temperature=1.0, min_p=0.25))]
+    seen = {sampler(logits, rows).token_ids[0] for _ in range(500)}
+    assert seen == {0, 1, 2}
+
+
+def test_temperature_sampling_follows_softmax(sampler):
+    torch.manual_seed(1234)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    temperature = 0.8
+    expected = torch.softmax(logits[0] / temperature, -1)
+    draws = 20_000
+    batch = logits.expand(draws, -1).contiguous()
+    rows = [row(SamplingParams(temperature=temperature))] * draws
+    counts = torch.bincount(torch.tensor(sampler(batch, rows).token_ids), minlength=5).double()
+    chi_square = (((counts - draws * expected) ** 2) / (draws * expected)).sum().item()
+    # 4 degrees of freedom: P(chi2 > 18.5) ~ 0.001
+    assert chi_square < 18.5, (counts, expected * draws)
+    # and a wrong distribution (no temperature) is rejected by the same test
+    wrong = torch.softmax(logits[0], -1)
+    assert (((counts - draws * wrong) ** 2) / (draws * wrong)).sum().item() > 18.5
+
+
+# ------------------------------------------------------------ logit processors
+
+
+def test_logit_bias_adds_to_logits(sampler):
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    params = SamplingParams(temperature=0.0, logit_bias={0: 2.5})
+    assert sampler(logits, [row(params)]).token_ids == [0]  # 3.5 > 3.0
+    params = SamplingParams(temperature=0.0, logit_bias={0: 1.5})
+    assert sampler(logits, [row(params)]).token_ids == [2]  # 2.5 < 3.0
+
+
+def test_logit_bias_exact_values():
+    from pagedllm.sampling.sampler import _apply_logit_processors
+
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    rows = [row(SamplingParams(logit_bias={0: 2.5, 2: -1.0})), row()]
+    out = _apply_logit_processors(logits, rows)
+    assert out.tolist() == [[3.5, 2.0, 2.0], [0.0, 0.0, 0.0]]
+
+
+def test_repetition_penalty_exact_values():
+    from pagedllm.sampling.sampler import _apply_logit_processors
+
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    params = SamplingParams(repetition_penalty=2.0)
+    # token 0 in the prompt, token 1 in the output; 2 and 3 unseen
+    out = _apply_logit_processors(logits, [row(params, prompt=[0], output=[1])])
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+
+
+def test_frequency_and_presence_penalty_exact_values():
+    from pagedllm.sampling.sampler import _apply_logit_processors
+
+    logits = torch.zeros(1, 4)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    # prompt tokens do not count; token 1 generated three times, token 2 once
+    out = _apply_logit_processors(logits, [row(params, prompt=[0, 0, 3], output=[1, 1, 2, 1])])
+    assert out.tolist() == [[0.0, -1.75, -0.75, 0.0]]
+
+
+def test_penalties_only_touch_rows_that_ask():
+    from pagedllm.sampling.sampler import _apply_logit_processors
+
+    logits = torch.ones(2, 3)
+    rows = [
+        row(SamplingParams(presence_penalty=1.0), output=[0]),
+        row(SamplingParams(), output=[0]),
+    ]
+    assert _apply_logit_processors(logits, rows).tolist() == [[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
+def test_no_processor_returns_input_unchanged():
+    from pagedllm.sampling.sampler import _apply_logit_processors
+
+    logits = torch.ones(2, 3)
+    assert _apply_logit_processors(logits, [row(), row()]) is logits
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_then_allows_them(sampler):
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])  # eos=1 and stop token 2 are the best
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    assert sampler(logits, [row(params, output=[], eos=[1])]).token_ids == [3]
+    assert sampler(logits, [row(params, output=[3], eos=[1])]).token_ids == [3]
+    assert sampler(logits, [row(params, output=[3, 3], eos=[1])]).token_ids == [1]
+
+
+def test_out_of_vocab_ids_are_ignored(sampler):
+    logits = torch.tensor([[0.0, 1.0]])
+    params = SamplingParams(temperature=0.0, logit_bias={99: 5.0}, repetition_penalty=1.2)
+    assert sampler(logits, [row(params, prompt=[50], output=[70])]).token_ids == [1]
+
+
+# ------------------------------------------------------------ seeds
+
+
+def test_seeded_row_is_independent_of_the_batch(sampler):
+    vocab = 1000
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone_gen, batch_gen = seeded(7), seeded(7)
+    other_seeded_gen = seeded(99)
+    alone, batched = [], []
+    for step in range(6):
+        logits = random_logits(4, vocab=vocab, seed=step)
+        alone.append(sampler(logits[2:3], [row(params, seed_gen=alone_gen)]).token_ids[0])
+        rows = [
+            row(SamplingParams(temperature=0.9)),  # unseeded
+            row(SamplingParams(temperature=0.0)),  # greedy
+            row(params, seed_gen=batch_gen),
+            row(SamplingParams(temperature=1.3, top_p=0.9, seed=99), seed_gen=other_seeded_gen),
+        ]
+        batched.append(sampler(logits, rows).token_ids[2])
+    assert alone == batched
+    assert len(set(alone)) > 1  # really sampling, not stuck on one token
+
+
+def test_same_seed_same_tokens_different_seed_differs(sampler):
+    logits = random_logits(1, vocab=1000)
+    params = SamplingParams(temperature=1.0, seed=1)
+
+    def run(seed):
+        gen = seeded(seed)
+        return [sampler(logits, [row(params, seed_gen=gen)]).token_ids[0] for _ in range(8)]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+# ------------------------------------------------------------ logprobs
+
+
+def test_logprobs_ranks_and_top_logprobs_come_from_raw_logits(sampler):
+    logits = random_logits(3, vocab=20, seed=3)
+    raw = torch.log_softmax(logits, -1)
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0), prompt=[0, 1]),
+        row(SamplingParams(temperature=0.7)),  # did not ask
+        row(SamplingParams(temperature=1.0, logprobs=0, logit_bias={5: 100.0})),
+    ]
+    out = sampler(logits, rows)
+    assert out.token_ids[2] == 5
+    for i, token in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(raw[i, token].item(), abs=1e-6)
+        assert out.ranks[i] == int((raw[i] > raw[i, token]).sum()) + 1
+    values, ids = raw[0].topk(3)
+    assert [t for t, _ in out.top_logprobs[0]] == ids.tolist()
+    assert [v for _, v in out.top_logprobs[0]] == pytest.approx(values.tolist())
+    assert out.top_logprobs[1] == [] and out.top_logprobs[2] == []
+
+
+def test_greedy_logprob_of_uniform_logits(sampler):
+    out = sampler(torch.zeros(1, 4), [row(SamplingParams(temperature=0.0, logprobs=1))])
+    assert out.logprobs[0] == pytest.approx(math.log(0.25))
+    assert out.ranks == [1]
+
+
+def test_compute_logprobs_and_top_k_helpers():
+    logits = torch.tensor([[1.0, 3.0, 2.0]], dtype=torch.float16)
+    lp = compute_logprobs(logits)
+    assert lp.dtype == torch.float32
+    assert torch.allclose(lp.exp().sum(-1), torch.ones(1))
+    values, ids = top_k_logprobs(lp, 2)
+    assert ids.tolist() == [[1, 2]]
+    assert values[0, 0] > values[0, 1]
+
+
+# ------------------------------------------------------------ mixed batches
+
+
+def test_mixed_batch(sampler):
+    vocab = 30
+    logits = random_logits(5, vocab=vocab, seed=11)
+    rows = [
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=0.5, top_k=1)),
+        row(SamplingParams(temperature=2.0, top_p=1e-6, min_p=0.1)),
+        row(SamplingParams(temperature=0.0, logit_bias={4: 50.0})),
+        row(SamplingParams(temperature=1.0, top_k=3, seed=5), seed_gen=seeded(5)),
+    ]
+    out = sampler(logits, rows)
+    best = logits.argmax(-1).tolist()
+    assert out.token_ids[:3] == best[:3]
+    assert out.token_ids[3] == 4
+    assert out.token_ids[4] in logits[4].topk(3).indices.tolist()
+    assert len(out.logprobs) == 5 and out.top_logprobs is None
+
+
+def test_rejects_mismatched_rows(sampler):
+    with pytest.raises(ValueError):
+        sampler(torch.zeros(2, 4), [row()])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_path_runs_on_cuda(sampler):
+    device = torch.device("cuda")
+    logits = random_logits(4, vocab=1000).to(device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    rows = [
+        row(SamplingParams(temperature=0.0, logit_bias={1: 1.0}, logprobs=2), prompt=[1]),
+        row(SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2), output=[4]),
+        row(SamplingParams(temperature=0.8, top_k=5, min_p=0.05, seed=3), seed_gen=gen),
+        row(SamplingParams(temperature=1.0, min_tokens=3, frequency_penalty=0.5), eos=[2]),
+    ]
+    out = sampler(logits, rows)
+    assert out.token_ids[0] == sampler(logits.cpu(), rows[:1]).token_ids[0]
+    assert out.token_ids[2] in logits[2].topk(5).indices.tolist()
+    assert out.token_ids[3] != 2
