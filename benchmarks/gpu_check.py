@@ -199,101 +199,143 @@ def kernel_check(ctx: dict) -> dict:
 
 def decode_bandwidth(ctx: dict) -> dict:
     torch = ctx["torch"]
-    import torch.nn.functional as F
-
-    from pagedllm.attention.base import AttentionMetadata
     from pagedllm.attention.triton_backend import TritonAttentionBackend
 
-    device, tiny, clock = ctx["device"], ctx["interpret"], ctx["clock"]
+    tiny, clock = ctx["interpret"], ctx["clock"]
     if tiny:
-        batch, context, num_heads, num_kv_heads, head_dim, block_sizes = 2, 256, 4, 2, 32, [16]
-        warmup, reps = 1, 2
+        shape = {"batch": 2, "context": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+        block_sizes, timing = [16], {"warmup": 1, "reps": 2}
     else:
-        batch, context, num_heads, num_kv_heads, head_dim, block_sizes = 64, 4096, 32, 8, 128, [16, 32]
-        warmup, reps = 10, 30
-    dtype = torch.bfloat16
-    backend = TritonAttentionBackend(**SMALL_SPLITS) if tiny else TritonAttentionBackend()
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
-    result: dict = {
-        "shape": {"batch": batch, "context": context, "num_heads": num_heads,
-                  "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": "bfloat16"},
-        "kv_bytes": kv_bytes,
-        "runs": [],
+        shape = {"batch": 64, "context": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+        block_sizes, timing = [16, 32], {"warmup": 10, "reps": 30}
+    batch, head_dim = shape["batch"], shape["head_dim"]
+    kv_bytes = 2 * batch * shape["context"] * shape["num_kv_heads"] * head_dim * 2  # K and V, bf16
+    result: dict = {"shape": {**shape, "dtype": "bfloat16"}, "kv_bytes": kv_bytes, "runs": []}
+    result["copy_gbs"] = _copy_bandwidth(ctx, kv_bytes, timing)
+
+    # Dense K/V: [B, KH, S, D]; the paged caches below hold the same numbers.
+    dense = _dense_decode_inputs(ctx, shape)
+    sdpa, result["sdpa_mode"] = _sdpa_decode(torch, dense)
+    sdpa_ms = clock.median_ms(sdpa, **timing)
+    result.update({"sdpa_ms": sdpa_ms, "sdpa_gbs": kv_bytes / sdpa_ms / 1e6})
+    expected = sdpa().view(batch, shape["num_heads"], head_dim)
+
+    default_backend = TritonAttentionBackend(**SMALL_SPLITS) if tiny else TritonAttentionBackend()
+    plans = [(bs, default_backend) for bs in block_sizes]
+    plans.append((block_sizes[0], TritonAttentionBackend(max_num_splits=1)))  # split-K off, for contrast
+    for block_size, backend in plans:
+        run = _time_paged_decode(ctx, backend, dense, block_size, expected, timing)
+        gbs = kv_bytes / run["ms"] / 1e6
+        run.update({"gbs": gbs, "pct_of_copy": 100 * gbs / result["copy_gbs"], "speedup_vs_sdpa": sdpa_ms / run["ms"]})
+        result["runs"].append(run)
+    result["ok"] = all(r["max_abs_err_vs_sdpa"] < 3e-2 for r in result["runs"])
+    result["tiling_sweep"] = _tiling_sweep(ctx, dense, expected, timing, kv_bytes)
+    return result
+
+
+def _tiling_sweep(ctx: dict, dense: dict, expected, timing: dict, kv_bytes: int) -> list[dict]:
+    """Decode GB/s for other launch shapes (block size 16, planned splits), to tune defaults."""
+    from pagedllm.attention.kernels.paged_decode import DecodeTiling
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    if ctx["interpret"]:
+        tilings = [DecodeTiling(block_n=32)]
+    else:
+        tilings = [DecodeTiling(block_n=n, num_warps=w, num_stages=st)
+                   for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    sweep = []
+    for tiling in tilings:
+        entry = {"block_n": tiling.block_n, "num_warps": tiling.num_warps, "num_stages": tiling.num_stages}
+        try:
+            backend = TritonAttentionBackend(decode_tiling=tiling)
+            run = _time_paged_decode(ctx, backend, dense, 16, expected, timing)
+            entry.update(run, gbs=kv_bytes / run["ms"] / 1e6, ok=run["max_abs_err_vs_sdpa"] < 3e-2)
+        except Exception as exc:  # noqa: BLE001 - a shape that does not fit is a result too
+            entry.update(ok=False, error=_describe(exc))
+        sweep.append(entry)
+    return sweep
+
+
+def _time_paged_decode(ctx: dict, backend, dense: dict, block_size: int, expected, timing: dict) -> dict:
+    """Median ms of one decode forward over a paged copy of ``dense``, and its error."""
+    query, k_cache, v_cache, md = _paged_decode_inputs(ctx, dense, block_size)
+    scale = dense["scale"]
+    out = backend.forward(query, k_cache, v_cache, md, scale)
+    return {
+        "block_size": block_size,
+        "num_splits": backend.num_decode_splits(md, k_cache.shape[2], query.device),
+        "ms": ctx["clock"].median_ms(lambda: backend.forward(query, k_cache, v_cache, md, scale), **timing),
+        "max_abs_err_vs_sdpa": (out.float() - expected.float()).abs().max().item(),
     }
 
-    # Device-to-device copy of the same byte count: reads + writes both count.
-    src = torch.randn(kv_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = clock.median_ms(lambda: dst.copy_(src), warmup=warmup, reps=reps)
-    copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6
-    result["copy_gbs"] = copy_gbs
-    del src, dst
 
-    # SDPA over the same K/V stored contiguously, [B, H, S, D].
-    q_dense = torch.randn(batch, num_heads, 1, head_dim, device=device, dtype=dtype)
-    k_dense = torch.randn(batch, num_kv_heads, context, head_dim, device=device, dtype=dtype)
-    v_dense = torch.randn_like(k_dense)
-    scale = 1.0 / math.sqrt(head_dim)
+def _copy_bandwidth(ctx: dict, num_bytes: int, timing: dict) -> float:
+    """GB/s of a device-to-device copy of ``num_bytes``, counting reads and writes."""
+    src = ctx["torch"].randn(num_bytes // 4, device=ctx["device"])
+    dst = ctx["torch"].empty_like(src)
+    ms = ctx["clock"].median_ms(lambda: dst.copy_(src), **timing)
+    return 2 * num_bytes / ms / 1e6
 
-    def sdpa():
-        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, scale=scale, enable_gqa=True)
+
+def _dense_decode_inputs(ctx: dict, shape: dict) -> dict:
+    torch, device = ctx["torch"], ctx["device"]
+    b, h, kh, s, d = (shape[k] for k in ("batch", "num_heads", "num_kv_heads", "context", "head_dim"))
+    return {
+        "q": torch.randn(b, h, 1, d, device=device, dtype=torch.bfloat16),  # [B, H, 1, D]
+        "k": torch.randn(b, kh, s, d, device=device, dtype=torch.bfloat16),  # [B, KH, S, D]
+        "v": torch.randn(b, kh, s, d, device=device, dtype=torch.bfloat16),
+        "scale": 1.0 / math.sqrt(d),
+    }
+
+
+def _sdpa_decode(torch, dense: dict):
+    """(callable, mode): SDPA over the dense K/V, sharing KV heads if torch can."""
+    import torch.nn.functional as F
+
+    q, k, v, scale = dense["q"], dense["k"], dense["v"], dense["scale"]
+
+    def gqa():
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
     try:
-        sdpa()
-        result["sdpa_mode"] = "enable_gqa"
+        gqa()
+        return gqa, "enable_gqa"
     except (TypeError, RuntimeError):
-        # Older torch: no enable_gqa. Expanded K/V read group-times the bytes.
-        group = num_heads // num_kv_heads
-        k_wide = k_dense.repeat_interleave(group, dim=1)
-        v_wide = v_dense.repeat_interleave(group, dim=1)
-        result["sdpa_mode"] = f"expanded K/V ({group}x bytes)"
+        # Older torch has no enable_gqa: expanded K/V read group-times the bytes.
+        group = q.shape[1] // k.shape[1]
+        k_wide, v_wide = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return (lambda: F.scaled_dot_product_attention(q, k_wide, v_wide, scale=scale)), f"expanded K/V ({group}x bytes)"
 
-        def sdpa():
-            return F.scaled_dot_product_attention(q_dense, k_wide, v_wide, scale=scale)
 
-    sdpa_ms = clock.median_ms(sdpa, warmup=warmup, reps=reps)
-    result["sdpa_ms"] = sdpa_ms
-    result["sdpa_gbs"] = kv_bytes / sdpa_ms / 1e6
+def _paged_decode_inputs(ctx: dict, dense: dict, block_size: int):
+    """The dense K/V scattered into shuffled cache blocks, and decode metadata."""
+    torch, device = ctx["torch"], ctx["device"]
+    from pagedllm.attention.base import AttentionMetadata
 
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    for block_size in block_sizes:
-        blocks_per_seq = context // block_size
-        num_blocks = batch * blocks_per_seq + 1
-        # k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-        k_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
-        v_cache = torch.empty_like(k_cache)
-        # Paged copy of the dense K/V: sequence b's token t lives at table[b][t // bs], offset t % bs.
-        perm = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq] + 1
-        block_tables = perm.view(batch, blocks_per_seq).to(torch.int32).to(device)
-        flat = block_tables.long().flatten()
-        k_cache[flat] = k_dense.permute(0, 2, 1, 3).reshape(batch * blocks_per_seq, block_size, num_kv_heads, head_dim)
-        v_cache[flat] = v_dense.permute(0, 2, 1, 3).reshape(batch * blocks_per_seq, block_size, num_kv_heads, head_dim)
-        query = q_dense.view(batch, num_heads, head_dim)
-        md = AttentionMetadata(
-            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
-            block_tables=block_tables,
-            seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-            max_query_len=1, max_seq_len=context,
-            seq_lens_host=[context] * batch, query_lens_host=[1] * batch,
-        )
-        out = backend.forward(query, k_cache, v_cache, md, scale)
-        expected = sdpa().view(batch, num_heads, head_dim)
-        max_err = (out.float() - expected.float()).abs().max().item()
-        ms = clock.median_ms(lambda: backend.forward(query, k_cache, v_cache, md, scale), warmup=warmup, reps=reps)
-        gbs = kv_bytes / ms / 1e6
-        result["runs"].append({
-            "block_size": block_size,
-            "num_splits": backend.num_decode_splits(md, num_kv_heads, query.device),
-            "ms": ms,
-            "gbs": gbs,
-            "pct_of_copy": 100 * gbs / copy_gbs,
-            "speedup_vs_sdpa": sdpa_ms / ms,
-            "max_abs_err_vs_sdpa": max_err,
-        })
-        del k_cache, v_cache
-    result["ok"] = all(r["max_abs_err_vs_sdpa"] < 3e-2 for r in result["runs"])
-    return result
+    batch, num_kv_heads, context, head_dim = dense["k"].shape
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq + 1  # block 0 stays unused
+    gen = torch.Generator().manual_seed(block_size)
+    block_tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(batch, blocks_per_seq)
+    block_tables = block_tables.to(torch.int32).to(device)  # [B, blocks_per_seq]
+    # Sequence b's token t lives in block table[b, t // block_size] at offset t % block_size.
+    k_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    flat = block_tables.long().flatten()
+    for cache, src in ((k_cache, dense["k"]), (v_cache, dense["v"])):
+        cache[flat] = src.permute(0, 2, 1, 3).reshape(-1, block_size, num_kv_heads, head_dim)
+    query = dense["q"].view(batch, -1, head_dim)  # [B, H, D]
+    md = AttentionMetadata(
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
+        block_tables=block_tables,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        max_query_len=1,
+        max_seq_len=context,
+        seq_lens_host=[context] * batch,
+        query_lens_host=[1] * batch,
+    )
+    return query, k_cache, v_cache, md
 
 
 # ------------------------------------------------------------ (c) and (d)
@@ -307,11 +349,10 @@ def _generate_tokens(ctx: dict, prompts, max_tokens: int, **llm_kwargs) -> tuple
     llm = LLM(model=None, **llm_kwargs)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     gen_s = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    info = {"load_s": round(load_s, 2), "generate_s": round(gen_s, 2),
-            "triton_backend_loaded": "pagedllm.attention.triton_backend" in sys.modules}
+    info = {"load_s": round(load_s, 2), "generate_s": round(gen_s, 2), "attention_backend": _backend_name(llm)}
     del llm, outputs
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -325,13 +366,15 @@ def engine_greedy(ctx: dict) -> dict:
     device = ctx["device"]
     reference, ref_info = _generate_tokens(ctx, prompts, max_tokens, dtype="float32", device="cpu")
     result: dict = {"prompts": len(prompts), "max_tokens": max_tokens, "cpu_fp32": ref_info, "runs": []}
+    # On the CPU the default backend would be the torch one; ask for the kernels.
+    backend = {"attention_backend": "triton"} if tiny else {}
     for dtype in ("bfloat16", "float32"):
         try:
-            tokens, info = _generate_tokens(ctx, prompts, max_tokens, dtype=dtype, device=device)
+            tokens, info = _generate_tokens(ctx, prompts, max_tokens, dtype=dtype, device=device, **backend)
         except Exception as exc:  # noqa: BLE001
             result["runs"].append({"dtype": dtype, "ok": False, "error": _describe(exc)})
             continue
-        divergences = [_first_divergence(a, b) for a, b in zip(tokens, reference)]
+        divergences = [_first_divergence(a, b) for a, b in zip(tokens, reference, strict=True)]
         mismatched = [
             {"prompt": i, "first_divergence": d, "cpu": reference[i][d: d + 3], "cuda": tokens[i][d: d + 3]}
             for i, d in enumerate(divergences) if d is not None
@@ -355,7 +398,7 @@ def w64_throughput(ctx: dict, workload_path: str) -> dict:
     prompt_ids = workload["prompt_token_ids"]
     max_tokens = workload.get("output_len", 128)
     if tiny:
-        prompt_ids, max_tokens = [p[:48] for p in prompt_ids[:4]], 4
+        prompt_ids, max_tokens = [p[:16] for p in prompt_ids[:2]], 2
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     result: dict = {"num_requests": len(prompts), "prompt_tokens": sum(map(len, prompt_ids)),
@@ -365,12 +408,13 @@ def w64_throughput(ctx: dict, workload_path: str) -> dict:
         try:
             t0 = time.perf_counter()
             llm = LLM(model=None, dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager)
-            run["load_s"] = round(time.perf_counter() - t0, 2)
+            run.update({"load_s": round(time.perf_counter() - t0, 2), "attention_backend": _backend_name(llm)})
             # Warm-up: compile kernels and capture graphs outside the timed run.
-            llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            warm = SamplingParams(temperature=0, max_tokens=2 if tiny else 8, ignore_eos=True)
+            llm.generate(prompts[: 1 if tiny else 8], warm, use_tqdm=False)
             ctx["clock"].sync()
             t0 = time.perf_counter()
-            outputs = llm.generate(prompts, params)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
             ctx["clock"].sync()
             elapsed = time.perf_counter() - t0
             out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -394,8 +438,13 @@ def w64_throughput(ctx: dict, workload_path: str) -> dict:
 # ------------------------------------------------------------------- helpers
 
 
+def _backend_name(llm) -> str | None:
+    backend = getattr(getattr(llm, "llm_engine", None), "attn_backend", None)
+    return getattr(backend, "name", None)
+
+
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -444,6 +493,13 @@ def _summary_lines(report: dict) -> list[str]:
         )
     if not bw.get("runs"):
         lines.append(f"{'decode_bandwidth':<18} {status(bw):<8}")
+    timed = [t for t in bw.get("tiling_sweep", []) if "gbs" in t]
+    if timed:
+        best = max(timed, key=lambda t: t["gbs"])
+        lines.append(
+            f"{'decode_tiling':<18} {'':<8} best of {len(timed)}: block_n {best['block_n']}, "
+            f"{best['num_warps']} warps, {best['num_stages']} stages: {best['gbs']:.0f} GB/s"
+        )
 
     eg = report["engine_greedy"]
     runs = eg.get("runs", [])

@@ -3,3 +3,57 @@ import sys
 
 # tests import helpers such as tests/attention_reference.py as top-level modules
 sys.path.insert(0, os.path.dirname(__file__))
+
+import functools
+
+import pytest
+import torch
+
+
+class HFReference:
+    """HF transformers on the default model's GGUF, fp32: the oracle for model outputs."""
+
+    def __init__(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from pagedllm.models.paths import default_model_path
+
+        path = default_model_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        self.model.eval()
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+    @functools.lru_cache(maxsize=256)
+    def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        """Greedy continuation, stopping at EOS like the engine does (EOS included)."""
+        ids = torch.tensor([list(prompt_ids)])
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=max_new_tokens, pad_token_id=self.eos_token_id,
+            )
+        return out[0, len(prompt_ids):].tolist()
+
+    def beam(self, prompt_ids: list[int], width: int, max_new_tokens: int, length_penalty=1.0,
+             early_stopping=False) -> list[list[int]]:
+        ids = torch.tensor([list(prompt_ids)])
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
+                num_return_sequences=width, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                early_stopping=early_stopping, pad_token_id=self.eos_token_id,
+            )
+        result = []
+        for row in out.tolist():
+            gen = row[len(prompt_ids):]
+            # generate pads finished beams after EOS; the hypothesis ends at its EOS
+            if self.eos_token_id in gen:
+                gen = gen[: gen.index(self.eos_token_id) + 1]
+            result.append(gen)
+        return result
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    return HFReference()

@@ -27,9 +27,7 @@ BASES = [list(range(100 * k, 100 * k + 3 * BS)) for k in range(3)]
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.manager = BlockManager(
-            NUM_BLOCKS, BS, num_cpu_blocks=NUM_CPU_BLOCKS, watermark=0.0625
-        )
+        self.manager = BlockManager(NUM_BLOCKS, BS, num_cpu_blocks=NUM_CPU_BLOCKS, watermark=0.0625)
         self.tokens: dict[int, list[int]] = {}  # seq id -> token at each slot position
         self.family: dict[int, int] = {}  # seq id -> id of the sequence it was forked from first
         self.device_kv: dict[int, int] = {}  # device slot -> token written there
@@ -192,7 +190,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             table = self.manager._seqs[seq_id].block_table
             for position, token in enumerate(self.tokens[seq_id]):
                 slot = table[position // BS] * BS + position % BS
-                assert self.cpu_kv.get(slot) == token, f"swapped sequence {seq_id} position {position}"
+                assert self.cpu_kv.get(slot) == token, (
+                    f"swapped sequence {seq_id} position {position}"
+                )
 
     def teardown(self):
         for seq_id in sorted(self.tokens):

@@ -47,10 +47,18 @@ def _private_cache(tmp_path, monkeypatch):
 def _hf_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -142,7 +150,9 @@ def test_quantized_tensors_load_as_the_package_dequantizes(tmp_path):
     config = checkpoint.hf_config
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
-        LAYERS, HIDDEN, VOCAB,
+        LAYERS,
+        HIDDEN,
+        VOCAB,
     )
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (HEADS, KV_HEADS)
     assert config["tie_word_embeddings"] is True
@@ -155,13 +165,17 @@ def test_unquantized_gguf_gives_hf_logits_and_q_k_round_trip(tmp_path):
     path = tmp_path / "tiny-f32.gguf"
     _write_gguf(path, state, {})
     loaded = load_model(
-        str(path), dtype=torch.float32, device=torch.device("cpu"),
+        str(path),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
         attn_backend=TorchAttentionBackend(),
     )
     # the permuted q/k written to the file come back as the original HF rows
     attn = loaded.model.layers[1].self_attn
     q_rows = HEADS * HIDDEN // HEADS
-    assert torch.equal(attn.qkv_proj.weight[:q_rows], state["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(
+        attn.qkv_proj.weight[:q_rows], state["model.layers.1.self_attn.q_proj.weight"]
+    )
     k = attn.qkv_proj.weight[q_rows : q_rows + KV_HEADS * HIDDEN // HEADS]
     assert torch.equal(k, state["model.layers.1.self_attn.k_proj.weight"])
     assert loaded.generation_config == {}
@@ -178,15 +192,24 @@ def _prefill_logits(loaded, tokens: list[int]) -> torch.Tensor:
     num_blocks = -(-len(tokens) // block_size)
     cfg = loaded.config
     cache = KVCache(
-        num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=torch.float32, device="cpu",
+        num_layers=cfg.num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=torch.float32,
+        device="cpu",
     )
     n = len(tokens)
     md = AttentionMetadata(
-        slot_mapping=torch.arange(n), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(n),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
         seq_lens=torch.tensor([n], dtype=torch.int32),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        max_query_len=n, max_seq_len=n, seq_lens_host=[n], query_lens_host=[n],
+        max_query_len=n,
+        max_seq_len=n,
+        seq_lens_host=[n],
+        query_lens_host=[n],
     )
     with torch.no_grad():
         return loaded.model(torch.tensor(tokens), torch.arange(n), cache.layers, md)

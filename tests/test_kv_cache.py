@@ -18,8 +18,14 @@ class _Copy:
 
 def _filled_cache(num_cpu_blocks: int = 0) -> KVCache:
     cache = KVCache(
-        num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8,
-        dtype=torch.float32, device="cpu", num_cpu_blocks=num_cpu_blocks,
+        num_layers=3,
+        num_blocks=6,
+        block_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device="cpu",
+        num_cpu_blocks=num_cpu_blocks,
     )
     gen = torch.Generator().manual_seed(0)
     for k, v in cache.layers:
@@ -43,7 +49,7 @@ def test_copy_blocks_copies_every_layer_and_leaves_others():
     before = [(k.clone(), v.clone()) for k, v in cache.layers]
     # block 1 is both read (-> 4) and written (from 0): sources are read first
     cache.copy_blocks([_Copy(1, 4), _Copy(0, 1), _Copy(2, 5)])
-    for (k, v), (k0, v0) in zip(cache.layers, before):
+    for (k, v), (k0, v0) in zip(cache.layers, before, strict=True):
         assert torch.equal(k[4], k0[1]) and torch.equal(v[4], v0[1])
         assert torch.equal(k[1], k0[0]) and torch.equal(v[1], v0[0])
         assert torch.equal(k[5], k0[2]) and torch.equal(v[5], v0[2])
@@ -63,14 +69,14 @@ def test_swap_out_then_in_round_trips():
     cache = _filled_cache(num_cpu_blocks=3)
     original = [(k.clone(), v.clone()) for k, v in cache.layers]
     cache.swap_out([(5, 0), (2, 2)])
-    for (k_cpu, v_cpu), (k0, v0) in zip(cache.cpu_layers, original):
+    for (k_cpu, v_cpu), (k0, v0) in zip(cache.cpu_layers, original, strict=True):
         assert torch.equal(k_cpu[0], k0[5]) and torch.equal(v_cpu[0], v0[5])
         assert torch.equal(k_cpu[2], k0[2]) and torch.equal(v_cpu[2], v0[2])
     for k, v in cache.layers:  # the device blocks get reused by someone else
         k.zero_()
         v.zero_()
     cache.swap_in([(0, 1), (2, 3)])
-    for (k, v), (k0, v0) in zip(cache.layers, original):
+    for (k, v), (k0, v0) in zip(cache.layers, original, strict=True):
         assert torch.equal(k[1], k0[5]) and torch.equal(v[1], v0[5])
         assert torch.equal(k[3], k0[2]) and torch.equal(v[3], v0[2])
         assert not k[0].any() and not k[4].any()

@@ -23,10 +23,27 @@ BLOCK_SIZE = 4
 VOCAB = 256
 
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    """Tiny matmuls gain nothing from intra-op threads; on a shared CPU the
+    threads' spin-waiting only slows them down."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _hf_llama(**overrides):
@@ -53,8 +70,11 @@ HF_MODELS = {
     "llama3_rope": lambda: _hf_llama(
         rope_theta=500000.0,
         rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
         },
     ),
     "qwen2": _hf_qwen2,
@@ -73,9 +93,13 @@ class PagedSequences:
 
     def __init__(self, config: ModelConfig, num_blocks: int = 64, seed: int = 0):
         self.cache = KVCache(
-            num_layers=config.num_layers, num_blocks=num_blocks, block_size=BLOCK_SIZE,
-            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            dtype=torch.float32, device="cpu",
+            num_layers=config.num_layers,
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=torch.float32,
+            device="cpu",
         )
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -108,11 +132,14 @@ class PagedSequences:
         seq_lens = [self.lens[s] for s in seqs]
         query_lens = [len(t) for t in new_tokens.values()]
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), block_tables=tables,
+            slot_mapping=torch.tensor(slots),
+            block_tables=tables,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            seq_lens_host=seq_lens, query_lens_host=query_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            seq_lens_host=seq_lens,
+            query_lens_host=query_lens,
         )
         with torch.no_grad():
             return model(
@@ -186,9 +213,13 @@ def test_bfloat16_runs_close_to_fp32():
     tokens = list(range(3, 20))
     paged = PagedSequences(config)
     paged.cache = KVCache(
-        num_layers=config.num_layers, num_blocks=64, block_size=BLOCK_SIZE,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        dtype=torch.bfloat16, device="cpu",
+        num_layers=config.num_layers,
+        num_blocks=64,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=torch.bfloat16,
+        device="cpu",
     )
     seq = paged.add()
     out = paged.step(model, {seq: tokens})
@@ -203,7 +234,9 @@ def _save(hf_model, directory, **kwargs):
 
 def _loaded_logits(directory, tokens):
     loaded = load_model(
-        str(directory), dtype=torch.float32, device=torch.device("cpu"),
+        str(directory),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
         attn_backend=TorchAttentionBackend(),
     )
     paged = PagedSequences(loaded.config)

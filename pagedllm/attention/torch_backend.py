@@ -143,7 +143,11 @@ def _prefill_one(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
         mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, L]
     result = F.scaled_dot_product_attention(
-        q, keys.to(q.dtype), values.to(q.dtype),
-        attn_mask=mask, is_causal=mask is None, scale=scale,
+        q,
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
     )  # [H, q_len, D]
     out[start : start + q_len] = result.transpose(0, 1)

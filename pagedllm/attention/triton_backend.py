@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
-from pagedllm.attention.kernels.paged_decode import paged_decode, plan_num_splits
+from pagedllm.attention.kernels.paged_decode import DecodeTiling, paged_decode, plan_num_splits
 from pagedllm.attention.kernels.paged_prefill import paged_prefill
 from pagedllm.attention.kernels.write_kv import write_kv as _write_kv
 
@@ -36,6 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
     Decode split-K plan: enough splits that about ``target_programs`` programs
     run (default: 8 per SM on CUDA, 16 on the CPU interpreter), at most
     ``max_num_splits``, and none shorter than ``min_split_tokens`` tokens.
+    ``decode_tiling`` overrides the decode kernel's launch shape (for tuning).
     """
 
     name = "triton"
@@ -46,10 +47,12 @@ class TritonAttentionBackend(AttentionBackend):
         min_split_tokens: int = 256,
         max_num_splits: int = 16,
         target_programs: int | None = None,
+        decode_tiling: DecodeTiling | None = None,
     ) -> None:
         self.min_split_tokens = min_split_tokens
         self.max_num_splits = max_num_splits
         self.target_programs = target_programs
+        self.decode_tiling = decode_tiling
         self._device_targets: dict[torch.device, int] = {}
 
     def write_kv(
@@ -85,7 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_decode(
                 query, k_cache, v_cache,
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                scale, num_splits, out,
+                scale, num_splits, out, self.decode_tiling,
             )
         return paged_prefill(
             query, k_cache, v_cache,

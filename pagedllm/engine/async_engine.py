@@ -401,6 +401,7 @@ class AsyncLLMEngine:
             self._observe(output)
             if output.finished:
                 del self._active[output.request_id]
+                self._timings.pop(output.request_id, None)
             stream._post(output)
         return True
 
@@ -438,8 +439,6 @@ class AsyncLLMEngine:
             _observe_latencies(observer, timing, output)
         except Exception:
             logger.exception("request observer failed")
-        if output.finished:
-            self._timings.pop(output.request_id, None)
 
 
 def _observe_latencies(observer: RequestObserver, timing: _Timing, output: RequestOutput) -> None:

@@ -205,7 +205,7 @@ class BlockManager:
         first = seq.num_slots // self.block_size
         end = _cdiv(seq.num_slots + num_new_tokens, self.block_size)
         table = seq.block_table
-        shared = [] and [
+        shared = [
             i
             for i in range(first, min(end, len(table)))
             if self._pool.blocks[table[i]].ref_count > 1
@@ -261,10 +261,11 @@ class BlockManager:
         ``token_ids`` is the sequence's whole token list so far (prompt +
         outputs); block ``i`` qualifies when ``i < num_computed_tokens // block_size``.
         Idempotent, incremental (each block is hashed once), and a no-op
-        when prefix caching is off.
+        when prefix caching is off or the sequence is swapped out (it has no
+        device blocks to publish; they are registered after swap-in).
         """
-        seq = self._device_seq(seq_id)
-        if not self.enable_prefix_caching:
+        seq = self._get_seq(seq_id)
+        if not self.enable_prefix_caching or seq.swapped:
             return
         num_tokens = min(num_computed_tokens, len(token_ids), seq.num_slots)
         num_full = min(num_tokens // self.block_size, len(seq.block_table))

@@ -92,7 +92,7 @@ class KVCache:
         self._require_cpu_pool()
         dev_idx = torch.tensor([d for d, _ in mapping], dtype=torch.int64, device=self.device)
         cpu_idx = torch.tensor([c for _, c in mapping], dtype=torch.int64)
-        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers):
+        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers, strict=True):
             k_cpu.index_copy_(0, cpu_idx, k_dev.index_select(0, dev_idx).cpu())
             v_cpu.index_copy_(0, cpu_idx, v_dev.index_select(0, dev_idx).cpu())
 
@@ -103,7 +103,7 @@ class KVCache:
         self._require_cpu_pool()
         cpu_idx = torch.tensor([c for c, _ in mapping], dtype=torch.int64)
         dev_idx = torch.tensor([d for _, d in mapping], dtype=torch.int64, device=self.device)
-        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers):
+        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers, strict=True):
             k_dev.index_copy_(0, dev_idx, k_cpu.index_select(0, cpu_idx).to(self.device))
             v_dev.index_copy_(0, dev_idx, v_cpu.index_select(0, cpu_idx).to(self.device))
 

@@ -105,7 +105,9 @@ def load_gguf_checkpoint(path: Path, *, use_cache: bool = True) -> GGUFCheckpoin
     started = time.perf_counter()
     hf_config, tensors = read_gguf(path)
     logger.info(
-        "dequantized %d tensors of %s in %.1f s", len(tensors), path.name,
+        "dequantized %d tensors of %s in %.1f s",
+        len(tensors),
+        path.name,
         time.perf_counter() - started,
     )
     if use_cache:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | None,
+    model: str | os.PathLike | None,
     *,
     dtype: torch.dtype,
     device: torch.device,
@@ -70,8 +71,12 @@ def load_model(
     module.load_weights(weights)
     module.eval()
     logger.info(
-        "loaded %s (%s, %s, %s) in %.2f s", path.name, config.architecture,
-        str(dtype).removeprefix("torch."), device, time.perf_counter() - started,
+        "loaded %s (%s, %s, %s) in %.2f s",
+        path.name,
+        config.architecture,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - started,
     )
     return LoadedModel(module, config, path, hf_config, generation_config)
 
@@ -110,7 +115,9 @@ def safetensors_files(directory: Path) -> list[Path]:
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not (directory / name).is_file()]
         if missing:
-            raise ModelLoadError(f"{directory} is missing shard(s) listed in {index.name}: {missing}")
+            raise ModelLoadError(
+                f"{directory} is missing shard(s) listed in {index.name}: {missing}"
+            )
         return [directory / name for name in files]
     single = directory / "model.safetensors"
     if single.is_file():

@@ -11,11 +11,12 @@ request is aborted and its KV blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
-from pagedllm.errors import EngineDeadError, RequestError
+from pagedllm.errors import EngineDeadError, PagedLLMError, RequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.server import protocol as p
@@ -384,8 +385,8 @@ def build_app(
             )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-    v1.add_api_route("/completions", server.create_completion, methods=["POST"])
-    v1.add_api_route("/chat/completions", server.create_chat_completion, methods=["POST"])
+    v1.add_api_route("/completions", _guarded(server.create_completion), methods=["POST"])
+    v1.add_api_route("/chat/completions", _guarded(server.create_chat_completion), methods=["POST"])
     v1.add_api_route("/models", server.models, methods=["GET"], response_model=p.ModelList)
     app.include_router(v1)
 
@@ -403,15 +404,38 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], response_model=p.TokenizeResponse)
-    app.add_api_route("/detokenize", server.detokenize, methods=["POST"], response_model=p.DetokenizeResponse)
+    app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
+    app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
     return app
 
 
+def _guarded(handler: Callable[[Request], Awaitable]) -> Callable[[Request], Awaitable]:
+    """Turns an unexpected exception of one request into a logged 500 for that request only."""
+
+    @functools.wraps(handler)
+    async def guarded(request: Request):
+        try:
+            return await handler(request)
+        except (APIError, PagedLLMError):
+            raise
+        except Exception as exc:
+            logger.exception("request to %s failed", request.url.path)
+            raise _error_for(exc) from exc
+
+    return guarded
+
+
 def _install_error_handlers(app: FastAPI) -> None:
+    # Specific classes are answered by Starlette's ExceptionMiddleware; only the
+    # catch-all Exception handler runs in ServerErrorMiddleware, which re-raises.
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(PagedLLMError)
+    async def engine_error(_: Request, exc: PagedLLMError) -> JSONResponse:
+        error = _error_for(exc)
+        return _error_response(error.status, error.message, error.type, error.param, error.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -16,6 +16,8 @@ planned for the largest context stays correct for any shorter one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -156,7 +158,7 @@ def _decode_merge_kernel(
 
     row = (seq.to(tl.int64) * num_heads + head) * num_splits + splits  # [SPLITS_PAD]
     m = tl.load(part_m_ptr + row, mask=split_ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + row, mask=split_ok, other=0.0)
+    sums = tl.load(part_l_ptr + row, mask=split_ok, other=0.0)
     acc = tl.load(
         part_acc_ptr + row[:, None] * head_dim + dims[None, :],
         mask=split_ok[:, None] & dim_ok[None, :],
@@ -166,7 +168,7 @@ def _decode_merge_kernel(
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty
     w = tl.exp2(m - m_max)  # [SPLITS_PAD]
-    total = tl.sum(w * l, axis=0)
+    total = tl.sum(w * sums, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
 
     o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od
@@ -194,9 +196,23 @@ def plan_num_splits(
     return max(1, min(wanted, by_length, max_num_splits))
 
 
-def decode_block_n(block_size: int, dtype: torch.dtype) -> int:
-    """Context tokens per loop step: a whole number of cache blocks, >= 16 for tl.dot."""
-    return max(64 if dtype != torch.float32 else 32, block_size)
+@dataclass(frozen=True)
+class DecodeTiling:
+    """Launch shape of the split kernel.
+
+    block_n: context tokens per loop step (a power of two >= 16 for tl.dot;
+    any relation to the cache block size works, tokens are gathered one by one).
+    """
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @staticmethod
+    def default(block_size: int, dtype: torch.dtype) -> DecodeTiling:
+        # 64 tokens x 128 dims of bf16 K plus V is 32 KiB per step; fp32 halves
+        # the tile to keep the same bytes in flight.
+        return DecodeTiling(block_n=max(32 if dtype == torch.float32 else 64, block_size))
 
 
 def paged_decode(
@@ -209,8 +225,9 @@ def paged_decode(
     scale: float,
     num_splits: int,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    tiling: DecodeTiling | None = None,
 ) -> torch.Tensor:
-    """Decode attention (every sequence has exactly one query token) into ``out``."""
+    """Decode attention (every sequence has one query token, or none) into ``out``."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -219,6 +236,7 @@ def paged_decode(
     group = num_heads // num_kv_heads
     dot_dtype, dot_precision = dot_operands(query.dtype)
     head_dim_pad = triton.next_power_of_2(head_dim)
+    tiling = tiling or DecodeTiling.default(block_size, query.dtype)
     split = num_splits > 1
     device = query.device
     if split:
@@ -244,12 +262,12 @@ def paged_decode(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
-        BLOCK_N=decode_block_n(block_size, query.dtype),
+        BLOCK_N=tiling.block_n,
         SPLIT=split,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -1,0 +1,30 @@
+"""``pagedllm bench``: dispatch to throughput | latency | serve | memory.
+
+Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their benchmark runs (the heavy imports, torch
+and the engine, happen inside them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "throughput": ("pagedllm.bench.throughput", "Offline throughput on a workload, optionally beside HF / vLLM"),
+    "latency": ("pagedllm.bench.latency", "One request at a time: TTFT, TPOT, decode tok/s"),
+    "serve": ("pagedllm.bench.serve", "Load-test an OpenAI-compatible server with streaming requests"),
+    "memory": ("pagedllm.bench.memory", "KV memory audit: waste per allocation policy, savings from sharing"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str = "bench") -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
+    for bench_name, (module_name, help_text) in BENCHMARKS.items():
+        bench_parser = sub.add_parser(bench_name, help=help_text, description=help_text)
+        importlib.import_module(module_name).add_arguments(bench_parser)
+        bench_parser.set_defaults(_bench_module=module_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(args._bench_module).run(args) or 0)
