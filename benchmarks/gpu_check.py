@@ -30,7 +30,13 @@ import traceback
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_WORKLOAD = REPO_ROOT.parent / "shared" / "workloads" / "w64.json"
+# --workload default: ../shared/workloads/w64.json from the working directory,
+# else the same path beside or inside the repository.
+WORKLOAD_CANDIDATES = [
+    Path("../shared/workloads/w64.json"),
+    REPO_ROOT.parent / "shared" / "workloads" / "w64.json",
+    REPO_ROOT / "shared" / "workloads" / "w64.json",
+]
 
 # Short splits and a high program target so tiny shapes still take the split-K path.
 SMALL_SPLITS = {"min_split_tokens": 32, "target_programs": 64}
@@ -50,7 +56,7 @@ GREEDY_PROMPTS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON figures")
-    parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="W64 workload JSON")
+    parser.add_argument("--workload", default=None, help="W64 workload JSON (default ../shared/workloads/w64.json)")
     parser.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     parser.add_argument("--skip-engine", action="store_true", help="skip the end-to-end engine parts")
     parser.add_argument("--time-budget", type=float, default=280.0, help="seconds; later parts are skipped past it")
@@ -390,10 +396,15 @@ def engine_greedy(ctx: dict) -> dict:
     return result
 
 
-def w64_throughput(ctx: dict, workload_path: str) -> dict:
+def w64_throughput(ctx: dict, workload_path: str | None) -> dict:
     from pagedllm import LLM, SamplingParams
 
     torch, tiny = ctx["torch"], ctx["interpret"]
+    if workload_path is None:
+        found = [p for p in WORKLOAD_CANDIDATES if p.is_file()]
+        if not found:
+            raise FileNotFoundError(f"no W64 workload at {[str(p) for p in WORKLOAD_CANDIDATES]}; pass --workload")
+        workload_path = found[0]
     workload = json.loads(Path(workload_path).read_text())
     prompt_ids = workload["prompt_token_ids"]
     max_tokens = workload.get("output_len", 128)

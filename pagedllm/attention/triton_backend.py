@@ -11,6 +11,12 @@ Dispatch per forward pass:
   with the number of splits planned from host ints only.
 - otherwise: the varlen causal kernel, which also handles decode rows mixed
   into a prefill batch.
+
+CUDA graphs: the kernels read lengths, tables and slots from device tensors;
+the host only sizes grids (decode: ``num_seqs``, ``num_kv_heads`` and the split
+count planned from ``max_seq_len``). Any split count is correct for any
+context, so a decode graph captured at one ``max_seq_len`` replays correctly
+at others. The varlen grid depends on ``max_query_len``; do not replay it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.kernels.common import interpreting_bf16
 from pagedllm.attention.kernels.paged_decode import DecodeTiling, paged_decode, plan_num_splits
 from pagedllm.attention.kernels.paged_prefill import paged_prefill
 from pagedllm.attention.kernels.write_kv import write_kv as _write_kv
@@ -73,28 +80,29 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        num_tokens = query.shape[0]
+        # The interpreter truncates fp32 -> bf16 stores; let torch round instead.
+        out_dtype = torch.float32 if interpreting_bf16(query.dtype) else query.dtype
         # Padding rows (beyond the sequences' tokens) are never written by the
         # kernels; zero them so they cannot carry NaN garbage downstream.
-        num_real_tokens = sum(metadata.query_lens_host)
-        if num_real_tokens < num_tokens:
-            out = torch.zeros_like(query, memory_format=torch.contiguous_format)
-        else:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        padded = sum(metadata.query_lens_host) < query.shape[0]
+        alloc = torch.zeros if padded else torch.empty
+        out = alloc(query.shape, dtype=out_dtype, device=query.device)  # [num_tokens, num_heads, head_dim]
         if metadata.num_seqs == 0:
-            return out
+            return out.to(query.dtype)
         if metadata.is_decode_only:
             num_splits = self.num_decode_splits(metadata, k_cache.shape[2], query.device)
-            return paged_decode(
+            paged_decode(
                 query, k_cache, v_cache,
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 scale, num_splits, out, self.decode_tiling,
             )
-        return paged_prefill(
-            query, k_cache, v_cache,
-            metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-            scale, metadata.max_query_len, out,
-        )
+        else:
+            paged_prefill(
+                query, k_cache, v_cache,
+                metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                scale, metadata.max_query_len, out,
+            )
+        return out.to(query.dtype)
 
     def num_decode_splits(self, metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
         """Split count for a decode batch; depends on host ints only (graph-safe)."""

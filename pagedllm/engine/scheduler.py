@@ -292,8 +292,7 @@ class Scheduler:
         if len(seqs) == 1:
             seq = seqs[0]
             return bm.can_allocate(seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq))
-        watermark = int(0.01 * bm.num_blocks)
-        return self._blocks_for(request) <= bm.get_num_free_blocks() - watermark
+        return self._blocks_for(request) <= bm.get_num_free_blocks() - bm.watermark_blocks
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

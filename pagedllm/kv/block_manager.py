@@ -442,6 +442,11 @@ class BlockManager:
         """Count one preemption (recompute or swap); whoever preempts calls this."""
         self._num_preemptions += 1
 
+    def reset_peak_stats(self) -> None:
+        """Restart the peak counters from the current usage (to measure one workload)."""
+        self._peak_used_blocks = self._pool.get_num_used_blocks()
+        self._peak_table_entries = self._num_table_entries
+
     def _update_peaks(self) -> None:
         self._peak_used_blocks = max(self._peak_used_blocks, self._pool.get_num_used_blocks())
         self._peak_table_entries = max(self._peak_table_entries, self._num_table_entries)

@@ -80,13 +80,20 @@ class RotaryEmbedding(nn.Module):
 
     def _cos_sin(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if device not in self._tables:
+            self._tables[device] = self._build_tables(device)
+        return self._tables[device]
+
+    @torch.inference_mode(False)
+    def _build_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and sin, each [max_positions, head_dim / 2] float32; built as normal
+        tensors even under inference mode so later autograd use is not refused."""
+        with torch.no_grad():
             inv_freq = rope_inverse_frequencies(self.config).to(device)
             positions = torch.arange(
                 self.config.max_position_embeddings, device=device, dtype=torch.float32
             )
             angles = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
-            self._tables[device] = (angles.cos(), angles.sin())
-        return self._tables[device]
+            return angles.cos(), angles.sin()
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q: [T, H, D], k: [T, KH, D], positions: [T] -> rotated (q, k)."""

@@ -7,6 +7,7 @@ Modules (each imports triton, so import them only from a Triton backend):
                      then a reduction of the partial softmax states.
 - ``paged_prefill``: causal varlen attention for prefill chunks, prefix hits
                      and mixed batches.
+- ``common``:        dot operand types and interpreter workarounds.
 
 This package's ``__init__`` imports nothing on purpose: ``import pagedllm``
 must keep working on machines without Triton.

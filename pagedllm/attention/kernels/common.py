@@ -13,18 +13,25 @@ LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def interpreting_bf16(dtype: torch.dtype) -> bool:
+    """True when bf16 data runs through Triton's CPU interpreter.
+
+    The interpreter keeps bf16 as raw 16-bit patterns: ``tl.dot`` multiplies
+    the patterns, and fp32 -> bf16 casts truncate (a GPU rounds to nearest
+    even). The launchers work around both; compiled kernels are unaffected.
+    """
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def dot_operands(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """(operand dtype, input precision) for ``tl.dot`` on inputs of ``dtype``.
 
     fp16/bf16 multiply natively with fp32 accumulation; fp32 asks for full
-    IEEE products (TF32 would miss the fp32 tolerance). Triton's CPU
-    interpreter multiplies bf16 tensors as their raw 16-bit patterns, so there
+    IEEE products (TF32 would miss the fp32 tolerance). Under the interpreter
     bf16 operands are widened to fp32 first (exact: bf16 fits in fp32).
     """
     if dtype not in _TL_DTYPES:
         raise TypeError(f"attention kernels support float16, bfloat16 and float32, not {dtype}")
-    if dtype == torch.float32:
-        return tl.float32, "ieee"
-    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if dtype == torch.float32 or interpreting_bf16(dtype):
         return tl.float32, "ieee"
     return _TL_DTYPES[dtype], "tf32"  # precision is ignored for 16-bit operands

@@ -37,6 +37,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
     BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows of the query tile: BLOCK_Q * GROUP_PAD
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # context tokens per loop step
@@ -54,7 +55,6 @@ def _prefill_kernel(
     ``block_tables[s]``, masks keys after each row's position, keeps an fp32
     online softmax, and stores the normalised rows into ``out``.
     """
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -115,7 +115,7 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def prefill_tiles(group: int, head_dim: int, dtype: torch.dtype, block_size: int) -> tuple[int, int, int]:
+def prefill_tiles(group: int, dtype: torch.dtype, block_size: int) -> tuple[int, int, int]:
     """(GROUP_PAD, BLOCK_Q, BLOCK_N) for the varlen kernel.
 
     About 64 query rows per program (tokens x heads of one group) and 64
@@ -146,7 +146,7 @@ def paged_prefill(
         raise ValueError("k_cache and v_cache must share one layout")
     group = num_heads // num_kv_heads
     dot_dtype, dot_precision = dot_operands(query.dtype)
-    group_pad, block_q, block_n = prefill_tiles(group, head_dim, query.dtype, block_size)
+    group_pad, block_q, block_n = prefill_tiles(group, query.dtype, block_size)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
@@ -159,6 +159,7 @@ def paged_prefill(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
+        BLOCK_M=block_q * group_pad,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
