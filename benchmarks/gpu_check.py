@@ -74,7 +74,12 @@ class Clock:
         if self.cuda:
             self.torch.cuda.synchronize()
 
-    def median_ms(self, fn, *, warmup: int, reps: int) -> float:
+    def median_ms(self, fn, *, warmup: int, reps: int, inner: int = 1) -> float:
+        """Median over ``reps`` of the mean time of ``inner`` back-to-back calls.
+
+        Several calls per timed span keep the GPU queue full, so host launch
+        overhead does not count as device time.
+        """
         for _ in range(warmup):
             fn()
         self.sync()
@@ -84,14 +89,16 @@ class Clock:
                 start = self.torch.cuda.Event(enable_timing=True)
                 end = self.torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                for _ in range(inner):
+                    fn()
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end))
+                times.append(start.elapsed_time(end) / inner)
             else:
                 t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+                for _ in range(inner):
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e3 / inner)
         times.sort()
         return times[len(times) // 2]
 
@@ -99,30 +106,50 @@ class Clock:
 # ---------------------------------------------------------------- (a) kernels
 
 
+# (atol, rtol): a case passes when |out - ref| <= atol + rtol * |ref| everywhere.
+TOLERANCE = {"float32": (2e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (2e-2, 2e-2)}
+
+
 def kernel_check(ctx: dict) -> dict:
     torch = ctx["torch"]
-    from attention_reference import make_paged_batch, naive_attention
-
-    from pagedllm.attention.kernels.paged_decode import paged_decode
     from pagedllm.attention.triton_backend import TritonAttentionBackend
 
-    device, tiny = ctx["device"], ctx["interpret"]
-    if tiny:
-        heads, head_dim, max_ctx, batch = (6, 2), 32, 100, 3
-        dtypes, block_sizes = [torch.float32, torch.bfloat16], [16]
+    if ctx["interpret"]:
+        dims = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 32}
+        shapes, dtypes, block_sizes = _kernel_shapes(torch, max_ctx=100, batch=3), ["float32", "bfloat16"], [16]
+        extra_dtypes = []
     else:
-        heads, head_dim, max_ctx, batch = (32, 8), 128, 2048, 8
-        dtypes, block_sizes = [torch.bfloat16], [16, 32]
-    # (atol, rtol): a case passes when |out - ref| <= atol + rtol * |ref| everywhere.
-    tolerance = {torch.float32: (2e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
+        dims = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+        shapes, dtypes, block_sizes = _kernel_shapes(torch, max_ctx=2048, batch=8), ["bfloat16"], [8, 16, 32]
+        extra_dtypes = ["float16", "float32"]
+    # Short splits on the tiny shapes so the split-K path runs there too.
+    backend = TritonAttentionBackend(**SMALL_SPLITS) if ctx["interpret"] else TritonAttentionBackend()
+    plan = [(kind, dtype, bs, None) for dtype in dtypes for bs in block_sizes for kind in shapes]
+    plan += [("decode", "bfloat16", 16, splits) for splits in (1, 3)]  # forced split counts
+    plan += [(kind, dtype, 16, None) for dtype in extra_dtypes for kind in shapes]
+    cases = []
+    for seed, (kind, dtype, block_size, splits) in enumerate(plan):
+        name = f"{kind} {dtype} bs{block_size}" + (f" {splits}-split" if splits else "")
+        t0 = time.perf_counter()
+        try:
+            case = _attention_case(ctx, backend, shapes[kind], dims, getattr(torch, dtype), block_size, seed, splits)
+            case["ok"] = case.pop("excess") <= 0
+        except Exception as exc:  # noqa: BLE001 - every failure is a reported result
+            case = {"ok": False, "error": _describe(exc)}
+        cases.append({"case": name, **case, "atol_rtol": TOLERANCE[dtype], "seconds": round(time.perf_counter() - t0, 3)})
+    return {"ok": all(c["ok"] for c in cases), "cases": cases}
+
+
+def _kernel_shapes(torch, *, max_ctx: int, batch: int) -> dict[str, list[tuple[int, int]]]:
+    """(context_len, query_len) per sequence for a decode batch and a mixed batch."""
     gen = torch.Generator().manual_seed(0)
 
     def rand_len(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (1,), generator=gen))
 
-    shapes = {
+    return {
         "decode": [(rand_len(0, max_ctx - 1), 1) for _ in range(batch - 1)] + [(max_ctx - 1, 1)],
-        # fresh prefills, prefix hits starting mid-sequence, and decode rows together
+        # a fresh prefill, prefix hits starting mid-sequence, and decode rows together
         "mixed": [
             (0, max_ctx // 4),
             (max_ctx // 2 + 3, max_ctx // 8),
@@ -131,73 +158,45 @@ def kernel_check(ctx: dict) -> dict:
             (rand_len(1, max_ctx - 1), 1),
         ],
     }
-    # Short splits on the tiny shapes so the split-K path runs there too.
-    backend = TritonAttentionBackend(**SMALL_SPLITS) if tiny else TritonAttentionBackend()
-    cases = []
 
-    def record(name: str, dtype, fn) -> None:
-        t0 = time.perf_counter()
-        try:
-            err, excess, extra = fn()
-            ok = excess <= 0
-            cases.append({"case": name, "ok": ok, "max_abs_err": err, "atol_rtol": tolerance[dtype], **extra})
-        except Exception as exc:  # noqa: BLE001 - every failure is a reported result
-            cases.append({"case": name, "ok": False, "error": _describe(exc)})
-        cases[-1]["seconds"] = round(time.perf_counter() - t0, 3)
 
-    def attention_case(specs, dtype, block_size, seed, splits=None):
-        def run():
-            b = make_paged_batch(
-                specs, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
-                head_dim=head_dim, dtype=dtype, device=device, num_padding_tokens=2, seed=seed,
-            )
-            md = b.metadata
-            k_before = b.k_cache.clone()
-            backend.write_kv(b.new_key, b.new_value, b.k_cache, b.v_cache, md.slot_mapping)
-            keep = md.slot_mapping >= 0
-            expect_k = k_before.view(-1, heads[1], head_dim)
-            expect_k[md.slot_mapping[keep]] = b.new_key[keep]
-            write_exact = bool(torch.equal(expect_k, b.k_cache.view(-1, heads[1], head_dim)))
-            if splits is None:
-                out = backend.forward(b.query, b.k_cache, b.v_cache, md, b.scale)
-                used = backend.num_decode_splits(md, heads[1], b.query.device) if md.is_decode_only else 0
-            else:
-                out = torch.zeros_like(b.query)
-                paged_decode(
-                    b.query, b.k_cache, b.v_cache, md.block_tables, md.seq_lens,
-                    md.query_start_loc, b.scale, splits, out,
-                )
-                used = splits
-            n = sum(md.query_lens_host)
-            ref = naive_attention(b.query, b)
-            diff = (out[:n].float() - ref[:n].float()).abs()
-            atol, rtol = tolerance[dtype]
-            excess = (diff - atol - rtol * ref[:n].float().abs()).max().item()
-            padding_zero = bool(torch.count_nonzero(out[n:]) == 0) if splits is None else True
-            if not (write_exact and padding_zero):
-                excess = math.inf
-            extra = {"write_kv_exact": write_exact, "padding_rows_zero": padding_zero, "num_splits": used}
-            return diff.max().item(), excess, extra
+def _attention_case(ctx, backend, specs, dims, dtype, block_size, seed, splits) -> dict:
+    """write_kv then attention on a random shuffled paged batch, against the dense oracle.
 
-        return run
+    ``splits`` forces the decode kernel's split count; ``None`` goes through
+    ``backend.forward`` (its own dispatch and split plan).
+    """
+    torch = ctx["torch"]
+    from attention_reference import make_paged_batch, naive_attention
 
-    seed = 0
-    for dtype in dtypes:
-        for block_size in block_sizes:
-            for kind, specs in shapes.items():
-                seed += 1
-                name = f"{kind} {_dtype_name(dtype)} bs{block_size}"
-                record(name, dtype, attention_case(specs, dtype, block_size, seed))
-    # The unsplit decode path, and other dtypes once each.
-    for splits in (1, 3):
-        record(f"decode {splits}-split bf16 bs16", torch.bfloat16,
-               attention_case(shapes["decode"], torch.bfloat16, 16, 100 + splits, splits=splits))
-    extra_dtypes = [] if tiny else [torch.float16, torch.float32]
-    for dtype in extra_dtypes:
-        for kind, specs in shapes.items():
-            seed += 1
-            record(f"{kind} {_dtype_name(dtype)} bs16", dtype, attention_case(specs, dtype, 16, seed))
-    return {"ok": all(c["ok"] for c in cases), "cases": cases}
+    from pagedllm.attention.kernels.paged_decode import paged_decode
+
+    b = make_paged_batch(specs, block_size=block_size, dtype=dtype, device=ctx["device"],
+                         num_padding_tokens=2, seed=seed, **dims)
+    md, kv_heads, head_dim = b.metadata, dims["num_kv_heads"], dims["head_dim"]
+    expect_k = b.k_cache.clone().view(-1, kv_heads, head_dim)  # [num_slots, KH, D]
+    backend.write_kv(b.new_key, b.new_value, b.k_cache, b.v_cache, md.slot_mapping)
+    keep = md.slot_mapping >= 0
+    expect_k[md.slot_mapping[keep]] = b.new_key[keep]
+    write_exact = bool(torch.equal(expect_k, b.k_cache.view(-1, kv_heads, head_dim)))
+    if splits is None:
+        out = backend.forward(b.query, b.k_cache, b.v_cache, md, b.scale)
+        used = backend.num_decode_splits(md, kv_heads, b.query.device) if md.is_decode_only else 0
+    else:
+        out = torch.zeros_like(b.query)
+        paged_decode(b.query, b.k_cache, b.v_cache, md.block_tables, md.seq_lens,
+                     md.query_start_loc, b.scale, splits, out)
+        used = splits
+    n = sum(md.query_lens_host)
+    ref = naive_attention(b.query, b)[:n].float()
+    diff = (out[:n].float() - ref).abs()
+    atol, rtol = TOLERANCE[_dtype_name(dtype)]
+    excess = (diff - atol - rtol * ref.abs()).max().item()
+    padding_zero = bool(torch.count_nonzero(out[n:]) == 0)
+    if not (write_exact and padding_zero):
+        excess = math.inf
+    return {"max_abs_err": diff.max().item(), "excess": excess, "write_kv_exact": write_exact,
+            "padding_rows_zero": padding_zero, "num_splits": used}
 
 
 # ------------------------------------------------------- (b) decode bandwidth
@@ -210,10 +209,10 @@ def decode_bandwidth(ctx: dict) -> dict:
     tiny, clock = ctx["interpret"], ctx["clock"]
     if tiny:
         shape = {"batch": 2, "context": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
-        block_sizes, timing = [16], {"warmup": 1, "reps": 2}
+        block_sizes, timing = [16], {"warmup": 1, "reps": 2, "inner": 1}
     else:
         shape = {"batch": 64, "context": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
-        block_sizes, timing = [16, 32], {"warmup": 10, "reps": 30}
+        block_sizes, timing = [16, 32], {"warmup": 5, "reps": 15, "inner": 10}
     batch, head_dim = shape["batch"], shape["head_dim"]
     kv_bytes = 2 * batch * shape["context"] * shape["num_kv_heads"] * head_dim * 2  # K and V, bf16
     result: dict = {"shape": {**shape, "dtype": "bfloat16"}, "kv_bytes": kv_bytes, "runs": []}
@@ -247,8 +246,8 @@ def _tiling_sweep(ctx: dict, dense: dict, expected, timing: dict, kv_bytes: int)
     if ctx["interpret"]:
         tilings = [DecodeTiling(block_n=32)]
     else:
-        tilings = [DecodeTiling(block_n=n, num_warps=w, num_stages=st)
-                   for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+        tilings = [DecodeTiling(block_n=n, num_warps=w) for n in (32, 64, 128) for w in (4, 8)]
+        tilings += [DecodeTiling(block_n=64, num_stages=3), DecodeTiling(block_n=128, num_warps=8, num_stages=3)]
     sweep = []
     for tiling in tilings:
         entry = {"block_n": tiling.block_n, "num_warps": tiling.num_warps, "num_stages": tiling.num_stages}
@@ -397,9 +396,9 @@ def engine_greedy(ctx: dict) -> dict:
 
 
 def w64_throughput(ctx: dict, workload_path: str | None) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
-    torch, tiny = ctx["torch"], ctx["interpret"]
+    tiny = ctx["interpret"]
     if workload_path is None:
         found = [p for p in WORKLOAD_CANDIDATES if p.is_file()]
         if not found:
@@ -412,38 +411,42 @@ def w64_throughput(ctx: dict, workload_path: str | None) -> dict:
         prompt_ids, max_tokens = [p[:16] for p in prompt_ids[:2]], 2
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    result: dict = {"num_requests": len(prompts), "prompt_tokens": sum(map(len, prompt_ids)),
-                    "max_tokens": max_tokens, "runs": []}
-    for enforce_eager in (False, True):
+    result: dict = {"workload": str(workload_path), "num_requests": len(prompts),
+                    "prompt_tokens": sum(map(len, prompt_ids)), "max_tokens": max_tokens, "runs": []}
+    for enforce_eager in (False, True):  # CUDA graphs on, then off
         run: dict = {"enforce_eager": enforce_eager}
         try:
-            t0 = time.perf_counter()
-            llm = LLM(model=None, dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager)
-            run.update({"load_s": round(time.perf_counter() - t0, 2), "attention_backend": _backend_name(llm)})
-            # Warm-up: compile kernels and capture graphs outside the timed run.
-            warm = SamplingParams(temperature=0, max_tokens=2 if tiny else 8, ignore_eos=True)
-            llm.generate(prompts[: 1 if tiny else 8], warm, use_tqdm=False)
-            ctx["clock"].sync()
-            t0 = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            ctx["clock"].sync()
-            elapsed = time.perf_counter() - t0
-            out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            run.update({
-                "ok": out_tokens == len(prompts) * max_tokens,
-                "seconds": round(elapsed, 3),
-                "output_tokens": out_tokens,
-                "output_tok_s": out_tokens / elapsed,
-                "total_tok_s": (out_tokens + result["prompt_tokens"]) / elapsed,
-            })
-            del llm, outputs
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            run.update(_w64_run(ctx, prompts, params, enforce_eager))
+            run["ok"] = run["output_tokens"] == len(prompts) * max_tokens
+            run["total_tok_s"] = (run["output_tokens"] + result["prompt_tokens"]) / run["seconds"]
         except Exception as exc:  # noqa: BLE001
             run.update({"ok": False, "error": _describe(exc)})
         result["runs"].append(run)
     result["ok"] = all(r["ok"] for r in result["runs"])
     return result
+
+
+def _w64_run(ctx: dict, prompts: list[dict], params, enforce_eager: bool) -> dict:
+    """Load the model, warm up, and time one full generate over ``prompts``."""
+    from pagedllm import LLM, SamplingParams
+
+    torch, clock, tiny = ctx["torch"], ctx["clock"], ctx["interpret"]
+    t0 = time.perf_counter()
+    llm = LLM(model=None, dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager)
+    info = {"load_s": round(time.perf_counter() - t0, 2), "attention_backend": _backend_name(llm)}
+    # Warm-up: compile kernels and capture graphs outside the timed run.
+    warm = SamplingParams(temperature=0, max_tokens=2 if tiny else 8, ignore_eos=True)
+    llm.generate(prompts[: 1 if tiny else 8], warm, use_tqdm=False)
+    clock.sync()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    clock.sync()
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    del llm, outputs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {**info, "seconds": round(elapsed, 3), "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed}
 
 
 # ------------------------------------------------------------------- helpers

@@ -1,13 +1,19 @@
 import os
 import sys
 
+# Without a GPU, Triton kernels run in its CPU interpreter. The mode is fixed
+# when a kernel is defined, so it must be set before anything imports triton.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # tests import helpers such as tests/attention_reference.py as top-level modules
 sys.path.insert(0, os.path.dirname(__file__))
 
-import functools
+import functools  # noqa: E402
 
-import pytest
-import torch
+import pytest  # noqa: E402
 
 
 class HFReference:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
+from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, Sequence, SeqStatus
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.outputs import RequestMetrics
@@ -163,3 +163,29 @@ def test_multi_sequence_requests_advance_in_lockstep(budget):
         if all(flags) and flags:
             break
     assert [s.num_computed_tokens for s in req.seqs] == [11, 11]
+
+
+def test_recomputed_group_shares_its_full_prompt_blocks_again():
+    sched = make_scheduler(num_blocks=32, budget=256)
+    req = make_request("a", 20, n=3)
+    sched.add_request(req)
+    run_step(sched)  # prefill; seqs[0] samples its first token
+    parent = req.seqs[0]
+    for i in (1, 2):
+        child = parent.fork(i)
+        child.token_ids[-1] = 10 + i
+        sched.fork_seq(parent, child)
+        req.seqs.append(child)
+    req.forked = True
+    run_step(sched)
+    sched._preempt(req, SchedulerOutput())
+    assert req.status == SeqStatus.WAITING and sched.block_manager.stats().num_used_blocks == 0
+    out = run_step(sched)
+    bm = sched.block_manager
+    tables = [bm.get_block_table(s.seq_id) for s in req.seqs]
+    # the 2 full prompt blocks (16 of 20 tokens) are shared by all three; the rest is private
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3
+    assert bm.stats().num_used_blocks == 2 + 3
+    # one pass computes everything: seqs[0] from 0, the others from the shared boundary
+    assert [(c.start_pos, c.needs_logits) for c in out.chunks] == [(0, True), (16, True), (16, True)]

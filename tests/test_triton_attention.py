@@ -17,6 +17,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # triton.jit picks interpreted or compiled mode when a kernel is defined, so
+    # kernel modules imported earlier in this process without the flag are reloaded.
+    for _name in [m for m in sys.modules if m.startswith("pagedllm.attention.kernels.")]:
+        del sys.modules[_name]
+    sys.modules.pop("pagedllm.attention.triton_backend", None)
 
 triton = pytest.importorskip("triton", reason="triton is not installed; the Triton backend cannot run")
 

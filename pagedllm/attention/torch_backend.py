@@ -1,24 +1,108 @@
 """Paged attention in plain PyTorch: the reference every faster backend is tested
 against, and the CPU production path.
 
-Decode tokens (query length 1) of a batch are computed together: their blocks
-are gathered by block table into one padded tensor with a single index op and
-attended with a length mask. Prefill and chunked-prefill sequences are
-computed one at a time with ``scaled_dot_product_attention``.
+Everything that depends only on the batch's shape (which rows decode, the
+cache slots each sequence reads, the length mask) is worked out once per
+forward pass in a :class:`StepPlan` and reused by every layer: the block
+tables are the same for all layers of a step.
+
+Decode tokens (query length 1) are computed together: each sequence's context
+is gathered token by token with one ``index_select`` per cache (positions past
+a sequence's length read its last valid slot, so no unwritten slot is ever
+touched, and are masked out of the softmax), then attended with two batched
+matmuls per KV head. Prefill and chunked-prefill sequences are computed one at
+a time with ``scaled_dot_product_attention``.
+
+When the optional native kernel (:mod:`pagedllm.attention.cpu_ops`) is
+available on a CPU, decode reads K/V straight from the paged cache instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import cpu_ops
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class DecodePlan:
+    """The decode sequences of a step (query length 1), in batch order.
+
+    rows:    [S] int64 query rows, or None when they are rows ``0 .. S-1``.
+    seq_ids: [S] int64 indices into the metadata's per-sequence tensors, or None for all.
+    slots:   [S * max_len] int64 flat cache slot of every (sequence, position);
+             positions at or past a sequence's length repeat its last slot.
+    beyond:  [1, S, 1, max_len] bool, True where a position is past the sequence's length.
+    tables:  [S, ceil(max_len / block_size)] int32 block tables of these sequences.
+    lens:    [S] int32 context lengths.
+    """
+
+    rows: torch.Tensor | None
+    seq_ids: torch.Tensor | None
+    slots: torch.Tensor
+    beyond: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    num_seqs: int
+    max_len: int
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with several new tokens: query rows ``start .. start + q_len``."""
+
+    start: int
+    q_len: int
+    seq_len: int
+    slots: torch.Tensor  # [seq_len] int64 flat cache slot of each context position
+
+
+@dataclass
+class StepPlan:
+    """Per-forward-pass indices shared by every layer (see the module docstring)."""
+
+    decode: DecodePlan | None
+    prefills: list[PrefillSeq]
+    num_rows: int  # rows with a sequence (the rest are padding)
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Reads and writes the ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache."""
 
     name = "torch"
+
+    def __init__(self, use_native: bool | None = None) -> None:
+        # None: use the native decode kernel when it builds on this machine.
+        self.use_native = use_native
+        self._write_key: torch.Tensor | None = None
+        self._write_targets: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        self._plan_metadata: AttentionMetadata | None = None
+        self._plan_block_size = 0
+        self._plan: StepPlan | None = None
+
+    # ---- per-step plan ----------------------------------------------------
+
+    def plan(self, metadata: AttentionMetadata, block_size: int) -> StepPlan:
+        """The step's plan, built on the first layer and reused while ``metadata`` is the same object.
+
+        A strong reference to the metadata is kept, so a later object cannot reuse its identity.
+        """
+        if self._plan_metadata is not metadata or self._plan_block_size != block_size:
+            self._plan = build_step_plan(metadata, block_size)
+            self._plan_metadata = metadata
+            self._plan_block_size = block_size
+        return self._plan
+
+    def _native_enabled(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if query.device.type != "cpu" or self.use_native is False:
+            return False
+        return cpu_ops.available() and cpu_ops.supports(query, k_cache)
+
+    # ---- contract ---------------------------------------------------------
 
     def write_kv(
         self,
@@ -28,14 +112,17 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens], -1 = skip
     ) -> None:
-        """Store token t's K/V at flat slot ``slot_mapping[t]``; rows with -1 are dropped."""
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, KH, D]
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        flat_k[slots] = key[keep].to(k_cache.dtype)
-        flat_v[slots] = value[keep].to(v_cache.dtype)
+        """Store token t's K/V at flat slot ``slot_mapping[t]``; rows with -1 are dropped.
+
+        The kept rows are worked out once per ``slot_mapping`` object (every
+        layer of a step passes the same one).
+        """
+        if self._write_key is not slot_mapping:
+            self._write_targets = _write_targets(slot_mapping)
+            self._write_key = slot_mapping
+        rows, slots = self._write_targets
+        _store(key, k_cache, rows, slots)
+        _store(value, v_cache, rows, slots)
 
     def forward(
         self,
@@ -47,16 +134,84 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each sequence's new tokens over its first ``seq_len``
         cached tokens. Padding rows past the last sequence come back as zeros."""
+        plan = self.plan(metadata, k_cache.shape[1])
+        decode = plan.decode
+        if decode is not None and decode.rows is None and not plan.prefills and query.shape[0] == decode.num_seqs:
+            return self._decode(query, k_cache, v_cache, metadata, decode, scale)  # pure decode step
         out = torch.zeros_like(query)
-        starts = _query_starts(metadata.query_lens_host)
-        decode_seqs = [i for i, q in enumerate(metadata.query_lens_host) if q == 1]
-        if decode_seqs:
-            rows = [starts[i] for i in decode_seqs]
-            _decode_batch(query, out, k_cache, v_cache, metadata, decode_seqs, rows, scale)
-        for i, q_len in enumerate(metadata.query_lens_host):
-            if q_len > 1:
-                _prefill_one(query, out, k_cache, v_cache, metadata, i, starts[i], scale)
+        if decode is not None:
+            q = query if decode.rows is None else query.index_select(0, decode.rows)
+            result = self._decode(q[: decode.num_seqs], k_cache, v_cache, metadata, decode, scale)
+            if decode.rows is None:
+                out[: decode.num_seqs] = result
+            else:
+                out.index_copy_(0, decode.rows, result)
+        for seq in plan.prefills:
+            _prefill_one(query, out, k_cache, v_cache, seq, scale)
         return out
+
+    def _decode(self, query, k_cache, v_cache, metadata, decode: DecodePlan, scale: float) -> torch.Tensor:
+        if self._native_enabled(query, k_cache):
+            return cpu_ops.paged_decode_attention(query, k_cache, v_cache, decode.tables, decode.lens, scale)
+        return decode_attention(query, k_cache, v_cache, decode, scale)
+
+
+# ---------------------------------------------------------------- plan building
+
+
+def build_step_plan(md: AttentionMetadata, block_size: int) -> StepPlan:
+    """Host-side bookkeeping plus a handful of small index tensors, once per step."""
+    device = md.slot_mapping.device
+    query_lens = md.query_lens_host
+    num_rows = sum(query_lens)
+    starts = _query_starts(query_lens)
+    decode_seqs = [i for i, q in enumerate(query_lens) if q == 1]
+    decode = None
+    if decode_seqs:
+        decode = _decode_plan(md, block_size, decode_seqs, [starts[i] for i in decode_seqs], device)
+    prefills = []
+    for i, q_len in enumerate(query_lens):
+        if q_len > 1:
+            seq_len = md.seq_lens_host[i]
+            positions = torch.arange(seq_len, device=device)
+            prefills.append(
+                PrefillSeq(starts[i], q_len, seq_len, _slots_of(md.block_tables[i : i + 1], positions[None], block_size)[0])
+            )
+    return StepPlan(decode, prefills, num_rows)
+
+
+def _decode_plan(
+    md: AttentionMetadata, block_size: int, seq_ids: list[int], rows: list[int], device: torch.device
+) -> DecodePlan:
+    num_seqs = len(seq_ids)
+    in_order = seq_ids == list(range(num_seqs)) and rows == list(range(num_seqs))
+    seq_index = None if in_order else torch.tensor(seq_ids, device=device)
+    lens_host = [md.seq_lens_host[i] for i in seq_ids]
+    max_len = max(lens_host)
+    num_blocks = -(-max_len // block_size)
+    tables = md.block_tables[:num_seqs] if seq_index is None else md.block_tables.index_select(0, seq_index)
+    tables = tables[:, :num_blocks].to(torch.int32).contiguous()  # [S, n]
+    lens = torch.tensor(lens_host, device=device)
+    positions = torch.arange(max_len, device=device).unsqueeze(0)  # [1, L]
+    beyond = positions >= lens.unsqueeze(1)  # [S, L]
+    clamped = torch.minimum(positions, (lens - 1).unsqueeze(1))  # [S, L]
+    slots = _slots_of(tables, clamped, block_size)
+    return DecodePlan(
+        rows=None if in_order else torch.tensor(rows, device=device),
+        seq_ids=seq_index,
+        slots=slots.reshape(-1),
+        beyond=beyond[None, :, None, :],
+        tables=tables,
+        lens=lens.to(torch.int32),
+        num_seqs=num_seqs,
+        max_len=max_len,
+    )
+
+
+def _slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """tables [S, n], positions [S, L] -> flat slots [S, L] int64."""
+    blocks = tables.long().gather(1, positions // block_size)
+    return blocks * block_size + positions % block_size
 
 
 def _query_starts(query_lens: list[int]) -> list[int]:
@@ -68,51 +223,62 @@ def _query_starts(query_lens: list[int]) -> list[int]:
     return starts
 
 
-def _gather_blocks(
-    cache: torch.Tensor,  # [num_blocks, block_size, KH, D]
-    tables: torch.Tensor,  # [S, n] block ids
-) -> torch.Tensor:  # [S, n * block_size, KH, D]
-    num_seqs, num_blocks = tables.shape
-    gathered = cache[tables.long()]  # [S, n, block_size, KH, D]
-    return gathered.reshape(num_seqs, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+def _write_targets(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(rows to store or None for all, their slots) -- padding rows (-1) dropped."""
+    slot_mapping = slot_mapping.long()
+    if slot_mapping.numel() == 0 or bool((slot_mapping >= 0).all()):
+        return None, slot_mapping
+    keep = (slot_mapping >= 0).nonzero().squeeze(1)
+    return keep, slot_mapping.index_select(0, keep)
 
 
-def _decode_batch(
-    query: torch.Tensor,  # [num_tokens, H, D]
-    out: torch.Tensor,  # [num_tokens, H, D]
-    k_cache: torch.Tensor,
+def _store(new: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor) -> None:
+    """cache slot ``slots[i]`` <- ``new[rows[i]]`` (``new[i]`` when rows is None)."""
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, KH, D]
+    src = new if rows is None else new.index_select(0, rows)
+    flat.index_copy_(0, slots, src.to(cache.dtype))
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode_attention(
+    query: torch.Tensor,  # [S, H, D], one row per decode sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KH, D]
     v_cache: torch.Tensor,
-    md: AttentionMetadata,
-    seq_ids: list[int],
-    rows: list[int],
+    plan: DecodePlan,
     scale: float,
-) -> None:
-    """One query token per sequence, all sequences at once (padded to the longest)."""
-    device = query.device
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    num_heads = query.shape[1]
-    lens_host = [md.seq_lens_host[i] for i in seq_ids]
-    max_len = max(lens_host)
-    num_blocks = -(-max_len // block_size)
-    seq_index = torch.tensor(seq_ids, device=device)
-    row_index = torch.tensor(rows, device=device)
-    tables = md.block_tables.index_select(0, seq_index)[:, :num_blocks]  # [S, n]
-    keys = _gather_blocks(k_cache, tables)[:, :max_len]  # [S, L, KH, D]
-    values = _gather_blocks(v_cache, tables)[:, :max_len]
+) -> torch.Tensor:  # [S, H, D]
+    """Gathered-context decode attention; fp32 arithmetic for half-precision inputs."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_seqs = len(seq_ids)
-    q = query.index_select(0, row_index).view(num_seqs, num_kv_heads, group, head_dim)
+    length = plan.max_len
     compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    q = q.to(compute_dtype)
-    keys = keys.permute(0, 2, 3, 1).to(compute_dtype)  # [S, KH, D, L]
-    values = values.permute(0, 2, 1, 3).to(compute_dtype)  # [S, KH, L, D]
-    scores = torch.matmul(q, keys) * scale  # [S, KH, G, L]
-    lens = torch.tensor(lens_host, device=device)
-    beyond = torch.arange(max_len, device=device).unsqueeze(0) >= lens.unsqueeze(1)  # [S, L]
-    scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    result = torch.matmul(probs, values)  # [S, KH, G, D]
-    out.index_copy_(0, row_index, result.reshape(num_seqs, num_heads, head_dim).to(out.dtype))
+    keys = _gather_tokens(k_cache, plan.slots).view(num_seqs, length, num_kv_heads, head_dim)
+    values = _gather_tokens(v_cache, plan.slots).view(num_seqs, length, num_kv_heads, head_dim)
+    keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+    q = (query.to(compute_dtype) * scale).view(num_seqs, num_kv_heads, group, head_dim)
+    scores = query.new_empty((num_kv_heads, num_seqs, group, length), dtype=compute_dtype)
+    for h in range(num_kv_heads):
+        # keys[:, :, h] is [S, L, D] with row stride KH*D: a valid strided operand, no copy
+        torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2), out=scores[h])
+    scores.masked_fill_(plan.beyond, float("-inf"))
+    probs = scores.softmax(dim=-1)  # [KH, S, G, L]
+    result = query.new_empty((num_kv_heads, num_seqs, group, head_dim), dtype=compute_dtype)
+    for h in range(num_kv_heads):
+        torch.bmm(probs[h], values[:, :, h], out=result[h])
+    # [KH, S, G, D] -> [S, KH * G, D]
+    return result.permute(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _gather_tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, KH, D], slots [n] -> [n, KH * D]."""
+    flat = cache.view(-1, cache.shape[2] * cache.shape[3])
+    return flat.index_select(0, slots)
+
+
+# ---------------------------------------------------------------- prefill
 
 
 def _prefill_one(
@@ -120,20 +286,16 @@ def _prefill_one(
     out: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    md: AttentionMetadata,
-    seq: int,
-    start: int,
+    seq: PrefillSeq,
     scale: float,
 ) -> None:
     """Several new tokens of one sequence at positions ``seq_len - q_len .. seq_len - 1``."""
-    seq_len, q_len = md.seq_lens_host[seq], md.query_lens_host[seq]
-    block_size = k_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    table = md.block_tables[seq : seq + 1, :num_blocks]  # [1, n]
-    keys = _gather_blocks(k_cache, table)[0, :seq_len].transpose(0, 1)  # [KH, L, D]
-    values = _gather_blocks(v_cache, table)[0, :seq_len].transpose(0, 1)
+    seq_len, q_len, start = seq.seq_len, seq.q_len, seq.start
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keys = _gather_tokens(k_cache, seq.slots).view(seq_len, num_kv_heads, head_dim).transpose(0, 1)  # [KH, L, D]
+    values = _gather_tokens(v_cache, seq.slots).view(seq_len, num_kv_heads, head_dim).transpose(0, 1)
     q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-    group = q.shape[0] // keys.shape[0]
+    group = q.shape[0] // num_kv_heads
     if group > 1:
         keys = keys.repeat_interleave(group, dim=0)  # [H, L, D]
         values = values.repeat_interleave(group, dim=0)

@@ -14,7 +14,7 @@ import time
 
 from pagedllm.bench import report
 from pagedllm.bench.throughput import dtype_name
-from pagedllm.bench.workloads import random_workload, warmup_prompts
+from pagedllm.bench.workloads import WARMUP_OUTPUT_LEN, random_workload, warmup_prompts
 
 
 def time_one_request(engine, request_id: str, prompt_token_ids: list[int], output_len: int) -> dict:
@@ -46,12 +46,15 @@ def time_one_request(engine, request_id: str, prompt_token_ids: list[int], outpu
     }
 
 
-def run_latency(config, input_len: int, output_len: int, num_runs: int, seed: int = 0) -> dict:
+def run_latency(
+    config, input_len: int, output_len: int, num_runs: int, seed: int = 0, warmup: bool = True
+) -> dict:
     from pagedllm.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
-    for i, prompt in enumerate(warmup_prompts(2)):
-        time_one_request(engine, f"warmup-{i}", prompt, 4)
+    warm = warmup_prompts(max_len=engine.max_model_len - WARMUP_OUTPUT_LEN) if warmup else []
+    for i, prompt in enumerate(warm):
+        time_one_request(engine, f"warmup-{i}", prompt, WARMUP_OUTPUT_LEN)
     prompts = random_workload(num_runs, (input_len, input_len), output_len, seed=seed).prompt_token_ids
     runs = [time_one_request(engine, f"run-{i}", p, output_len) for i, p in enumerate(prompts)]
     summary = {
@@ -77,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (random ids)")
     g.add_argument("--output-len", type=int, default=128, help="new tokens per request")
     g.add_argument("--runs", type=int, default=3, help="requests, one after another")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="a few short requests before timing")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="inter-token latency per run (matplotlib)")
     add_engine_arguments(parser)
@@ -88,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if args.input_len < 1 or args.output_len < 1 or args.runs < 1:
         print("--input-len, --output-len and --runs must be >= 1", file=sys.stderr)
         return 2
-    result = run_latency(engine_config_from_args(args), args.input_len, args.output_len, args.runs, args.seed)
+    config = engine_config_from_args(args)
+    result = run_latency(config, args.input_len, args.output_len, args.runs, args.seed, args.warmup)
     print(format_result(result))
     if args.json:
         report.write_json(args.json, {**result, "env": report.environment()})

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pagedllm.bench import report
 from pagedllm.bench.throughput import dtype_name
 from pagedllm.bench.workloads import (
+    WARMUP_OUTPUT_LEN,
     Workload,
     add_workload_arguments,
     warmup_prompts,
@@ -106,20 +107,21 @@ def summarize_censuses(censuses: list[SlotCensus]) -> dict:
 def _warm_up(engine) -> None:
     from pagedllm.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for i, prompt in enumerate(warmup_prompts(2)):
+    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True)
+    for i, prompt in enumerate(warmup_prompts(max_len=engine.max_model_len - WARMUP_OUTPUT_LEN)):
         engine.add_request(f"warmup-{i}", {"prompt_token_ids": prompt}, params)
     while engine.has_unfinished_requests():
         engine.step()
 
 
-def audit_policy(config, workload: Workload) -> dict:
+def audit_policy(config, workload: Workload, warmup: bool = True) -> dict:
     """Run the workload under ``config`` (an EngineConfig); census after every step."""
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.sampling_params import SamplingParams
 
     engine = LLMEngine(config)
-    _warm_up(engine)
+    if warmup:
+        _warm_up(engine)
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     final_lens: dict[str, int] = {}
     for i, prompt in enumerate(workload.prompt_token_ids):
@@ -201,8 +203,7 @@ def audit_sharing(
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
-    engine = LLMEngine(config)
-    _warm_up(engine)
+    engine = LLMEngine(config)  # only block counts are measured here: no warm-up needed
     result: dict = {"parallel": {}, "beam": {}, "num_prompts": len(prompts), "max_tokens": max_tokens}
     entries = [
         ("parallel", n, SamplingParams(n=n, temperature=0.8, seed=seed, max_tokens=max_tokens, ignore_eos=True))
@@ -249,6 +250,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sharing-output-len", type=int, default=None, help="new tokens per sharing request (default: the workload's)")
     g.add_argument("--sharing-n", type=_int_list, default=[2, 4, 8], help="parallel sample counts")
     g.add_argument("--sharing-beam", type=_int_list, default=[2, 4, 8], help="beam widths")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="a few short requests before each run")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="KV usage per policy (matplotlib)")
     g.add_argument("--sharing-plot", default=None, metavar="FILE.png", help="sharing savings (matplotlib)")
@@ -280,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {"workload": workload.describe(), "policies": {}}
     for policy in policies:
         print(f"auditing {policy} ...", file=sys.stderr, flush=True)
-        result["policies"][policy] = audit_policy(audit_config(args, args.block_size, policy), workload)
+        result["policies"][policy] = audit_policy(audit_config(args, args.block_size, policy), workload, args.warmup)
     config = audit_config(args, args.block_size, policies[0])
     result.update(kv_tokens=config.num_kv_blocks * config.block_size, max_model_len=config.max_model_len)
     print(format_policies(result))
@@ -308,7 +310,7 @@ def sweep_block_sizes(args: argparse.Namespace, workload: Workload, already: dic
             sweep[str(block_size)] = already
             continue
         print(f"auditing paged, block size {block_size} ...", file=sys.stderr, flush=True)
-        sweep[str(block_size)] = audit_policy(audit_config(args, block_size, "paged"), workload)
+        sweep[str(block_size)] = audit_policy(audit_config(args, block_size, "paged"), workload, args.warmup)
     return sweep
 
 

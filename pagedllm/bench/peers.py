@@ -59,12 +59,14 @@ def load_hf_model(model: str | None, dtype: str):
     return hf_model, tokenizer
 
 
-def run_hf(workload, model: str | None, dtype: str, batch_size: int, num_threads: int | None = None):
+def run_hf(
+    workload, model: str | None, dtype: str, batch_size: int, num_threads: int | None = None, warmup: bool = True
+):
     """Static batches of ``batch_size`` prompts in workload order, left-padded; exactly output_len new tokens."""
     import torch
 
     from pagedllm.bench.throughput import ThroughputResult
-    from pagedllm.bench.workloads import warmup_prompts
+    from pagedllm.bench.workloads import WARMUP_OUTPUT_LEN, warmup_prompts
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -73,7 +75,8 @@ def run_hf(workload, model: str | None, dtype: str, batch_size: int, num_threads
     load_s = time.perf_counter() - start
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    _hf_generate(hf_model, warmup_prompts(), 4, pad_id)
+    for prompt in warmup_prompts() if warmup else []:
+        _hf_generate(hf_model, [prompt], WARMUP_OUTPUT_LEN, pad_id)
     num_output, num_padded_slots, num_real_slots = 0, 0, 0
     prompts = workload.prompt_token_ids
     start = time.perf_counter()
@@ -146,9 +149,24 @@ def export_hf_dir(model: str | None) -> Path:
     target = cache_dir() / "hf-export" / path.stem
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
+    from safetensors.torch import save_file
+
     hf_model, tokenizer = load_hf_model(str(path), "float32")
     target.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(str(target), safe_serialization=True)
+    # transformers refuses save_pretrained on a GGUF-loaded model, though the
+    # weights are already dequantized: write them and a config without the
+    # quantization entry by hand.
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tensors = {
+        name: tensor.detach().contiguous().clone()
+        for name, tensor in hf_model.state_dict().items()
+        if not (name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False))
+    }
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(target))
+    hf_model.generation_config.save_pretrained(str(target))
     tokenizer.save_pretrained(str(target))
     return target
 

@@ -110,7 +110,9 @@ async def run_load(
     api_key: str | None = None,
     seed: int = 0,
     timeout_s: float = 3600.0,
+    transport=None,
 ) -> dict:
+    """Send the workload; ``transport`` replaces the network (an ``httpx.AsyncBaseTransport``, for tests)."""
     import httpx
 
     base = base_url.rstrip("/")
@@ -119,7 +121,8 @@ async def run_load(
     pool = max_concurrency or workload.num_requests
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=60.0), headers=headers) as client:
+    timeout = httpx.Timeout(timeout_s, connect=60.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers, transport=transport) as client:
         if model is None:
             model = await _first_model(client, base)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None

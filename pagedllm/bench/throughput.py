@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pagedllm.bench import report
 from pagedllm.bench.workloads import (
+    WARMUP_OUTPUT_LEN,
     Workload,
     add_workload_arguments,
     warmup_prompts,
@@ -79,7 +80,7 @@ def dtype_name(dtype) -> str:
 # ---- pagedllm -----------------------------------------------------------------
 
 
-def run_pagedllm(workload: Workload, config) -> ThroughputResult:
+def run_pagedllm(workload: Workload, config, warmup: bool = True) -> ThroughputResult:
     """Load an engine from ``config`` (an EngineConfig), warm it up, time the workload."""
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.llm import LLM
@@ -88,8 +89,10 @@ def run_pagedllm(workload: Workload, config) -> ThroughputResult:
     start = time.perf_counter()
     llm = LLM.from_engine(LLMEngine(config))
     load_s = time.perf_counter() - start
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in warmup_prompts()], warm, use_tqdm=False)
+    if warmup:
+        warm = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True)
+        warm_prompts = warmup_prompts(max_len=llm.llm_engine.max_model_len - WARMUP_OUTPUT_LEN)
+        llm.generate([{"prompt_token_ids": p} for p in warm_prompts], warm, use_tqdm=False)
 
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=workload.ignore_eos)
     prompts = [{"prompt_token_ids": p} for p in workload.prompt_token_ids]
@@ -139,6 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer-python", default=None,
         help=f"python of the virtualenv with vLLM (default: ${PEER_PYTHON_ENV})",
     )
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="a few short requests before timing")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="draw the results (matplotlib)")
     add_engine_arguments(parser)
@@ -167,9 +171,9 @@ def run_backend(args: argparse.Namespace, workload: Workload) -> ThroughputResul
     from pagedllm.cli import engine_config_from_args
 
     if args.backend == "pagedllm":
-        return run_pagedllm(workload, engine_config_from_args(args))
+        return run_pagedllm(workload, engine_config_from_args(args), args.warmup)
     if args.backend == "hf":
-        return peers.run_hf(workload, args.model, args.dtype, args.hf_batch_size, args.num_threads)
+        return peers.run_hf(workload, args.model, args.dtype, args.hf_batch_size, args.num_threads, args.warmup)
     python = args.peer_python or os.environ.get(PEER_PYTHON_ENV)
     if not python:
         raise ConfigError(f"--backend vllm needs --peer-python PATH (the python of vLLM's virtualenv) or ${PEER_PYTHON_ENV}")
@@ -195,6 +199,8 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
             ]
             if args.peer_python:
                 cmd += ["--peer-python", args.peer_python]
+            if not args.warmup:
+                cmd.append("--no-warmup")
             cmd += engine_argv(args)
             print(f"running {backend} ...", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, capture_output=True, text=True)

@@ -143,9 +143,14 @@ def random_workload(
     return _checked(Workload(f"random-{num_prompts}x{low}:{high}", prompts, output_len))
 
 
-def warmup_prompts(count: int = 4, seed: int = 1234) -> list[list[int]]:
-    """A few short prompts that touch every code path once before timing starts."""
-    return random_workload(count, (WARMUP_PROMPT_LEN, WARMUP_PROMPT_LEN), WARMUP_OUTPUT_LEN, seed).prompt_token_ids
+def warmup_prompts(count: int = 3, max_len: int | None = None, seed: int = 1234) -> list[list[int]]:
+    """A few prompts of growing length (16, 64, 256, ...) that touch the prefill and decode
+    paths at several shapes before timing starts (the first calls of a shape are slow)."""
+    rng = random.Random(seed)
+    lengths = [WARMUP_PROMPT_LEN * 4**i for i in range(count)]
+    if max_len is not None:
+        lengths = [max(1, min(n, max_len)) for n in lengths]
+    return [[rng.randrange(DEFAULT_VOCAB_SIZE) for _ in range(n)] for n in lengths]
 
 
 def _checked(workload: Workload) -> Workload:

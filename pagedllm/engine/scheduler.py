@@ -146,7 +146,10 @@ class Scheduler:
             n = min(next(iter(needed.values())), budget)
             return {seqs[0].seq_id: n} if n > 0 else None
         if sum(needed.values()) <= budget:
-            return needed
+            return needed  # one pass: within each layer seqs[0] writes the shared prefix before anyone reads it
+        if seqs[0].num_computed_tokens < request.shared_prefix_len:
+            n = min(needed[seqs[0].seq_id] - 1, budget)  # the others read blocks it has not written yet
+            return {seqs[0].seq_id: n} if n > 0 else None
         plan, left = {}, budget
         for sid, n in needed.items():
             take = min(n - 1, left)
@@ -279,11 +282,14 @@ class Scheduler:
         return max(seq.num_tokens, min(want, self.config.max_model_len))
 
     def _blocks_for(self, request: Request) -> int:
+        """Blocks the request takes at admission (several sequences share their full prompt blocks)."""
         bs = self.block_manager.block_size
-        total = 0
-        for seq in request.live_seqs():
+        seqs = request.live_seqs()
+        shared_blocks = seqs[0].prompt_len // bs if len(seqs) > 1 else 0
+        total = shared_blocks
+        for seq in seqs:
             tokens = self._reserved_tokens(request, seq) or seq.num_tokens
-            total += math.ceil(tokens / bs)
+            total += math.ceil(tokens / bs) - shared_blocks
         return total
 
     def _can_admit(self, request: Request) -> bool:
@@ -309,11 +315,19 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         bm = self.block_manager
-        for seq in request.live_seqs():
-            reserved = self._reserved_tokens(request, seq)
-            num_cached = bm.allocate(seq.seq_id, seq.token_ids, request.cache_salt, reserved)
-            seq.num_computed_tokens = num_cached
-            if seq is request.seqs[0] and not request.forked:
-                request.num_cached_tokens = num_cached
+        first, *others = request.live_seqs()
+        num_cached = bm.allocate(first.seq_id, first.token_ids, request.cache_salt,
+                                 self._reserved_tokens(request, first))
+        first.num_computed_tokens = num_cached
+        if not request.forked and not request.is_beam_search:
+            request.num_cached_tokens = num_cached
+        # A recomputed multi-sequence request shares its full prompt blocks
+        # again: the others fork them from the first, which computes them.
+        shared = (first.prompt_len // bm.block_size) * bm.block_size
+        for seq in others:
+            bm.fork(first.seq_id, seq.seq_id, num_tokens=shared)
+            bm.append_slots(seq.seq_id, seq.num_tokens - shared)
+            seq.num_computed_tokens = shared
+        request.shared_prefix_len = shared if others else 0
         request.status = SeqStatus.RUNNING
         self.running.append(request)

@@ -106,6 +106,9 @@ class Request:
     error: str | None = None
     prompt_logprobs: list | None = None
     forked: bool = False  # samples fanned out (only relevant when num_samples > 1)
+    # Prompt tokens whose KV seqs[0] computes for every sequence of the request
+    # (set when a recomputed multi-sequence request shares its prompt again).
+    shared_prefix_len: int = 0
     beam: object | None = None  # BeamState for beam search requests
 
     @property

@@ -284,23 +284,38 @@ class BlockManager:
 
     # -- fork and free ---------------------------------------------------------------
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """Give ``child_id`` the parent's table (every block ref+1) and slot count; no KV is copied."""
+    def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None) -> None:
+        """Give ``child_id`` the parent's table (every block ref+1) and slot count; no KV is copied.
+
+        With ``num_tokens``, the child shares only the blocks that hold the
+        parent's first ``num_tokens`` positions and covers that many slots (a
+        prefix fork: how a recomputed group shares its prompt again).
+        """
         parent = self._device_seq(parent_id)
         if child_id in self._seqs:
             raise BlockManagerError(
                 f"cannot fork {parent_id} onto {child_id}: sequence {child_id} already exists"
             )
-        for block_id in parent.block_table:
+        if num_tokens is None:
+            table, num_slots = list(parent.block_table), parent.num_slots
+        elif 0 <= num_tokens <= parent.num_slots:
+            table, num_slots = parent.block_table[: _cdiv(num_tokens, self.block_size)], num_tokens
+        else:
+            raise BlockManagerError(
+                f"cannot fork the first {num_tokens} tokens of sequence {parent_id}, "
+                f"which covers {parent.num_slots} slots"
+            )
+        for block_id in table:
             self._pool.incref(block_id)
+        num_full = num_slots // self.block_size
         self._seqs[child_id] = _SeqBlocks(
-            block_table=list(parent.block_table),
-            num_slots=parent.num_slots,
+            block_table=table,
+            num_slots=num_slots,
             cache_salt=parent.cache_salt,
-            block_hashes=list(parent.block_hashes),
-            num_registered_blocks=parent.num_registered_blocks,
+            block_hashes=list(parent.block_hashes[:num_full]),
+            num_registered_blocks=min(parent.num_registered_blocks, num_full),
         )
-        self._num_table_entries += len(parent.block_table)
+        self._num_table_entries += len(table)
         self._update_peaks()
 
     def free(self, seq_id: int) -> None:

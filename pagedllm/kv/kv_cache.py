@@ -40,19 +40,26 @@ class KVCache:
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # On the CPU the pools are left uninitialised: zero-filling gigabytes
+        # touches every page at start-up (seconds), while the CPU attention
+        # paths only ever read slots below a sequence's length, which were
+        # written first. GPU kernels may load whole blocks and mask afterwards,
+        # so device pools start zeroed (cheap there).
+        allocate = torch.empty if self.device.type == "cpu" else torch.zeros
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
+                allocate(shape, dtype=dtype, device=self.device),
+                allocate(shape, dtype=dtype, device=self.device),
             )
             for _ in range(num_layers)
         ]
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = self.device.type == "cuda"
+        # Swapped-in blocks replace whole device blocks, so the pool follows the device's rule.
         self.cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
-                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                allocate(cpu_shape, dtype=dtype, pin_memory=pin),
+                allocate(cpu_shape, dtype=dtype, pin_memory=pin),
             )
             for _ in range(num_layers if num_cpu_blocks else 0)
         ]

@@ -32,8 +32,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))  # [T, 1]
+        if x.dtype == torch.float32:
+            return self.weight * (x32 * inv_rms)
+        return self.weight * (x32 * inv_rms).to(x.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
@@ -95,18 +97,30 @@ class RotaryEmbedding(nn.Module):
             angles = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
             return angles.cos(), angles.sin()
 
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin at ``positions`` [T], each [T, 1, D/2] in ``dtype``; once per forward pass."""
+        cos_table, sin_table = self._cos_sin(positions.device)
+        cos = cos_table.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = sin_table.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q: [T, H, D], k: [T, KH, D], positions: [T] -> rotated (q, k)."""
-        cos_table, sin_table = self._cos_sin(positions.device)
-        cos = cos_table[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
-        sin = sin_table[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, N, D] rotated by angle pairs (cos, sin [T, 1, D/2]) into a new contiguous tensor."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=out1)
+    out1.addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=out2)
+    out2.addcmul_(x1, sin)  # x2 cos + x1 sin
+    return out
 
 
 class LlamaAttention(nn.Module):
@@ -130,17 +144,17 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: Tensor,  # [T, hidden]
-        positions: Tensor,  # [T]
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[Tensor, Tensor],  # each [T, 1, D/2]
         kv_cache: tuple[Tensor, Tensor],
         metadata: AttentionMetadata,
     ) -> Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KH) * D]
+        # q and k sit side by side: rotate both heads' sets with one set of ops
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = rotate(qk, *cos_sin)  # [T, H + KH, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [T, H, D]
@@ -158,7 +172,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -169,11 +183,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, positions, rotary, kv_cache, metadata) -> Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, rotary, kv_cache, metadata
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: Tensor, cos_sin, kv_cache, metadata) -> Tensor:
+        """hidden [T, hidden] is updated in place (residual adds) and returned."""
+        hidden += self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, metadata)
+        hidden += self.mlp(self.post_attention_layernorm(hidden))
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -207,9 +221,10 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: Tensor | None = None,  # [num_samples]
     ) -> Tensor:  # [num_samples, vocab] float32
         """Logits of the rows in ``logits_indices`` (all rows when None), as float32."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, kv_cache, attn_metadata)
+            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)  # [num_samples, hidden]
         hidden = self.norm(hidden)

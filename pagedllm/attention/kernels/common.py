@@ -35,3 +35,17 @@ def dot_operands(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     if dtype == torch.float32 or interpreting_bf16(dtype):
         return tl.float32, "ieee"
     return _TL_DTYPES[dtype], "tf32"  # precision is ignored for 16-bit operands
+
+
+def check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Shapes the attention kernels assume; a mismatch here is a caller bug."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share one shape and layout")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
+    if k_cache.shape[3] != head_dim or head_dim < 16:
+        raise ValueError(f"head_dim {head_dim} must match the cache's {k_cache.shape[3]} and be >= 16")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"query is {query.dtype} but the KV cache is {k_cache.dtype}")

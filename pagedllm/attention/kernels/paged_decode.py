@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.common import LOG2E, dot_operands
+from pagedllm.attention.kernels.common import LOG2E, check_attention_inputs, dot_operands
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _decode_split_kernel(
     """Attention of one query-head group over one chunk of one sequence's context.
 
     Grid: ``(num_seqs, num_kv_heads, num_splits)``. Program ``(s, h, p)`` takes the
-    query row ``query_start_loc[s]``, heads ``h * GROUP .. h * GROUP + GROUP - 1``
+    query row ``query_start_loc[s]`` (none: it exits), heads ``h * GROUP .. h * GROUP + GROUP - 1``
     (a ``[GROUP_PAD, HEAD_DIM_PAD]`` tile, padding rows zero), and walks context
     tokens ``[p * chunk, min((p + 1) * chunk, seq_len))`` ``BLOCK_N`` at a time,
     gathering each token's K/V row through ``block_tables[s]``. Softmax runs
@@ -231,8 +231,7 @@ def paged_decode(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share one layout")
+    check_attention_inputs(query, k_cache, v_cache)
     group = num_heads // num_kv_heads
     dot_dtype, dot_precision = dot_operands(query.dtype)
     head_dim_pad = triton.next_power_of_2(head_dim)

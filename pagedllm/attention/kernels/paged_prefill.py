@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.common import LOG2E, dot_operands
+from pagedllm.attention.kernels.common import LOG2E, check_attention_inputs, dot_operands
 
 
 @triton.jit
@@ -142,8 +142,7 @@ def paged_prefill(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share one layout")
+    check_attention_inputs(query, k_cache, v_cache)
     group = num_heads // num_kv_heads
     dot_dtype, dot_precision = dot_operands(query.dtype)
     group_pad, block_q, block_n = prefill_tiles(group, query.dtype, block_size)

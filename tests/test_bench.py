@@ -1,0 +1,296 @@
+"""``pagedllm bench``: tiny runs of every benchmark, checking JSON shapes and arithmetic.
+
+No timing assertions: the figures depend on the machine; only counts, key
+sets and orderings that hold by construction are pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from pagedllm.bench import report, serve
+from pagedllm.bench.memory import SlotCensus, summarize_censuses
+from pagedllm.bench.throughput import engine_argv
+from pagedllm.bench.workloads import (
+    Workload,
+    load_workload,
+    parse_range,
+    random_workload,
+    warmup_prompts,
+)
+from pagedllm.cli import build_parser, main
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THROUGHPUT_KEYS = {
+    "backend", "dtype", "num_requests", "prompt_tokens", "output_tokens", "wall_s",
+    "output_tokens_per_s", "total_tokens_per_s",
+}
+
+
+def _run_cli(args: list[str], tmp_path, name: str = "out.json") -> dict:
+    out = tmp_path / name
+    assert main(["bench", *args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+# ---- pure parts (no model) -------------------------------------------------------
+
+
+def test_random_workload_is_reproducible_and_in_range(tmp_path):
+    w = random_workload(5, (3, 7), 4, seed=11)
+    assert w.num_requests == 5 and w.output_len == 4
+    assert all(3 <= len(p) <= 7 for p in w.prompt_token_ids)
+    assert all(0 <= t < 49152 for p in w.prompt_token_ids for t in p)
+    assert random_workload(5, (3, 7), 4, seed=11).prompt_token_ids == w.prompt_token_ids
+    assert w.num_prompt_tokens == sum(len(p) for p in w.prompt_token_ids)
+    w.save(tmp_path / "w.json")
+    again = load_workload(tmp_path / "w.json")
+    assert again.prompt_token_ids == w.prompt_token_ids and again.output_len == 4
+    assert load_workload(tmp_path / "w.json", output_len=9).output_len == 9
+    assert load_workload(tmp_path / "w.json").subset(2).prompt_token_ids == w.prompt_token_ids[:2]
+
+
+def test_warmup_prompts_respect_the_length_cap():
+    assert [len(p) for p in warmup_prompts()] == [16, 64, 256]
+    assert [len(p) for p in warmup_prompts(max_len=50)] == [16, 50, 50]
+
+
+def test_parse_range():
+    assert parse_range("32:512") == (32, 512)
+    assert parse_range("8") == (8, 8)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_range("9:3")
+
+
+def test_percentile_and_table():
+    assert report.percentile([1, 2, 3, 4], 50) == 2.5
+    assert report.percentile([5], 99) == 5
+    assert report.percentile(list(range(101)), 90) == 90
+    table = report.format_table(["name", "x"], [["a", 1.5], ["bb", 10]])
+    assert table.splitlines()[2].split() == ["a", "1.50"]
+
+
+def test_census_summary_arithmetic():
+    # 100 slots; step 1: 40 allocated, 30 holding, 6 future, 4 fragmented; step 2: nothing allocated
+    censuses = [SlotCensus(100, 40, 30, 6, 2), SlotCensus(100, 0, 0, 0, 0)]
+    s = summarize_censuses(censuses)
+    assert s["utilization"] == pytest.approx(0.75)
+    assert s["reserved_future"] == pytest.approx(0.15)
+    assert s["internal_fragmentation"] == pytest.approx(0.10)
+    b = s["budget_breakdown"]
+    assert b["token_states"] == pytest.approx(0.15) and b["unused"] == pytest.approx(0.8)
+    assert sum(b.values()) == pytest.approx(1.0)
+    assert s["max_concurrent_seqs"] == 2 and s["num_steps"] == 2
+
+
+def test_engine_argv_passes_only_changed_engine_flags():
+    args = build_parser().parse_args(
+        ["bench", "throughput", "--block-size", "32", "--no-enable-prefix-caching", "--kv-cache-memory", "1MiB",
+         "--dtype", "bfloat16"]
+    )
+    argv = engine_argv(args)
+    assert argv == ["--dtype", "bfloat16", "--block-size", "32", "--kv-cache-memory", str(2**20),
+                    "--no-enable-prefix-caching"]
+    again = build_parser().parse_args(["bench", "throughput", *argv])
+    assert engine_argv(again) == argv
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+def test_serve_parses_streams_and_counts_errors():
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body["prompt"][0] == 0:
+            return httpx.Response(503, json={"error": {"message": "overloaded"}})
+        n = body["max_tokens"]
+        chunks = [{"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]} for i in range(n - 1)]
+        chunks.append({"choices": [{"index": 0, "text": "end", "finish_reason": "length"}]})
+        chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    workload = Workload("fake", [[1, 2, 3], [4, 5], [0, 9]], output_len=5)
+    result = asyncio.run(
+        serve.run_load("http://fake/v1", "m", workload, max_concurrency=2, transport=httpx.MockTransport(handler))
+    )
+    assert result["num_requests"] == 3 and result["completed"] == 2 and result["errors"] == 1
+    assert "503" in result["error_samples"][0]
+    assert result["output_tokens"] == 10 and result["prompt_tokens"] == 5
+    assert set(result["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
+    assert result["itl_ms"] is not None and result["tpot_ms"] is not None
+    assert "TTFT" in serve.format_result(result)
+
+
+# ---- on the default model ------------------------------------------------------
+
+
+def test_throughput_pagedllm_counts_tokens(tmp_path):
+    data = _run_cli(
+        ["throughput", "--dataset", "random", "--num-prompts", "3", "--input-len-range", "8:24",
+         "--output-len", "4", "--num-kv-blocks", "64", "--seed", "5", "--no-warmup"],
+        tmp_path,
+    )
+    workload = random_workload(3, (8, 24), 4, seed=5)
+    assert THROUGHPUT_KEYS <= set(data)
+    assert data["backend"] == "pagedllm" and data["dtype"] == "float32"
+    assert data["num_requests"] == 3
+    assert data["prompt_tokens"] == workload.num_prompt_tokens
+    assert data["output_tokens"] == 3 * 4
+    assert data["output_tokens_per_s"] == pytest.approx(data["output_tokens"] / data["wall_s"])
+    assert data["total_tokens_per_s"] == pytest.approx((data["prompt_tokens"] + 12) / data["wall_s"])
+    assert data["num_errors"] == 0
+
+
+def test_latency_reports_per_token_gaps(tmp_path):
+    data = _run_cli(
+        ["latency", "--input-len", "16", "--output-len", "4", "--runs", "2", "--num-kv-blocks", "32", "--no-warmup"], tmp_path
+    )
+    assert data["num_runs"] == 2 and len(data["runs"]) == 2
+    for run in data["runs"]:
+        assert len(run["inter_token_s"]) == 3
+        assert run["ttft_s"] > 0 and run["e2e_s"] >= run["ttft_s"]
+        assert run["tpot_s"] == pytest.approx(sum(run["inter_token_s"]) / 3)
+    assert data["ttft_s"]["min"] <= data["ttft_s"]["median"] <= data["ttft_s"]["max"]
+
+
+@pytest.mark.slow
+def test_memory_audit_orders_the_policies(tmp_path):
+    data = _run_cli(
+        ["memory", "--dataset", "random", "--num-prompts", "3", "--input-len-range", "90:120",
+         "--output-len", "2", "--block-size", "8", "--kv-tokens", "2048", "--max-model-len", "512",
+         "--no-sharing", "--no-warmup", "--plot", str(tmp_path / "mem.png")],
+        tmp_path,
+    )
+    policies = data["policies"]
+    assert set(policies) == {"paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"}
+    util = {name: p["utilization"] for name, p in policies.items()}
+    assert util["contiguous-oracle"] >= util["contiguous-pow2"] >= util["contiguous-max"]
+    assert util["paged"] >= 0.9
+    for p in policies.values():
+        assert p["output_tokens"] == 6 and p["num_errors"] == 0
+        assert sum(p["budget_breakdown"].values()) == pytest.approx(1.0)
+        assert p["utilization"] + p["reserved_future"] + p["internal_fragmentation"] == pytest.approx(1.0)
+        assert 1 <= p["max_concurrent_seqs"] <= 3
+    # contiguous-max reserves max_model_len (512) for prompts of at most 122 tokens
+    assert policies["contiguous-max"]["internal_fragmentation"] > 0.5
+    assert data["kv_tokens"] == 2048 and data["max_model_len"] == 512
+    assert (tmp_path / "mem.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_memory_sharing_saves_blocks(tmp_path):
+    data = _run_cli(
+        ["memory", "--dataset", "random", "--num-prompts", "2", "--input-len-range", "40:60",
+         "--output-len", "3", "--kv-tokens", "2048", "--max-model-len", "256", "--policies", "paged", "--no-warmup",
+         "--sharing-n", "2,4", "--sharing-beam", "2", "--sharing-plot", str(tmp_path / "share.png")],
+        tmp_path,
+    )
+    sharing = data["sharing"]
+    assert set(sharing["parallel"]) == {"2", "4"} and set(sharing["beam"]) == {"2"}
+    for kind in ("parallel", "beam"):
+        for entry in sharing[kind].values():
+            assert "error" not in entry, entry
+            assert entry["peak_blocks_with_sharing"] < entry["peak_blocks_without_sharing"]
+            expected = 100 * (1 - entry["peak_blocks_with_sharing"] / entry["peak_blocks_without_sharing"])
+            assert entry["saving_pct"] == pytest.approx(expected)
+    assert sharing["parallel"]["4"]["saving_pct"] > sharing["parallel"]["2"]["saving_pct"]
+    assert (tmp_path / "share.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_compare_pagedllm_with_hf(tmp_path):
+    random_workload(2, (12, 20), 3, seed=2).save(tmp_path / "w2.json")
+    data = _run_cli(
+        ["throughput", "--workload", str(tmp_path / "w2.json"), "--compare", "pagedllm,hf",
+         "--num-kv-blocks", "32", "--no-warmup", "--plot", str(tmp_path / "cmp.png")],
+        tmp_path,
+    )
+    results = {r["backend"]: r for r in data["results"]}
+    assert set(results) == {"pagedllm", "hf"}
+    for r in results.values():
+        assert THROUGHPUT_KEYS <= set(r)
+        assert r["dtype"] == "float32" and r["num_requests"] == 2 and r["output_tokens"] == 6
+    assert results["pagedllm"]["prompt_tokens"] == results["hf"]["prompt_tokens"]
+    assert results["hf"]["hf_batch_size"] == 32
+    assert (tmp_path / "cmp.png").stat().st_size > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def pagedllm_server():
+    import httpx
+
+    port = _free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--kv-cache-memory", "256MiB"],
+        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )
+
+    def output() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")[-2000:]
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.skip(f"`pagedllm serve` is not runnable here (exit {proc.returncode}):\n{output()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.skip(f"`pagedllm serve` did not become healthy in 180 s:\n{output()}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_serve_against_a_pagedllm_server(tmp_path, pagedllm_server):
+    data = _run_cli(
+        ["serve", "--base-url", pagedllm_server, "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
+         "--max-concurrency", "4"],
+        tmp_path,
+    )
+    assert data["completed"] == 4 and data["errors"] == 0
+    assert data["output_tokens"] == 16 and data["prompt_tokens"] == 64
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(data[key]) == {"mean", "p50", "p90", "p99"}
+        assert data[key]["p50"] <= data[key]["p99"]
+    assert data["ttft_ms"]["mean"] <= data["e2e_ms"]["mean"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PAGEDLLM_VLLM_PYTHON"), reason="set PAGEDLLM_VLLM_PYTHON to vLLM's python")
+def test_throughput_vllm_peer(tmp_path):
+    random_workload(2, (12, 20), 3, seed=2).save(tmp_path / "w2.json")
+    data = _run_cli(["throughput", "--workload", str(tmp_path / "w2.json"), "--backend", "vllm"], tmp_path)
+    assert data["backend"] == "vllm" and data["output_tokens"] == 6 and data["prompt_tokens"] > 0
