@@ -6,13 +6,14 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, naive_attention
 
+from pagedllm.attention import cpu_ops, torch_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 
 ATOL = 1e-5
 
 
-def _run(batch):
-    backend = TorchAttentionBackend()
+def _run(batch, use_native=None):
+    backend = TorchAttentionBackend(use_native=use_native)
     md = batch.metadata
     backend.write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
     return backend.forward(batch.query, batch.k_cache, batch.v_cache, md, batch.scale)
@@ -22,8 +23,8 @@ def _num_real_rows(batch) -> int:
     return sum(batch.metadata.query_lens_host)
 
 
-def _assert_matches_oracle(batch):
-    out = _run(batch)
+def _assert_matches_oracle(batch, use_native=None):
+    out = _run(batch, use_native)
     rows = _num_real_rows(batch)
     expected = naive_attention(batch.query[:rows], batch)
     assert out.shape == batch.query.shape
@@ -41,7 +42,8 @@ SPECS = {
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("kind", sorted(SPECS))
-def test_matches_naive_attention(block_size, num_heads, num_kv_heads, kind):
+@pytest.mark.parametrize("use_native", [False, None])  # the pure-PyTorch path, then the default
+def test_matches_naive_attention(block_size, num_heads, num_kv_heads, kind, use_native):
     batch = make_paged_batch(
         SPECS[kind],
         block_size=block_size,
@@ -50,7 +52,7 @@ def test_matches_naive_attention(block_size, num_heads, num_kv_heads, kind):
         head_dim=32,
         seed=block_size + num_heads,
     )
-    _assert_matches_oracle(batch)
+    _assert_matches_oracle(batch, use_native)
 
 
 @pytest.mark.parametrize("kind", ["mixed", "decode_only"])
@@ -95,3 +97,82 @@ def test_bfloat16_close_to_oracle():
     expected = naive_attention(batch.query, batch)
     assert out.dtype == torch.bfloat16
     assert (out.float() - expected.float()).abs().max().item() < 3e-2
+
+
+# ---------------------------------------------------------------- native kernel and plan reuse
+
+native_only = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the native CPU kernel")
+
+
+@native_only
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64)])
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_native_kernel_matches_oracle(block_size, num_heads, num_kv_heads, head_dim, kind):
+    batch = make_paged_batch(
+        SPECS[kind], block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, num_padding_tokens=2, seed=block_size + head_dim,
+    )
+    out = _run(batch, use_native=True)
+    rows = _num_real_rows(batch)
+    expected = naive_attention(batch.query[:rows], batch)
+    assert (out[:rows] - expected).abs().max().item() <= ATOL
+    assert torch.count_nonzero(out[rows:]) == 0  # padding rows stay zero
+
+
+@native_only
+def test_native_kernel_bfloat16_matches_torch_path():
+    batch = make_paged_batch(SPECS["mixed"], block_size=16, num_heads=9, num_kv_heads=3, head_dim=64,
+                             dtype=torch.bfloat16, seed=5)
+    k0, v0 = batch.k_cache.clone(), batch.v_cache.clone()
+    native = _run(batch, use_native=True)
+    batch.k_cache.copy_(k0)
+    batch.v_cache.copy_(v0)
+    reference = _run(batch, use_native=False)
+    assert native.dtype == torch.bfloat16
+    assert (native.float() - reference.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("use_native", [False, pytest.param(True, marks=native_only)])
+def test_unwritten_slots_are_never_read(use_native):
+    """The CPU KV pools are allocated uninitialised: slots past a sequence's length
+    (and blocks no table uses) may hold NaN, and must not reach the output."""
+    batch = make_paged_batch(SPECS["mixed"], block_size=16, num_heads=6, num_kv_heads=2, seed=13)
+    md = batch.metadata
+    context = torch.full_like(batch.k_cache, float("nan")), torch.full_like(batch.v_cache, float("nan"))
+    for i, (seq_len, q_len) in enumerate(zip(md.seq_lens_host, md.query_lens_host)):
+        for pos in range(seq_len - q_len):  # only the already-written context is copied over
+            block, offset = md.block_tables[i, pos // 16].item(), pos % 16
+            context[0][block, offset] = batch.k_cache[block, offset]
+            context[1][block, offset] = batch.v_cache[block, offset]
+    batch.k_cache, batch.v_cache = context
+    out = _run(batch, use_native)
+    rows = _num_real_rows(batch)
+    assert torch.isfinite(out).all()
+    assert (out[:rows] - naive_attention(batch.query[:rows], batch)).abs().max().item() <= ATOL
+
+
+@native_only
+def test_long_prefills_leave_the_native_kernel(monkeypatch):
+    monkeypatch.setattr(torch_backend, "NATIVE_MAX_PREFILL_LEN", 20)
+    batch = make_paged_batch(SPECS["mixed"], block_size=8, num_padding_tokens=3, seed=17)
+    out = _run(batch, use_native=True)
+    rows = _num_real_rows(batch)
+    assert (out[:rows] - naive_attention(batch.query[:rows], batch)).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("use_native", [False, pytest.param(True, marks=native_only)])
+def test_one_backend_serves_successive_batches(use_native):
+    """The per-step plan is cached per metadata object; a new batch must not reuse it."""
+    backend = TorchAttentionBackend(use_native=use_native)
+    batches = [
+        make_paged_batch(SPECS[kind], block_size=16, seed=seed)
+        for seed, kind in enumerate(["decode_only", "mixed", "prefill_only", "decode_only"])
+    ]
+    for batch in batches:
+        md = batch.metadata
+        for _ in range(2):  # two "layers" of the same step
+            backend.write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+            out = backend.forward(batch.query, batch.k_cache, batch.v_cache, md, batch.scale)
+            rows = _num_real_rows(batch)
+            assert (out[:rows] - naive_attention(batch.query[:rows], batch)).abs().max().item() <= ATOL

@@ -299,3 +299,35 @@ def test_registry_resolves_family():
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         assert resolve_architecture({"architectures": [arch]}) is llama.LlamaForCausalLM
     assert resolve_architecture({"model_type": "mistral"}) is llama.LlamaForCausalLM
+
+
+def test_uninitialised_cache_slots_do_not_leak():
+    """CPU KV pools start uninitialised; NaN in every unwritten slot must not reach the logits."""
+    hf_model = HF_MODELS["llama_tied"]()
+    ours = _ours(hf_model)
+    tokens = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(8)).tolist()
+    paged = PagedSequences(ours.config)
+    for k_cache, v_cache in paged.cache.layers:
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+    seq = paged.add()
+    expected = _hf_logits(hf_model, tokens)
+    _close(paged.step(ours, {seq: tokens[:6]}), expected[:6])  # ends mid-block (BLOCK_SIZE 4)
+    for i in range(6, len(tokens)):
+        _close(paged.step(ours, {seq: [tokens[i]]}), expected[i : i + 1])
+
+
+def test_reloading_weights_refreshes_packed_matmuls():
+    """Matmul weights are packed for the CPU on first use; loading new weights must repack."""
+    first, second = HF_MODELS["llama_tied"](), HF_MODELS["llama_tied"]()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in second.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    model = _ours(first)
+    tokens = list(range(4, 17))
+    paged = PagedSequences(model.config)
+    _close(paged.step(model, {paged.add(): tokens}), _hf_logits(first, tokens))
+    model.load_weights(second.state_dict().items())
+    paged = PagedSequences(model.config)
+    _close(paged.step(model, {paged.add(): tokens}), _hf_logits(second, tokens))

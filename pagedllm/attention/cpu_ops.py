@@ -1,11 +1,12 @@
-"""An optional native kernel for paged decode attention on the CPU.
+"""An optional native kernel for paged attention on the CPU.
 
 The kernel is plain C (no PyTorch headers, so it compiles in about a second),
 built with the system C compiler on first use into a per-user cache directory
 and called through ``ctypes``. It reads K/V straight from the paged cache
-through the block table (no gather copy), one (sequence, KV head) pair per
+through the block table (no gather copy), one query token (all its heads) per
 work item, with a per-block online softmax and fp32 accumulation; float32 and
-bfloat16 caches are supported. Parallel loops run on the OpenMP runtime that
+bfloat16 caches are supported. Decode and prefill tokens are the same kind of
+item: a token at position ``p`` attends to the first ``p + 1`` tokens. Parallel loops run on the OpenMP runtime that
 PyTorch already loaded, so the two share one thread pool.
 
 When no compiler is found, the build fails, or ``PAGEDLLM_NATIVE_OPS=0`` is
@@ -30,7 +31,7 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-MAX_GROUP = 16  # query heads per KV head the kernel's stack buffers hold
+MAX_HEADS = 64  # query heads the kernel's stack buffers hold
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 64
 
@@ -39,9 +40,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_GROUP %(max_group)d
 #define MAX_HEAD_DIM %(max_head_dim)d
 #define MAX_BLOCK_SIZE %(max_block_size)d
+#define MAX_HEADS %(max_heads)d
 
 static inline float load_f32(const float *p) { return *p; }
 static inline float load_bf16(const uint16_t *p) {
@@ -49,25 +50,6 @@ static inline float load_bf16(const uint16_t *p) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-/* Softmax bookkeeping for one block: scores[g][0..n) become exp(score - new max);
-   returns nothing, updates run_max/run_sum and writes each group's correction factor. */
-static inline void block_softmax(float scores[][MAX_BLOCK_SIZE], int64_t group, int64_t n,
-                                 float *run_max, float *run_sum, float *correction) {
-    for (int64_t g = 0; g < group; ++g) {
-        float block_max = scores[g][0];
-        for (int64_t t = 1; t < n; ++t) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
-        const float new_max = block_max > run_max[g] ? block_max : run_max[g];
-        correction[g] = expf(run_max[g] - new_max);
-        float block_sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) {
-            scores[g][t] = expf(scores[g][t] - new_max);
-            block_sum += scores[g][t];
-        }
-        run_sum[g] = run_sum[g] * correction[g] + block_sum;
-        run_max[g] = new_max;
-    }
 }
 
 #ifdef __AVX512F__
@@ -85,6 +67,33 @@ static inline vec_t vload_bf16(const uint16_t *p) {
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VSUM(v) _mm512_reduce_add_ps(v)
+
+/* exp(x) for x in [-87, 0] (softmax arguments): 2^k * 2^f with f in [-1/2, 1/2],
+   2^f from its degree-6 Taylor polynomial (relative error below 3e-7). */
+static inline __m512 vexp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147180559945f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* scores[0..n) <- exp(scores - shift), returns their sum. */
+static inline float exp_shift_sum(float *scores, int64_t n, float shift) {
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    __m512 v = _mm512_maskz_loadu_ps(mask, scores);
+    v = vexp(_mm512_sub_ps(v, _mm512_set1_ps(shift)));
+    _mm512_mask_storeu_ps(scores, mask, v);
+    return _mm512_mask_reduce_add_ps(mask, v);
+}
+#define EXP_CHUNK 16
 #else
 #define VEC 1
 typedef float vec_t;
@@ -96,83 +105,115 @@ static inline vec_t vload_bf16(const uint16_t *p) { return load_bf16(p); }
 #define VMUL(a, b) ((a) * (b))
 #define VSTORE(p, v) (*(p) = (v))
 #define VSUM(v) (v)
+
+static inline float exp_shift_sum(float *scores, int64_t n, float shift) {
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+        scores[t] = expf(scores[t] - shift);
+        sum += scores[t];
+    }
+    return sum;
+}
+#define EXP_CHUNK MAX_BLOCK_SIZE
 #endif
 
-/* One (sequence, KV head) pair: G query rows qs [G, D] (pre-scaled) attend to
-   len tokens read through table; result rows written to os [G, D].
-   head_dim must be a multiple of VEC. Accumulators stay in vector registers
-   for the inner loops: the score loop keeps one per query row, the value loop
-   one per (query row, 16-lane chunk). */
-#define DEFINE_ITEM(NAME, T, VLOAD)                                                           \
+/* Softmax bookkeeping for one block of n scores per row: scores become
+   exp(score - running max); run_max / run_sum are updated and correction[r]
+   is the factor that rescales row r's earlier accumulation. */
+static inline void block_softmax(float scores[][MAX_BLOCK_SIZE], int64_t rows, int64_t n,
+                                 float *run_max, float *run_sum, float *correction) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float block_max = scores[r][0];
+        for (int64_t t = 1; t < n; ++t) block_max = scores[r][t] > block_max ? scores[r][t] : block_max;
+        const float new_max = block_max > run_max[r] ? block_max : run_max[r];
+        correction[r] = expf(run_max[r] - new_max);
+        float block_sum = 0.0f;
+        for (int64_t t0 = 0; t0 < n; t0 += EXP_CHUNK)
+            block_sum += exp_shift_sum(scores[r] + t0, n - t0 < EXP_CHUNK ? n - t0 : EXP_CHUNK, new_max);
+        run_sum[r] = run_sum[r] * correction[r] + block_sum;
+        run_max[r] = new_max;
+    }
+}
+
+/* One query token: its H query rows qs [H, D] (pre-scaled) attend to len tokens
+   read through table, block by block and, within a block, every KV head in
+   turn (so each token's K and V rows are read front to back, once). Query
+   head h * G + g reads KV head h. Results go to os [H, D]. head_dim must be
+   a multiple of VEC. The score loop keeps one accumulator per query row in a
+   register; the value loop one per 16-lane chunk. */
+#define DEFINE_SEQ(NAME, T, VLOAD)                                                            \
 static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table,     \
-                 int64_t len, int64_t h, int64_t group, int64_t head_dim, int64_t num_kv_heads,\
+                 int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,      \
                  int64_t block_size, float *os) {                                             \
+    const int64_t group = num_heads / num_kv_heads;                                           \
     const int64_t chunks = head_dim / VEC, token_stride = num_kv_heads * head_dim;            \
-    vec_t acc[MAX_GROUP * MAX_HEAD_DIM / VEC];                                                \
-    float scores[MAX_GROUP][MAX_BLOCK_SIZE];                                                  \
-    float run_max[MAX_GROUP], run_sum[MAX_GROUP], correction[MAX_GROUP];                      \
-    for (int64_t j = 0; j < group * chunks; ++j) acc[j] = VZERO();                            \
-    for (int64_t g = 0; g < group; ++g) { run_max[g] = -INFINITY; run_sum[g] = 0.0f; }        \
+    vec_t acc[MAX_HEADS * MAX_HEAD_DIM / VEC];                                                \
+    float scores[MAX_HEADS][MAX_BLOCK_SIZE];                                                  \
+    float run_max[MAX_HEADS], run_sum[MAX_HEADS], correction[MAX_HEADS];                      \
+    for (int64_t j = 0; j < num_heads * chunks; ++j) acc[j] = VZERO();                        \
+    for (int64_t r = 0; r < num_heads; ++r) { run_max[r] = -INFINITY; run_sum[r] = 0.0f; }    \
     for (int64_t start = 0; start < len; start += block_size) {                               \
         const int64_t block = table[start / block_size];                                      \
         const int64_t n = len - start < block_size ? len - start : block_size;                \
-        const int64_t base = (block * block_size * num_kv_heads + h) * head_dim;              \
-        const T *kb = k_cache + base, *vb = v_cache + base;                                   \
+        const T *kb = k_cache + block * block_size * token_stride;                            \
+        const T *vb = v_cache + block * block_size * token_stride;                            \
         for (int64_t t = 0; t < n; ++t) {                                                     \
-            const T *krow = kb + t * token_stride;                                            \
-            for (int64_t g = 0; g < group; ++g) {                                             \
-                const float *qg = qs + g * head_dim;                                          \
+            for (int64_t r = 0; r < num_heads; ++r) {                                         \
+                const T *krow = kb + t * token_stride + (r / group) * head_dim;               \
+                const float *qr = qs + r * head_dim;                                          \
                 vec_t dot = VZERO();                                                          \
                 for (int64_t c = 0; c < chunks; ++c)                                          \
-                    dot = VFMA(vload_f32(qg + c * VEC), VLOAD(krow + c * VEC), dot);          \
-                scores[g][t] = VSUM(dot);                                                     \
+                    dot = VFMA(vload_f32(qr + c * VEC), VLOAD(krow + c * VEC), dot);          \
+                scores[r][t] = VSUM(dot);                                                     \
             }                                                                                 \
         }                                                                                     \
-        block_softmax(scores, group, n, run_max, run_sum, correction);                        \
-        for (int64_t g = 0; g < group; ++g) {                                                 \
-            const vec_t scale = VSET1(correction[g]);                                         \
+        block_softmax(scores, num_heads, n, run_max, run_sum, correction);                    \
+        for (int64_t r = 0; r < num_heads; ++r) {                                             \
+            const T *vcol = vb + (r / group) * head_dim;                                      \
+            const vec_t scale = VSET1(correction[r]);                                         \
             for (int64_t c = 0; c < chunks; ++c) {                                            \
-                vec_t a = VMUL(acc[g * chunks + c], scale);                                   \
+                vec_t a = VMUL(acc[r * chunks + c], scale);                                   \
                 for (int64_t t = 0; t < n; ++t)                                               \
-                    a = VFMA(VSET1(scores[g][t]), VLOAD(vb + t * token_stride + c * VEC), a); \
-                acc[g * chunks + c] = a;                                                      \
+                    a = VFMA(VSET1(scores[r][t]), VLOAD(vcol + t * token_stride + c * VEC), a);\
+                acc[r * chunks + c] = a;                                                      \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (int64_t g = 0; g < group; ++g) {                                                     \
-        const vec_t inv = VSET1(1.0f / run_sum[g]);                                           \
+    for (int64_t r = 0; r < num_heads; ++r) {                                                 \
+        const vec_t inv = VSET1(1.0f / run_sum[r]);                                           \
         for (int64_t c = 0; c < chunks; ++c)                                                  \
-            VSTORE(os + g * head_dim + c * VEC, VMUL(acc[g * chunks + c], inv));              \
+            VSTORE(os + r * head_dim + c * VEC, VMUL(acc[r * chunks + c], inv));              \
     }                                                                                         \
 }
 
-DEFINE_ITEM(decode_item_f32, float, vload_f32)
-DEFINE_ITEM(decode_item_bf16, uint16_t, vload_bf16)
+DEFINE_SEQ(attend_row_f32, float, vload_f32)
+DEFINE_SEQ(attend_row_bf16, uint16_t, vload_bf16)
 
-/* q: [S, H, D] fp32, already multiplied by the softmax scale.
+/* Row s of q attends to the first lens[s] tokens of the sequence whose block
+   table is row s of tables. A decode token is one such row; a prefill token
+   at position p is one with len p + 1 (the causal mask for free).
+   q: [S, H, D] fp32, already multiplied by the softmax scale.
    k_cache, v_cache: [num_blocks, block_size, KH, D].
    tables: [S, table_stride] int32; lens: [S] int32 (>= 1).
-   out: [S, H, D] fp32. Query head h * G + g reads KV head h. */
-#define DEFINE_DECODE(NAME, T, ITEM)                                                          \
+   out: [S, H, D] fp32. */
+#define DEFINE_DECODE(NAME, T, SEQ)                                                           \
 void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *tables,          \
           int64_t table_stride, const int32_t *lens, int64_t num_seqs, int64_t num_heads,      \
           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *out) {            \
-    const int64_t group = num_heads / num_kv_heads;                                           \
-    const int64_t num_items = num_seqs * num_kv_heads;                                        \
-    _Pragma("omp parallel for schedule(dynamic, 1) if(num_items > 1)")                        \
-    for (int64_t item = 0; item < num_items; ++item) {                                        \
-        const int64_t s = item / num_kv_heads, h = item %% num_kv_heads;                       \
-        const int64_t offset = (s * num_heads + h * group) * head_dim;                        \
-        ITEM(q + offset, k_cache, v_cache, tables + s * table_stride, lens[s], h, group,      \
-             head_dim, num_kv_heads, block_size, out + offset);                               \
+    _Pragma("omp parallel for schedule(dynamic, 1) if(num_seqs > 1)")                         \
+    for (int64_t s = 0; s < num_seqs; ++s) {                                                  \
+        const int64_t offset = s * num_heads * head_dim;                                      \
+        SEQ(q + offset, k_cache, v_cache, tables + s * table_stride, lens[s], num_heads,      \
+            num_kv_heads, head_dim, block_size, out + offset);                                \
     }                                                                                         \
 }
 
-DEFINE_DECODE(paged_decode_f32, float, decode_item_f32)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, decode_item_bf16)
+DEFINE_DECODE(paged_rows_f32, float, attend_row_f32)
+DEFINE_DECODE(paged_rows_bf16, uint16_t, attend_row_bf16)
 
 int vector_width(void) { return VEC; }
-""" % {"max_group": MAX_GROUP, "max_head_dim": MAX_HEAD_DIM, "max_block_size": MAX_BLOCK_SIZE}
+""" % {"max_head_dim": MAX_HEAD_DIM, "max_block_size": MAX_BLOCK_SIZE,
+                 "max_heads": MAX_HEADS}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -199,7 +240,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         k_cache.dtype in (torch.float32, torch.bfloat16)
         and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
+        and num_heads <= MAX_HEADS
         and head_dim <= MAX_HEAD_DIM
         and head_dim % _vector_width == 0
         and k_cache.shape[1] <= MAX_BLOCK_SIZE
@@ -207,25 +248,30 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-def paged_decode_attention(
-    query: torch.Tensor,  # [S, H, D]
+def paged_attention(
+    query: torch.Tensor,  # [R, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KH, D], float32 or bfloat16
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [S, max_blocks]
-    seq_lens: torch.Tensor,  # [S], every entry >= 1
+    block_tables: torch.Tensor,  # [R, max_blocks], the block table of each row's sequence
+    lens: torch.Tensor,  # [R], every entry >= 1
     scale: float,
-) -> torch.Tensor:  # [S, H, D], query's dtype
-    """One query token per sequence attending to its first ``seq_lens[s]`` cached tokens."""
+) -> torch.Tensor:  # [R, H, D], query's dtype
+    """Query row r attends to the first ``lens[r]`` cached tokens of its sequence.
+
+    A decode token passes its sequence's length; a prefill token at position
+    ``p`` passes ``p + 1``, which is exactly the causal mask. Each row reads
+    K/V through its block table, so nothing is gathered.
+    """
     assert _library is not None, "call available() first"
-    num_seqs, num_heads, head_dim = query.shape
+    num_rows, num_heads, head_dim = query.shape
     q = (query.float() * scale).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty((num_seqs, num_heads, head_dim), dtype=torch.float32)
-    kernel = _library.paged_decode_bf16 if k_cache.dtype == torch.bfloat16 else _library.paged_decode_f32
+    lens = lens.to(torch.int32).contiguous()
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32)
+    kernel = _library.paged_rows_bf16 if k_cache.dtype == torch.bfloat16 else _library.paged_rows_f32
     kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], out.data_ptr(),
+        lens.data_ptr(), num_rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], out.data_ptr(),
     )
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
@@ -250,7 +296,7 @@ def _load() -> ctypes.CDLL | None:
     library.vector_width.restype = ctypes.c_int
     global _vector_width
     _vector_width = library.vector_width()
-    for fn in (library.paged_decode_f32, library.paged_decode_bf16):
+    for fn in (library.paged_rows_f32, library.paged_rows_bf16):
         fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, pointer]
         fn.restype = None
     return library

@@ -106,6 +106,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
+        # other work on the machine skews every figure: keep the evidence with them
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 

@@ -15,6 +15,7 @@ near-ties break the same way as the reference implementation.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -78,11 +79,12 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], log
     )
     if done:
         processor.scheduler.finish_request(request, FinishReason.STOP)
+        request.metrics.finished_time = time.monotonic()
         return
     _advance_beams(processor, request, beams, [parents[i] for i in keep.tolist()],
                    [tokens[i] for i in keep.tolist()])
     state.running_scores = keep_scores.clone()
-    processor._num_new_tokens += len(request.seqs)
+    processor.count_new_tokens(request, len(request.seqs))
 
 
 def _candidate_ends(processor, request: Request, beam: Sequence, tokens: list[int], gen_len: int) -> torch.Tensor:

@@ -125,15 +125,19 @@ class OutputProcessor:
         for i, (request, seq, _) in enumerate(jobs):
             self._append(request, seq, result, i)
 
-    def _append(self, request: Request, seq: Sequence, result: SamplerOutput, i: int) -> None:
-        token = result.token_ids[i]
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += result.logprobs[i]
-        self._num_new_tokens += 1
+    def count_new_tokens(self, request: Request, num_tokens: int) -> None:
+        """Token accounting and first/last-token times for the request's metrics."""
+        self._num_new_tokens += num_tokens
         now = time.monotonic()
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
+
+    def _append(self, request: Request, seq: Sequence, result: SamplerOutput, i: int) -> None:
+        token = result.token_ids[i]
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += result.logprobs[i]
+        self.count_new_tokens(request, 1)
         if seq.logprobs is not None:
             seq.logprobs.append(self._position_logprobs(token, result, i))
         stop_str = seq.detokenizer.add_tokens([token]) if seq.detokenizer is not None else None

@@ -115,7 +115,7 @@ class Scheduler:
         for request in list(self.running):
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            scheduled, budget, victim_taken = self._schedule_running(request, budget, out)
+            _, budget, victim_taken = self._schedule_running(request, budget, out)
             preempted = preempted or victim_taken
         if not preempted:
             budget = self._schedule_swapped(budget, out)
@@ -259,13 +259,17 @@ class Scheduler:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             seq_ids = [s.seq_id for s in request.live_seqs()]
-            if not self.block_manager.can_swap_in(seq_ids):
+            # Headroom: a new block and a copy-on-write per sequence, so a group
+            # that comes back can step instead of being swapped straight out.
+            if not self.block_manager.can_swap_in(seq_ids, num_headroom_blocks=2 * len(seq_ids)):
                 break
             self.swapped.popleft()
             out.swap_in.extend(self.block_manager.swap_in(seq_ids))
             request.status = SeqStatus.RUNNING
             self.running.append(request)
-            scheduled, budget, _ = self._schedule_running(request, budget, out)
+            _, budget, preempted = self._schedule_running(request, budget, out)
+            if preempted:
+                break  # it could not grow after all: retry next step, not in a loop now
         return budget
 
     def _reserved_tokens(self, request: Request, seq: Sequence) -> int | None:
@@ -311,7 +315,7 @@ class Scheduler:
                 break  # FCFS: later prompts wait behind this one so it is never starved
             self.waiting.popleft()
             self._admit(request)
-            scheduled, budget, _ = self._schedule_running(request, budget, out)
+            _, budget, _ = self._schedule_running(request, budget, out)
 
     def _admit(self, request: Request) -> None:
         bm = self.block_manager

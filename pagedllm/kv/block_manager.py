@@ -354,10 +354,14 @@ class BlockManager:
         self._num_table_entries -= sum(len(seq.block_table) for seq in seqs)
         return list(mapping.items())
 
-    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        """Whether the device has the group's distinct blocks free while keeping the watermark."""
+    def can_swap_in(self, seq_ids: Sequence[int], num_headroom_blocks: int = 0) -> bool:
+        """Whether the device has the group's distinct blocks free while keeping the watermark.
+
+        ``num_headroom_blocks`` more must be free as well: what the group needs
+        to take its next step once it is back.
+        """
         seqs = self._group(seq_ids, swapped=True)
-        num_needed = len(_distinct_blocks(seqs))
+        num_needed = len(_distinct_blocks(seqs)) + num_headroom_blocks
         return self._pool.get_num_free_blocks() - num_needed >= self.watermark_blocks
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:

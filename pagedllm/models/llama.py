@@ -22,6 +22,63 @@ from pagedllm.models.config import ModelConfig
 logger = logging.getLogger("pagedllm")
 
 
+class PackedWeight:
+    """A weight matrix reordered once into oneDNN's blocked layout for CPU matmuls.
+
+    On this class of CPU, oneDNN on a pre-reordered weight runs float32
+    matmuls 2-3x faster than ``F.linear`` (MKL) at every batch size above a
+    few rows, and bfloat16 ones a little faster. The packed copy is rebuilt
+    whenever the weight's storage, dtype or shape changes, and dropped by
+    :meth:`invalidate` after its contents are overwritten in place.
+    """
+
+    __slots__ = ("key", "packed")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.packed: Tensor | None = None
+
+    def invalidate(self) -> None:
+        self.key, self.packed = None, None
+
+    def get(self, weight: Tensor) -> Tensor:
+        key = (weight.data_ptr(), weight.dtype, tuple(weight.shape))
+        if key != self.key:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self.key = key
+        return self.packed
+
+
+def _onednn_usable(x: Tensor, weight: Tensor) -> bool:
+    if x.device.type != "cpu" or torch.is_grad_enabled() or x.dtype != weight.dtype or not _ONEDNN:
+        return False
+    if x.dtype == torch.float32:
+        return True
+    return x.dtype == torch.bfloat16 and _ONEDNN_BF16
+
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight) -> Tensor:
+    """``F.linear`` (x [T, in] -> [T, out]), through the packed oneDNN weight where it applies."""
+    if not _onednn_usable(x, weight):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.get(weight), bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose CPU inference matmul uses a :class:`PackedWeight`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed = PackedWeight()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, the statistic computed in float32 whatever the input dtype."""
 
@@ -134,10 +191,10 @@ class LlamaAttention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         # rows: [q (H*D) | k (KH*D) | v (KH*D)]
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.scale = config.head_dim**-0.5
         self.backend = backend
 
@@ -167,8 +224,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -211,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.head_packed = PackedWeight()  # the LM head matmul (tied: the embedding matrix)
 
     def forward(
         self,
@@ -229,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, logits_indices)  # [num_samples, hidden]
         hidden = self.norm(hidden)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        return linear(hidden, head, None, self.head_packed).float()
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors in, splicing q/k/v and gate/up into the fused matrices.
@@ -256,6 +314,14 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(
                 f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}"
             )
+        self.invalidate_packed_weights()
+
+    def invalidate_packed_weights(self) -> None:
+        """Drop every packed matmul weight (call after changing weights in place)."""
+        self.head_packed.invalidate()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed.invalidate()
 
     def _map_hf_name(self, hf_name: str) -> tuple[str, int] | None:
         """HF tensor name -> (own parameter name, first row it fills), or None to skip."""

@@ -1,0 +1,61 @@
+"""The `pagedllm` command as users run it: a real subprocess on the default model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.cli import _bytes, build_parser
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli", *args],
+        input=stdin, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_size_parsing():
+    assert _bytes("1048576") == 2**20
+    assert _bytes("2GiB") == 2 * 2**30
+    assert _bytes("500MB") == 500 * 10**6
+    with pytest.raises(Exception, match="not a size"):
+        _bytes("lots")
+
+
+def test_every_subcommand_is_registered():
+    parser = build_parser()
+    for command in ("generate", "chat", "serve", "bench"):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args([command, "--help"])
+        assert info.value.code == 0
+
+
+def test_bad_flags_fail_fast_with_a_clear_message():
+    bad_block = run_cli("generate", "hi", "--block-size", "7")
+    assert bad_block.returncode == 2 and "block-size" in bad_block.stderr
+    bad_temp = run_cli("generate", "hi", "--temperature", "-1")
+    assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
+    missing = run_cli("generate", "hi", "--model", "/nonexistent/model.gguf")
+    assert missing.returncode == 2 and "nonexistent" in missing.stderr
+    assert "Traceback" not in bad_temp.stderr + missing.stderr
+
+
+@pytest.mark.slow
+def test_generate_prints_the_greedy_completion():
+    result = run_cli("generate", "The capital of France is", "--max-tokens", "8", "--kv-cache-memory", "64MiB")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is")
+    assert "Paris" in result.stdout
+
+
+@pytest.mark.slow
+def test_chat_streams_replies_and_keeps_the_conversation():
+    result = run_cli("chat", "--temperature", "0", "--max-tokens", "24", "--kv-cache-memory", "64MiB",
+                     stdin="What is the capital of France?\nAnd of Italy?\n")
+    assert result.returncode == 0, result.stderr
+    replies = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(replies) >= 2
+    assert "Paris" in result.stdout and "Rome" in result.stdout
