@@ -8,6 +8,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Nothing may reach a model hub: the reference models load from local files only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 # tests import helpers such as tests/attention_reference.py as top-level modules
 sys.path.insert(0, os.path.dirname(__file__))
 

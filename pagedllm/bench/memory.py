@@ -335,10 +335,10 @@ def format_policies(result: dict) -> str:
         rows.append([
             name, report.pct(r["utilization"]), report.pct(b["token_states"]), report.pct(b["reserved_future"]),
             report.pct(b["internal_fragmentation"]), report.pct(b["unused"]), r["max_concurrent_seqs"],
-            r["num_preemptions"], r["output_tokens_per_s"],
+            r["mean_concurrent_seqs"], r["num_preemptions"], r["output_tokens_per_s"],
         ])
     headers = ["policy", "utilization", "tokens", "reserved", "int. frag", "unused", "max seqs",
-               "preempt", "output tok/s"]
+               "mean seqs", "preempt", "output tok/s"]
     title = (
         f"KV memory audit ({result['kv_tokens']} token slots, max_model_len {result['max_model_len']}); "
         "utilization = tokens / allocated, the rest as % of the whole budget, averaged over steps"
@@ -348,12 +348,12 @@ def format_policies(result: dict) -> str:
 
 def format_sweep(sweep: dict) -> str:
     rows = [
-        [size, report.pct(r["utilization"]), report.pct(r["internal_fragmentation"]), r["max_concurrent_seqs"],
-         r["num_preemptions"], r["output_tokens_per_s"]]
+        [size, report.pct(r["utilization"]), report.pct(r["reserved_future"]), report.pct(r["internal_fragmentation"]),
+         r["max_concurrent_seqs"], r["num_preemptions"], r["output_tokens_per_s"]]
         for size, r in sweep.items()
     ]
-    headers = ["block size", "utilization", "int. frag (of allocated)", "max seqs", "preempt", "output tok/s"]
-    return report.format_table(headers, rows, title="Paged KV: block-size sweep")
+    headers = ["block size", "utilization", "reserved", "int. frag", "max seqs", "preempt", "output tok/s"]
+    return report.format_table(headers, rows, title="Paged KV: block-size sweep (% of allocated slots)")
 
 
 def format_sharing(sharing: dict) -> str:
