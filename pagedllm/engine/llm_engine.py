@@ -93,6 +93,8 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
+        if self._use_cuda_graphs():
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.device)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens_total = 0
@@ -124,6 +126,11 @@ class LLMEngine:
             raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
         num_cpu_blocks = cfg.swap_space // KVCache.bytes_per_block(**shape) if cfg.swap_space else 0
         return KVCache(num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks, **shape)
+
+    def _use_cuda_graphs(self) -> bool:
+        # The Triton decode kernel sizes its grid from host ints that stay valid
+        # across replays; the reference backend reads per-step host lists.
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.attn_backend.name == "triton"
 
     def _default_kv_memory(self) -> int:
         if self.device.type == "cuda":

@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.runner.cuda_graphs import DecodeGraphs
 from pagedllm.runner.inputs import ModelInputs, build_model_inputs
 
 
@@ -17,6 +18,16 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture CUDA graphs for decode steps; later decode-only steps replay them."""
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache.layers, block_size=self.block_size,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=self.device,
+        )
+        graphs.capture_all()
+        self.decode_graphs = graphs
 
     def apply_memory_ops(self, out: SchedulerOutput) -> None:
         # Order matters: blocks freed by a swap-out may be the targets of a
@@ -33,6 +44,8 @@ class ModelRunner:
         """Run one forward pass; returns logits [num_rows, vocab] float32 and the inputs used."""
         self.apply_memory_ops(out)
         inputs = build_model_inputs(out.chunks, self.block_size, self.device)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+            return self.decode_graphs.run(inputs), inputs
         logits = self.model(
             inputs.input_ids,
             inputs.positions,
