@@ -33,7 +33,7 @@ class HFReference:
         self.model.eval()
         self.eos_token_id = self.tokenizer.eos_token_id
 
-    @functools.lru_cache(maxsize=256)
+    @functools.lru_cache(maxsize=256)  # noqa: B019 (one instance per session)
     def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
         """Greedy continuation, stopping at EOS like the engine does (EOS included)."""
         ids = torch.tensor([list(prompt_ids)])

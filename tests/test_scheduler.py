@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedllm.engine.sequence import FinishReason, Request, Sequence, SeqStatus
+from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -29,7 +29,7 @@ def run_step(sched: Scheduler, sampled_token: int = 7):
     """Pretend the forward pass ran: advance counts, append a token to completed sequences."""
     out = sched.schedule()
     sched.on_step_computed(out)
-    for chunk, (req, seq) in zip(out.chunks, out.entries):
+    for chunk, (_, seq) in zip(out.chunks, out.entries):
         if chunk.needs_logits:
             seq.token_ids.append(sampled_token)
     sched.block_manager.check_invariants()

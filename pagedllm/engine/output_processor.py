@@ -11,9 +11,15 @@ import time
 import torch
 
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.engine.sequence import FinishReason, Request, Sequence, SeqStatus
+from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling.sampler import Sampler, SamplerOutput, SamplingRow, compute_logprobs, top_k_logprobs
+from pagedllm.sampling.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    compute_logprobs,
+    top_k_logprobs,
+)
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -17,7 +17,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.engine.sequence import FinishReason, Request, Sequence, SeqStatus
+from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.kv.block_manager import BlockCopy, BlockManager
 
 logger = logging.getLogger("pagedllm")
