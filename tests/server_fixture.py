@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import EngineStats
 from pagedllm.errors import RequestError
 from pagedllm.kv.stats import KVCacheStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -135,17 +136,6 @@ class _FakeRequest:
     samples: list[list[int]]
 
 
-@dataclass
-class FakeStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_swapped_reqs: int
-    kv: KVCacheStats
-    num_prompt_tokens_total: int
-    num_generation_tokens_total: int
-    num_preemptions_total: int = 0
-
-
 class FakeEngine:
     """The LLMEngine interface over a trivial "model": sample i emits 'a'+i, 'b'+i, ...
 
@@ -250,7 +240,7 @@ class FakeEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def get_stats(self) -> FakeStats:
+    def get_stats(self) -> EngineStats:
         used = len(self.requests)
         kv = KVCacheStats(
             block_size=16, num_blocks=100, num_free_blocks=100 - used, num_used_blocks=used,
@@ -259,4 +249,4 @@ class FakeEngine:
             peak_blocks_without_sharing=used, prefix_cache_queries=0, prefix_cache_hits=0,
             num_preemptions=0, num_cpu_blocks=0, num_free_cpu_blocks=0, num_swapped_out_seqs=0,
         )
-        return FakeStats(used, 0, 0, kv, self.num_prompt_tokens, self.num_generation_tokens)
+        return EngineStats(used, 0, 0, kv, self.num_prompt_tokens, self.num_generation_tokens, 0)
