@@ -172,13 +172,4 @@ def beam_output(processor, request: Request) -> RequestOutput | None:
                     finish_reason="stop" if ended_by_stop else "length",
                 )
             )
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids,
-        outputs=outputs,
-        finished=True,
-        num_cached_tokens=request.num_cached_tokens,
-        metrics=request.metrics,
-        error=request.error,
-    )
+    return request.to_output(outputs, finished=True)

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from pagedllm.engine.beam import beam_output, beam_step
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -96,8 +97,6 @@ class OutputProcessor:
         if jobs:
             self._sample(jobs, logits)
         for rid, rows in beam_rows.items():
-            from pagedllm.engine.beam import beam_step  # beam search lives in its own module
-
             beam_step(self, touched[rid], rows, logits)
         return list(touched.values())
 
@@ -205,8 +204,6 @@ class OutputProcessor:
     def make_output(self, request: Request) -> RequestOutput | None:
         """The request's cumulative output, or None while there is nothing to show yet."""
         if request.is_beam_search:
-            from pagedllm.engine.beam import beam_output
-
             return beam_output(self, request)
         finished = request.status == SeqStatus.FINISHED
         params = request.params
@@ -219,17 +216,7 @@ class OutputProcessor:
         if not outputs or (not finished and all(not o.token_ids for o in outputs)):
             if request.error is None:
                 return None
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            prompt_logprobs=request.prompt_logprobs,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=request.metrics,
-            error=request.error,
-        )
+        return request.to_output(outputs, finished)
 
     def _completion(self, seq: Sequence, index: int, request_finished: bool) -> CompletionOutput:
         if seq.detokenizer is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.outputs import PositionLogprobs, RequestMetrics
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -127,3 +127,16 @@ class Request:
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
+
+    def to_output(self, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+            error=self.error,
+        )
