@@ -50,7 +50,7 @@ def decode_batch(batch: int, context: int, block_size: int, first_block: int = 1
                 token_ids=[100 + i], start_pos=context, block_table=table, needs_logits=True, all_logits=False
             )
         )
-    return SimpleNamespace(chunks=chunks, swap_out=[], swap_in=[], block_copies=[])
+    return SimpleNamespace(chunks=chunks, memory_ops=[])
 
 
 def time_steps(runner, out, repeats: int) -> list[float]:
@@ -77,7 +77,7 @@ def cmd_steps(args) -> None:
     prefill = SimpleNamespace(
         chunks=[SimpleNamespace(token_ids=list(range(200, 328)), start_pos=0, block_table=list(range(1, 9)),
                                 needs_logits=True, all_logits=False)],
-        swap_out=[], swap_in=[], block_copies=[],
+        memory_ops=[],
     )
     times = time_steps(engine.runner, prefill, args.repeats)
     print(f"prefill 128 tokens: median {1e3 * statistics.median(times):7.2f} ms  min {1e3 * min(times):7.2f} ms")

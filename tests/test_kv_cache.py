@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
+from pagedllm.kv.block_manager import BlockCopy
 from pagedllm.kv.kv_cache import KVCache
-
-
-@dataclass(frozen=True)
-class _Copy:
-    src: int
-    dst: int
 
 
 def _filled_cache(num_cpu_blocks: int = 0) -> KVCache:
@@ -48,7 +41,7 @@ def test_copy_blocks_copies_every_layer_and_leaves_others():
     cache = _filled_cache()
     before = [(k.clone(), v.clone()) for k, v in cache.layers]
     # block 1 is both read (-> 4) and written (from 0): sources are read first
-    cache.copy_blocks([_Copy(1, 4), _Copy(0, 1), _Copy(2, 5)])
+    cache.copy_blocks([BlockCopy(1, 4), BlockCopy(0, 1), (2, 5)])  # named or plain pairs
     for (k, v), (k0, v0) in zip(cache.layers, before, strict=True):
         assert torch.equal(k[4], k0[1]) and torch.equal(v[4], v0[1])
         assert torch.equal(k[1], k0[0]) and torch.equal(v[1], v0[0])

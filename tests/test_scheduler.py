@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.scheduler import MemoryOpKind, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.outputs import RequestMetrics
@@ -189,3 +189,18 @@ def test_recomputed_group_shares_its_full_prompt_blocks_again():
     assert bm.stats().num_used_blocks == 2 + 3
     # one pass computes everything: seqs[0] from 0, the others from the shared boundary
     assert [(c.start_pos, c.needs_logits) for c in out.chunks] == [(0, True), (16, True), (16, True)]
+
+
+def test_memory_ops_keep_the_order_they_were_decided_in():
+    out = SchedulerOutput()
+    out.add_memory_op(MemoryOpKind.SWAP_IN, [(0, 3)])
+    out.add_memory_op(MemoryOpKind.COPY, [(1, 2)])
+    out.add_memory_op(MemoryOpKind.COPY, [(4, 5)])  # merged into one batched copy
+    out.add_memory_op(MemoryOpKind.SWAP_OUT, [(3, 1)])
+    out.add_memory_op(MemoryOpKind.SWAP_OUT, [])
+    assert [(op.kind, op.pairs) for op in out.memory_ops] == [
+        (MemoryOpKind.SWAP_IN, [(0, 3)]),
+        (MemoryOpKind.COPY, [(1, 2), (4, 5)]),
+        (MemoryOpKind.SWAP_OUT, [(3, 1)]),
+    ]
+    assert out.block_copies == [(1, 2), (4, 5)] and out.swap_in == [(0, 3)] and out.swap_out == [(3, 1)]

@@ -12,13 +12,14 @@ The scheduler decides; it never touches tensors. Its output is plain data
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
-from pagedllm.kv.block_manager import BlockCopy, BlockManager
+from pagedllm.kv.block_manager import BlockManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -35,19 +36,57 @@ class ScheduledChunk:
     all_logits: bool = False  # logits at every position (prompt logprobs)
 
 
+class MemoryOpKind(enum.Enum):
+    SWAP_OUT = "swap_out"  # pairs are (device block, cpu block)
+    SWAP_IN = "swap_in"  # pairs are (cpu block, device block)
+    COPY = "copy"  # pairs are (src, dst) device blocks: copy-on-write
+
+
+@dataclass
+class MemoryOp:
+    kind: MemoryOpKind
+    pairs: list[tuple[int, int]]
+
+
 @dataclass
 class SchedulerOutput:
+    """One step's decisions. ``memory_ops`` are in the order they were decided,
+    which is the order the runner must apply them in (a block freed by one op
+    may be the destination of a later one)."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     entries: list[tuple[Request, Sequence]] = field(default_factory=list)  # parallel to chunks
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    memory_ops: list[MemoryOp] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # finished at scheduling (never fits)
     num_batched_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    def add_memory_op(self, kind: MemoryOpKind, pairs: list[tuple[int, int]]) -> None:
+        """Append, merging with the previous op when it is of the same kind (one batched copy)."""
+        if not pairs:
+            return
+        if self.memory_ops and self.memory_ops[-1].kind is kind:
+            self.memory_ops[-1].pairs.extend(pairs)
+        else:
+            self.memory_ops.append(MemoryOp(kind, list(pairs)))
+
+    def pairs_of(self, kind: MemoryOpKind) -> list[tuple[int, int]]:
+        return [pair for op in self.memory_ops if op.kind is kind for pair in op.pairs]
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        return self.pairs_of(MemoryOpKind.COPY)
+
+    @property
+    def swap_out(self) -> list[tuple[int, int]]:
+        return self.pairs_of(MemoryOpKind.SWAP_OUT)
+
+    @property
+    def swap_in(self) -> list[tuple[int, int]]:
+        return self.pairs_of(MemoryOpKind.SWAP_IN)
 
 
 @dataclass(frozen=True)
@@ -206,7 +245,7 @@ class Scheduler:
                 continue
             extra = seq.num_computed_tokens + num_new - bm.get_num_slots(seq.seq_id)
             if extra > 0:
-                out.block_copies.extend(bm.append_slots(seq.seq_id, extra))
+                out.add_memory_op(MemoryOpKind.COPY, bm.append_slots(seq.seq_id, extra))
             start = seq.num_computed_tokens
             complete = start + num_new == seq.num_tokens
             want_prompt_logprobs = (
@@ -236,7 +275,7 @@ class Scheduler:
         mode = self.config.preemption_mode
         use_swap = mode == "swap" or (mode == "auto" and len(seq_ids) > 1)
         if use_swap and self.block_manager.can_swap_out(seq_ids):
-            out.swap_out.extend(self.block_manager.swap_out(seq_ids))
+            out.add_memory_op(MemoryOpKind.SWAP_OUT, self.block_manager.swap_out(seq_ids))
             request.status = SeqStatus.SWAPPED
             self.swapped.append(request)
             logger.debug("preempted %s by swap", request.request_id)
@@ -264,7 +303,7 @@ class Scheduler:
             if not self.block_manager.can_swap_in(seq_ids, num_headroom_blocks=2 * len(seq_ids)):
                 break
             self.swapped.popleft()
-            out.swap_in.extend(self.block_manager.swap_in(seq_ids))
+            out.add_memory_op(MemoryOpKind.SWAP_IN, self.block_manager.swap_in(seq_ids))
             request.status = SeqStatus.RUNNING
             self.running.append(request)
             _, budget, preempted = self._schedule_running(request, budget, out)

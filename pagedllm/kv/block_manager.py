@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagedllm.config import SUPPORTED_BLOCK_SIZES
 from pagedllm.errors import BlockManagerError, ConfigError
@@ -30,9 +31,11 @@ from pagedllm.kv.prefix_cache import BlockHash, block_content, extra_keys_for, h
 from pagedllm.kv.stats import KVCacheStats
 
 
-@dataclass(frozen=True)
-class BlockCopy:
-    """Copy every layer's slots of device block ``src`` into device block ``dst``."""
+class BlockCopy(NamedTuple):
+    """Copy every layer's slots of device block ``src`` into device block ``dst``.
+
+    A named pair, so it travels as the same ``(src, dst)`` pair as swap mappings.
+    """
 
     src: int
     dst: int

@@ -78,16 +78,16 @@ class KVCache:
         per_block = KVCache.bytes_per_block(**block_kwargs)
         return max(0, int(memory_bytes) // per_block)
 
-    def copy_blocks(self, copies: Sequence[Any]) -> None:
-        """Copy every slot of block ``c.src`` into block ``c.dst`` in every layer.
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy every slot of block ``src`` into block ``dst`` in every layer, per ``(src, dst)`` pair.
 
         Sources are read before any destination is written (one gather and one
         scatter per tensor), so a block may be both a source and a destination.
         """
         if not copies:
             return
-        src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=self.device)
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
         for k_cache, v_cache in self.layers:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.scheduler import MemoryOpKind, SchedulerOutput
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.runner.cuda_graphs import DecodeGraphs
 from pagedllm.runner.inputs import ModelInputs, build_model_inputs
@@ -30,14 +30,14 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     def apply_memory_ops(self, out: SchedulerOutput) -> None:
-        # Order matters: blocks freed by a swap-out may be the targets of a
-        # swap-in or a copy in the same step, so their contents leave first.
-        if out.swap_out:
-            self.kv_cache.swap_out(out.swap_out)
-        if out.swap_in:
-            self.kv_cache.swap_in(out.swap_in)
-        if out.block_copies:
-            self.kv_cache.copy_blocks(out.block_copies)
+        # In the order decided: a block freed by one op may be the target of the next.
+        apply = {
+            MemoryOpKind.SWAP_OUT: self.kv_cache.swap_out,
+            MemoryOpKind.SWAP_IN: self.kv_cache.swap_in,
+            MemoryOpKind.COPY: self.kv_cache.copy_blocks,
+        }
+        for op in out.memory_ops:
+            apply[op.kind](op.pairs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
