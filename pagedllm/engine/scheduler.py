@@ -128,8 +128,7 @@ class Scheduler:
 
     def finish_seq(self, request: Request, seq: Sequence) -> None:
         """One sequence is done (its finish_reason is set): free its blocks now."""
-        if self.block_manager.has_seq(seq.seq_id):
-            self.block_manager.free(seq.seq_id)
+        self.free_seq(seq)
         if not request.live_seqs():
             self.finish_request(request, FinishReason.STOP)
 
@@ -142,8 +141,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         for seq in request.seqs:
-            if self.block_manager.has_seq(seq.seq_id):
-                self.block_manager.free(seq.seq_id)
+            self.free_seq(seq)
 
     # ---- one step ---------------------------------------------------------
 
@@ -152,7 +150,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
         for request in list(self.running):
-            if request not in self.running:  # preempted earlier in this loop
+            if request.status is not SeqStatus.RUNNING:  # preempted or failed earlier in this loop
                 continue
             _, budget, victim_taken = self._schedule_running(request, budget, out)
             preempted = preempted or victim_taken
