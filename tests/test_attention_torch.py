@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 from attention_reference import make_paged_batch, naive_attention
@@ -152,13 +154,83 @@ def test_unwritten_slots_are_never_read(use_native):
     assert (out[:rows] - naive_attention(batch.query[:rows], batch)).abs().max().item() <= ATOL
 
 
+LONG_SPECS = [(0, 300), (500, 40), (1000, 1), (37, 100), (15, 1), (0, 17)]
+
+
 @native_only
-def test_long_prefills_leave_the_native_kernel(monkeypatch):
-    monkeypatch.setattr(torch_backend, "NATIVE_MAX_PREFILL_LEN", 20)
-    batch = make_paged_batch(SPECS["mixed"], block_size=8, num_padding_tokens=3, seed=17)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(9, 3, 64), (8, 8, 128), (32, 4, 128), (32, 1, 128), (4, 2, 48)],
+)
+def test_native_kernel_long_sequences_and_shapes(dtype, num_heads, num_kv_heads, head_dim):
+    """Long prefills span many tiles and contexts many blocks; group sizes from 1 to 32
+    change how many tokens a tile holds, head dims 48/64/128 the kernel's unrolling."""
+    batch = make_paged_batch(
+        LONG_SPECS, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, num_padding_tokens=1, seed=num_heads * head_dim,
+    )
     out = _run(batch, use_native=True)
     rows = _num_real_rows(batch)
-    assert (out[:rows] - naive_attention(batch.query[:rows], batch)).abs().max().item() <= ATOL
+    expected = naive_attention(batch.query[:rows].double(), batch)
+    tolerance = ATOL if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    assert out.dtype == dtype
+    assert (out[:rows].double() - expected).abs().max().item() <= tolerance
+    assert torch.count_nonzero(out[rows:]) == 0
+
+
+@native_only
+@pytest.mark.parametrize("split_heads", [True, False])
+def test_native_work_split_by_tile_or_by_head(split_heads):
+    batch = make_paged_batch(LONG_SPECS, block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=29)
+    md = batch.metadata
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, tokens_per_tile=16)
+    out = cpu_ops.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, md.block_tables, tiles, batch.scale, split_heads=split_heads
+    )
+    assert (out - naive_attention(batch.query.double(), batch)).abs().max().item() <= ATOL
+
+
+@native_only
+def test_native_tiles_cover_every_row_once():
+    seq_lens, query_lens = [40, 7, 100, 1], [33, 1, 100, 1]
+    tiles = cpu_ops.make_tiles(seq_lens, query_lens, tokens_per_tile=16)
+    covered = []
+    for seq, first_row, first_len, rows in tiles.tolist():
+        assert 1 <= rows <= 16
+        start = sum(query_lens[:seq])
+        for i in range(rows):
+            row = first_row + i
+            covered.append(row)
+            # the row's token sits at position seq_len - q_len + (row - start) and sees one more token
+            assert first_len + i == seq_lens[seq] - query_lens[seq] + (row - start) + 1
+    assert sorted(covered) == list(range(sum(query_lens)))
+    spans = [first_len + rows for _, _, first_len, rows in tiles.tolist()]
+    assert spans == sorted(spans, reverse=True)  # longest work first
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_native_build_matches_oracle(dtype):
+    """The scalar path, compiled for CPUs without AVX-512, computes the same attention."""
+    try:
+        library = cpu_ops.build_library(("-mno-avx512f",))
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"compiler cannot build without AVX-512: {exc}")
+    assert library.vector_width() == 1
+    batch = make_paged_batch(
+        SPECS["mixed"], block_size=8, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype, seed=23
+    )
+    md = batch.metadata
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, tokens_per_tile=5)
+    out = cpu_ops.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, md.block_tables, tiles, batch.scale, library=library
+    )
+    expected = naive_attention(batch.query.double(), batch)
+    tolerance = ATOL if dtype == torch.float32 else 2e-2
+    assert (out.double() - expected).abs().max().item() <= tolerance
 
 
 @pytest.mark.parametrize("use_native", [False, pytest.param(True, marks=native_only)])

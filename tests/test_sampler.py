@@ -238,6 +238,25 @@ def test_logprobs_ranks_and_top_logprobs_come_from_raw_logits(sampler):
     assert out.top_logprobs[1] == [] and out.top_logprobs[2] == []
 
 
+def test_chosen_logprob_without_logprobs_requested_is_the_raw_one(sampler):
+    """No row asks for logprobs: the chosen token's logprob still comes from the raw
+    logits (logit - logsumexp), after penalties and bias changed the choice."""
+    logits = random_logits(4, vocab=50, seed=9) * 4
+    raw = torch.log_softmax(logits, -1)
+    rows = [
+        row(),
+        row(SamplingParams(temperature=0.0, logit_bias={7: 50.0})),
+        row(SamplingParams(temperature=0.9, seed=1), seed_gen=seeded(1)),
+        row(SamplingParams(temperature=0.0, repetition_penalty=3.0), prompt=[int(logits[3].argmax())]),
+    ]
+    out = sampler(logits, rows)
+    assert out.top_logprobs is None and out.ranks is None
+    assert out.token_ids[1] == 7
+    assert out.token_ids[3] != int(logits[3].argmax())
+    for i, token in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(raw[i, token].item(), abs=1e-5)
+
+
 def test_greedy_logprob_of_uniform_logits(sampler):
     out = sampler(torch.zeros(1, 4), [row(SamplingParams(temperature=0.0, logprobs=1))])
     assert out.logprobs[0] == pytest.approx(math.log(0.25))

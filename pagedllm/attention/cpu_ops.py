@@ -1,13 +1,16 @@
 """An optional native kernel for paged attention on the CPU.
 
-The kernel is plain C (no PyTorch headers, so it compiles in about a second),
-built with the system C compiler on first use into a per-user cache directory
-and called through ``ctypes``. It reads K/V straight from the paged cache
-through the block table (no gather copy), one query token (all its heads) per
-work item, with a per-block online softmax and fp32 accumulation; float32 and
-bfloat16 caches are supported. Decode and prefill tokens are the same kind of
-item: a token at position ``p`` attends to the first ``p + 1`` tokens. Parallel loops run on the OpenMP runtime that
-PyTorch already loaded, so the two share one thread pool.
+The kernel (``cpu_ops.c`` beside this file) is plain C with no PyTorch
+headers, so it compiles in about a second; it is built with the system C
+compiler on first use into a per-user cache directory and called through
+``ctypes``. It reads K/V straight from the paged cache through the block
+table (no gather copy). Its unit of work is a tile: up to 16 consecutive new
+tokens of one sequence against one KV head, all query heads of that KV head
+together; a decode token is a tile of one, and a prefill token at position
+``p`` attends to the first ``p + 1`` tokens, which is the causal mask. Online
+softmax, float32 arithmetic, float32 and bfloat16 caches. Parallel loops run
+on the OpenMP runtime that PyTorch already loaded, so the two share one
+thread pool.
 
 When no compiler is found, the build fails, or ``PAGEDLLM_NATIVE_OPS=0`` is
 set, :func:`available` is False and the pure-PyTorch path is used; the tests
@@ -31,189 +34,12 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-MAX_HEADS = 64  # query heads the kernel's stack buffers hold
 MAX_HEAD_DIM = 256
-MAX_BLOCK_SIZE = 64
+MAX_ROWS = 64  # query rows (tile tokens x heads per KV head) the kernel's buffers hold
+MAX_ROW_FLOATS = 8192  # rows x head_dim the kernel's buffers hold
+MAX_TILE_TOKENS = 16
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define MAX_HEAD_DIM %(max_head_dim)d
-#define MAX_BLOCK_SIZE %(max_block_size)d
-#define MAX_HEADS %(max_heads)d
-
-static inline float load_f32(const float *p) { return *p; }
-static inline float load_bf16(const uint16_t *p) {
-    uint32_t bits = (uint32_t)(*p) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#define VEC 16
-typedef __m512 vec_t;
-static inline vec_t vload_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline vec_t vload_bf16(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-#define VZERO() _mm512_setzero_ps()
-#define VSET1(x) _mm512_set1_ps(x)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VMUL(a, b) _mm512_mul_ps(a, b)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VSUM(v) _mm512_reduce_add_ps(v)
-
-/* exp(x) for x in [-87, 0] (softmax arguments): 2^k * 2^f with f in [-1/2, 1/2],
-   2^f from its degree-6 Taylor polynomial (relative error below 3e-7). */
-static inline __m512 vexp(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147180559945f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-
-/* scores[0..n) <- exp(scores - shift), returns their sum. */
-static inline float exp_shift_sum(float *scores, int64_t n, float shift) {
-    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
-    __m512 v = _mm512_maskz_loadu_ps(mask, scores);
-    v = vexp(_mm512_sub_ps(v, _mm512_set1_ps(shift)));
-    _mm512_mask_storeu_ps(scores, mask, v);
-    return _mm512_mask_reduce_add_ps(mask, v);
-}
-#define EXP_CHUNK 16
-#else
-#define VEC 1
-typedef float vec_t;
-static inline vec_t vload_f32(const float *p) { return *p; }
-static inline vec_t vload_bf16(const uint16_t *p) { return load_bf16(p); }
-#define VZERO() 0.0f
-#define VSET1(x) (x)
-#define VFMA(a, b, c) ((a) * (b) + (c))
-#define VMUL(a, b) ((a) * (b))
-#define VSTORE(p, v) (*(p) = (v))
-#define VSUM(v) (v)
-
-static inline float exp_shift_sum(float *scores, int64_t n, float shift) {
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-        scores[t] = expf(scores[t] - shift);
-        sum += scores[t];
-    }
-    return sum;
-}
-#define EXP_CHUNK MAX_BLOCK_SIZE
-#endif
-
-/* Softmax bookkeeping for one block of n scores per row: scores become
-   exp(score - running max); run_max / run_sum are updated and correction[r]
-   is the factor that rescales row r's earlier accumulation. */
-static inline void block_softmax(float scores[][MAX_BLOCK_SIZE], int64_t rows, int64_t n,
-                                 float *run_max, float *run_sum, float *correction) {
-    for (int64_t r = 0; r < rows; ++r) {
-        float block_max = scores[r][0];
-        for (int64_t t = 1; t < n; ++t) block_max = scores[r][t] > block_max ? scores[r][t] : block_max;
-        const float new_max = block_max > run_max[r] ? block_max : run_max[r];
-        correction[r] = expf(run_max[r] - new_max);
-        float block_sum = 0.0f;
-        for (int64_t t0 = 0; t0 < n; t0 += EXP_CHUNK)
-            block_sum += exp_shift_sum(scores[r] + t0, n - t0 < EXP_CHUNK ? n - t0 : EXP_CHUNK, new_max);
-        run_sum[r] = run_sum[r] * correction[r] + block_sum;
-        run_max[r] = new_max;
-    }
-}
-
-/* One query token: its H query rows qs [H, D] (pre-scaled) attend to len tokens
-   read through table, block by block and, within a block, every KV head in
-   turn (so each token's K and V rows are read front to back, once). Query
-   head h * G + g reads KV head h. Results go to os [H, D]. head_dim must be
-   a multiple of VEC. The score loop keeps one accumulator per query row in a
-   register; the value loop one per 16-lane chunk. */
-#define DEFINE_SEQ(NAME, T, VLOAD)                                                            \
-static void NAME(const float *qs, const T *k_cache, const T *v_cache, const int32_t *table,     \
-                 int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,      \
-                 int64_t block_size, float *os) {                                             \
-    const int64_t group = num_heads / num_kv_heads;                                           \
-    const int64_t chunks = head_dim / VEC, token_stride = num_kv_heads * head_dim;            \
-    vec_t acc[MAX_HEADS * MAX_HEAD_DIM / VEC];                                                \
-    float scores[MAX_HEADS][MAX_BLOCK_SIZE];                                                  \
-    float run_max[MAX_HEADS], run_sum[MAX_HEADS], correction[MAX_HEADS];                      \
-    for (int64_t j = 0; j < num_heads * chunks; ++j) acc[j] = VZERO();                        \
-    for (int64_t r = 0; r < num_heads; ++r) { run_max[r] = -INFINITY; run_sum[r] = 0.0f; }    \
-    for (int64_t start = 0; start < len; start += block_size) {                               \
-        const int64_t block = table[start / block_size];                                      \
-        const int64_t n = len - start < block_size ? len - start : block_size;                \
-        const T *kb = k_cache + block * block_size * token_stride;                            \
-        const T *vb = v_cache + block * block_size * token_stride;                            \
-        for (int64_t t = 0; t < n; ++t) {                                                     \
-            for (int64_t r = 0; r < num_heads; ++r) {                                         \
-                const T *krow = kb + t * token_stride + (r / group) * head_dim;               \
-                const float *qr = qs + r * head_dim;                                          \
-                vec_t dot = VZERO();                                                          \
-                for (int64_t c = 0; c < chunks; ++c)                                          \
-                    dot = VFMA(vload_f32(qr + c * VEC), VLOAD(krow + c * VEC), dot);          \
-                scores[r][t] = VSUM(dot);                                                     \
-            }                                                                                 \
-        }                                                                                     \
-        block_softmax(scores, num_heads, n, run_max, run_sum, correction);                    \
-        for (int64_t r = 0; r < num_heads; ++r) {                                             \
-            const T *vcol = vb + (r / group) * head_dim;                                      \
-            const vec_t scale = VSET1(correction[r]);                                         \
-            for (int64_t c = 0; c < chunks; ++c) {                                            \
-                vec_t a = VMUL(acc[r * chunks + c], scale);                                   \
-                for (int64_t t = 0; t < n; ++t)                                               \
-                    a = VFMA(VSET1(scores[r][t]), VLOAD(vcol + t * token_stride + c * VEC), a);\
-                acc[r * chunks + c] = a;                                                      \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-    for (int64_t r = 0; r < num_heads; ++r) {                                                 \
-        const vec_t inv = VSET1(1.0f / run_sum[r]);                                           \
-        for (int64_t c = 0; c < chunks; ++c)                                                  \
-            VSTORE(os + r * head_dim + c * VEC, VMUL(acc[r * chunks + c], inv));              \
-    }                                                                                         \
-}
-
-DEFINE_SEQ(attend_row_f32, float, vload_f32)
-DEFINE_SEQ(attend_row_bf16, uint16_t, vload_bf16)
-
-/* Row s of q attends to the first lens[s] tokens of the sequence whose block
-   table is row s of tables. A decode token is one such row; a prefill token
-   at position p is one with len p + 1 (the causal mask for free).
-   q: [S, H, D] fp32, already multiplied by the softmax scale.
-   k_cache, v_cache: [num_blocks, block_size, KH, D].
-   tables: [S, table_stride] int32; lens: [S] int32 (>= 1).
-   out: [S, H, D] fp32. */
-#define DEFINE_DECODE(NAME, T, SEQ)                                                           \
-void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *tables,          \
-          int64_t table_stride, const int32_t *lens, int64_t num_seqs, int64_t num_heads,      \
-          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float *out) {            \
-    _Pragma("omp parallel for schedule(dynamic, 1) if(num_seqs > 1)")                         \
-    for (int64_t s = 0; s < num_seqs; ++s) {                                                  \
-        const int64_t offset = s * num_heads * head_dim;                                      \
-        SEQ(q + offset, k_cache, v_cache, tables + s * table_stride, lens[s], num_heads,      \
-            num_kv_heads, head_dim, block_size, out + offset);                                \
-    }                                                                                         \
-}
-
-DEFINE_DECODE(paged_rows_f32, float, attend_row_f32)
-DEFINE_DECODE(paged_rows_bf16, uint16_t, attend_row_bf16)
-
-int vector_width(void) { return VEC; }
-""" % {"max_head_dim": MAX_HEAD_DIM, "max_block_size": MAX_BLOCK_SIZE,
-                 "max_heads": MAX_HEADS}
+_SOURCE_PATH = Path(__file__).with_name("cpu_ops.c")
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -237,43 +63,81 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel handles these shapes and dtypes (otherwise use the PyTorch path)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        return False
+    group = num_heads // num_kv_heads
     return (
         k_cache.dtype in (torch.float32, torch.bfloat16)
-        and num_heads % num_kv_heads == 0
-        and num_heads <= MAX_HEADS
+        and query.dtype == k_cache.dtype
         and head_dim <= MAX_HEAD_DIM
         and head_dim % _vector_width == 0
-        and k_cache.shape[1] <= MAX_BLOCK_SIZE
+        and group <= MAX_ROWS
+        and group * head_dim <= MAX_ROW_FLOATS
         and k_cache.is_contiguous()
     )
 
 
-def paged_attention(
-    query: torch.Tensor,  # [R, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KH, D], float32 or bfloat16
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [R, max_blocks], the block table of each row's sequence
-    lens: torch.Tensor,  # [R], every entry >= 1
-    scale: float,
-) -> torch.Tensor:  # [R, H, D], query's dtype
-    """Query row r attends to the first ``lens[r]`` cached tokens of its sequence.
+def tile_tokens(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Query tokens per tile: as many as the kernel's row buffers hold, at most 16."""
+    group = num_heads // num_kv_heads
+    return max(1, min(MAX_TILE_TOKENS, MAX_ROWS // group, MAX_ROW_FLOATS // (group * head_dim)))
 
-    A decode token passes its sequence's length; a prefill token at position
-    ``p`` passes ``p + 1``, which is exactly the causal mask. Each row reads
-    K/V through its block table, so nothing is gathered.
+
+def make_tiles(seq_lens: list[int], query_lens: list[int], tokens_per_tile: int) -> torch.Tensor:
+    """The kernel's work list: int32 ``[num_tiles, 4]`` rows of
+    (block-table row, first query row, length row 0 sees, query rows).
+
+    Sequence ``i``'s new tokens are query rows ``sum(query_lens[:i]) ...``; its
+    token at position ``p`` sees ``p + 1`` tokens. Tiles are ordered longest
+    context first, so the parallel loop does not end on one long tile.
     """
-    assert _library is not None, "call available() first"
+    tiles = []
+    row = 0
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        first_len = seq_len - q_len + 1
+        for offset in range(0, q_len, tokens_per_tile):
+            rows = min(tokens_per_tile, q_len - offset)
+            tiles.append((i, row + offset, first_len + offset, rows))
+        row += q_len
+    tiles.sort(key=lambda t: -(t[2] + t[3]))
+    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 4)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [R, H, D], float32 or bfloat16 like the caches
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    tiles: torch.Tensor,  # from make_tiles
+    scale: float,
+    library: ctypes.CDLL | None = None,
+    split_heads: bool | None = None,
+) -> torch.Tensor:  # [R, H, D], query's dtype; rows no tile covers are left unset
+    """Causal paged attention of every query row a tile covers, K/V read in place.
+
+    ``library`` defaults to the one :func:`available` loaded. ``split_heads``
+    makes each (tile, KV head) its own work item; by default it is chosen
+    from the number of tiles."""
+    library = library or _library
+    assert library is not None, "call available() first"
     num_rows, num_heads, head_dim = query.shape
-    q = (query.float() * scale).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = lens.to(torch.int32).contiguous()
-    out = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32)
-    kernel = _library.paged_rows_bf16 if k_cache.dtype == torch.bfloat16 else _library.paged_rows_f32
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    tables = tables.contiguous()
+    tiles = tiles.contiguous()
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=query.dtype)
+    kernel = library.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else library.paged_attention_f32
+    # Few tiles: one work item per (tile, KV head) keeps every thread busy. Many:
+    # one per tile, so each K/V block is read front to back by one thread.
+    if split_heads is None:
+        split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
     kernel(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), num_rows, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], out.data_ptr(),
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        tables.data_ptr(), tables.stride(0), tiles.data_ptr(), tiles.shape[0],
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, int(split_heads), out.data_ptr(),
     )
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    return out
 
 
 # ---------------------------------------------------------------- build and load
@@ -282,22 +146,37 @@ def paged_attention(
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("PAGEDLLM_NATIVE_OPS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or platform.system() != "Linux":
+    if _compiler() is None or platform.system() != "Linux":
         return None
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
     try:
-        path = _build(compiler, flags)
-        library = ctypes.CDLL(str(path))
+        library = build_library()
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU attention kernel unavailable (%s); using the PyTorch path", exc)
         return None
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.vector_width.restype = ctypes.c_int
     global _vector_width
     _vector_width = library.vector_width()
-    for fn in (library.paged_rows_f32, library.paged_rows_bf16):
-        fn.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, pointer]
+    return library
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile (or find in the cache) and load the kernels; ``extra_flags`` go to the
+    compiler after the defaults (the tests build the portable path with ``-mno-avx512f``)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", *extra_flags]
+    library = ctypes.CDLL(str(_build(compiler, flags)))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.vector_width.restype = ctypes.c_int
+    for fn in (library.paged_attention_f32, library.paged_attention_bf16):
+        fn.argtypes = [
+            pointer, i64, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, ctypes.c_float,
+            ctypes.c_int32, pointer,
+        ]
         fn.restype = None
     return library
 
@@ -305,18 +184,19 @@ def _load() -> ctypes.CDLL | None:
 def _build(compiler: str, flags: list[str]) -> Path:
     """Compile into the cache directory unless an identical build is there already."""
     # -march=native code is only valid on this CPU model: key the file on it too.
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
+    source = _SOURCE_PATH.read_text()
+    key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / f"cpu_ops-{key}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        source = Path(tmp) / "cpu_ops.c"
-        source.write_text(_SOURCE)
+        source_file = Path(tmp) / "cpu_ops.c"
+        source_file.write_text(source)
         built = Path(tmp) / "cpu_ops.so"
         subprocess.run(
-            [compiler, *flags, str(source), "-o", str(built), "-lm"],
+            [compiler, *flags, str(source_file), "-o", str(built), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
         os.replace(built, target)  # atomic: concurrent builders never see a partial file

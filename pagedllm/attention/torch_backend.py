@@ -14,7 +14,8 @@ matmuls per KV head. Prefill and chunked-prefill sequences are computed one at
 a time with ``scaled_dot_product_attention``.
 
 When the optional native kernel (:mod:`pagedllm.attention.cpu_ops`) is
-available on a CPU, decode reads K/V straight from the paged cache instead.
+available on a CPU, every row (decode and prefill) goes to it instead: it
+reads K/V straight from the paged cache.
 """
 
 from __future__ import annotations
@@ -58,28 +59,12 @@ class PrefillSeq:
 
 
 @dataclass
-class RowPlan:
-    """Inputs of the native kernel: one entry per query row it computes.
-
-    rows:   [R] int64 query rows, or None when they are rows ``0 .. R-1``.
-    tables: [R, n] int32 block table of each row's sequence.
-    lens:   [R] int32 tokens each row attends to (its position + 1).
-    """
-
-    rows: torch.Tensor | None
-    tables: torch.Tensor
-    lens: torch.Tensor
-
-
-@dataclass
 class StepPlan:
     """Per-forward-pass indices shared by every layer (see the module docstring)."""
 
     decode: DecodePlan | None
     prefills: list[PrefillSeq]
     num_rows: int  # rows with a sequence (the rest are padding)
-    native: RowPlan | None = None  # built on first use by the native path
-    native_prefills: list[PrefillSeq] | None = None  # prefills too long for it
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -95,6 +80,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_metadata: AttentionMetadata | None = None
         self._plan_block_size = 0
         self._plan: StepPlan | None = None
+        self._tiles_metadata: AttentionMetadata | None = None
+        self._tiles: torch.Tensor | None = None
 
     # ---- per-step plan ----------------------------------------------------
 
@@ -146,9 +133,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each sequence's new tokens over its first ``seq_len``
         cached tokens. Padding rows past the last sequence come back as zeros."""
-        plan = self.plan(metadata, k_cache.shape[1])
         if self._native_enabled(query, k_cache):
-            return _forward_native(query, k_cache, v_cache, metadata, plan, scale)
+            return self._forward_native(query, k_cache, v_cache, metadata, scale)
+        plan = self.plan(metadata, k_cache.shape[1])
         decode = plan.decode
         if decode is not None and decode.rows is None and not plan.prefills and query.shape[0] == decode.num_seqs:
             return self._decode(query, k_cache, v_cache, metadata, decode, scale)  # pure decode step
@@ -167,57 +154,17 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, query, k_cache, v_cache, metadata, decode: DecodePlan, scale: float) -> torch.Tensor:
         return decode_attention(query, k_cache, v_cache, decode, scale)
 
-
-# ---------------------------------------------------------------- native path
-
-# Longer prefill sequences go to SDPA: the native kernel re-reads a sequence's
-# K/V for every query row, which stays in the core's L2 only up to about this length.
-NATIVE_MAX_PREFILL_LEN = 1024
-
-
-def _forward_native(query, k_cache, v_cache, md: AttentionMetadata, plan: StepPlan, scale: float) -> torch.Tensor:
-    if plan.native is None:
-        plan.native, plan.native_prefills = _row_plan(md, plan, k_cache.shape[1])
-    rows = plan.native
-    num_tokens = query.shape[0]
-    if rows.rows is None:
-        result = cpu_ops.paged_attention(query[: plan.num_rows], k_cache, v_cache, rows.tables, rows.lens, scale)
-        if plan.num_rows == num_tokens and not plan.native_prefills:
-            return result
-        out = torch.zeros_like(query)
-        out[: plan.num_rows] = result
-    else:
-        out = torch.zeros_like(query)
-        if rows.rows.numel():
-            q = query.index_select(0, rows.rows)
-            out.index_copy_(0, rows.rows, cpu_ops.paged_attention(q, k_cache, v_cache, rows.tables, rows.lens, scale))
-    for seq in plan.native_prefills:
-        _prefill_one(query, out, k_cache, v_cache, seq, scale)
-    return out
-
-
-def _row_plan(md: AttentionMetadata, plan: StepPlan, block_size: int) -> tuple[RowPlan, list[PrefillSeq]]:
-    """Per-row tables and lengths for every row the native kernel takes (all but long prefills)."""
-    device = md.slot_mapping.device
-    query_lens = md.query_lens_host
-    long_seqs = {i for i, q in enumerate(query_lens) if q > 1 and md.seq_lens_host[i] > NATIVE_MAX_PREFILL_LEN}
-    long_prefills = [seq for seq in plan.prefills if seq.seq_len > NATIVE_MAX_PREFILL_LEN]
-    q_lens = torch.tensor(query_lens, device=device)
-    seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q_lens)  # [R]
-    first_pos = torch.tensor(
-        [seq_len - q for seq_len, q in zip(md.seq_lens_host, query_lens)], device=device
-    ).repeat_interleave(q_lens)
-    row_starts = torch.tensor(_query_starts(query_lens), device=device).repeat_interleave(q_lens)
-    lens = first_pos + (torch.arange(plan.num_rows, device=device) - row_starts) + 1  # [R]
-    rows = None
-    if long_seqs:
-        keep = torch.tensor([i not in long_seqs for i in range(len(query_lens))], device=device)
-        rows = keep.repeat_interleave(q_lens).nonzero().squeeze(1)
-        seq_of_row, lens = seq_of_row.index_select(0, rows), lens.index_select(0, rows)
-    max_len = max([s for i, s in enumerate(md.seq_lens_host) if i not in long_seqs], default=1)
-    width = -(-max_len // block_size)
-    tables = md.block_tables.index_select(0, seq_of_row)[:, :width].to(torch.int32).contiguous()
-    return RowPlan(rows, tables, lens.to(torch.int32)), long_prefills
+    def _forward_native(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Every row through the native kernel; its work list is built once per step."""
+        if self._tiles_metadata is not md:
+            per_tile = cpu_ops.tile_tokens(query.shape[1], k_cache.shape[2], query.shape[2])
+            self._tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile)
+            self._tiles_metadata = md
+        out = cpu_ops.paged_attention(query, k_cache, v_cache, md.block_tables, self._tiles, scale)
+        num_rows = sum(md.query_lens_host)
+        if num_rows < query.shape[0]:
+            out[num_rows:].zero_()  # padding rows
+        return out
 
 
 # ---------------------------------------------------------------- plan building

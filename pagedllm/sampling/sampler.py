@@ -8,7 +8,8 @@ divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
 
 Every transform is one tensor operation over all rows that use it, and a
 transform no row uses is skipped, so an all-greedy batch without penalties
-costs one argmax (plus the log-softmax that reports logprobs).
+costs one argmax and one logsumexp (for the chosen token's logprob); the
+full log-softmax is computed only when a row asks for logprobs.
 
 Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)``
 i.i.d. per token picks token ``i`` with probability ``p_i``. A row with a seed
@@ -65,10 +66,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
-        raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
-        processed = _apply_logit_processors(logits.float(), rows)
-        token_ids = _choose_tokens(processed, rows)  # [rows]
-        return _gather_logprobs(raw_logprobs, token_ids, rows)
+        logits = logits.float()
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
+            token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)  # [rows]
+            return _gather_logprobs(raw_logprobs, token_ids, rows)
+        # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
+        # materialising the whole log-softmax.
+        normaliser = torch.logsumexp(logits, dim=-1)  # [rows]
+        token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)
+        chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - normaliser
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), None, None)
 
 
 # ---------------------------------------------------------------- logit processors

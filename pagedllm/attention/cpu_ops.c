@@ -1,0 +1,325 @@
+/* Native CPU kernels of pagedllm: paged attention that reads K/V through the
+ * block table in place.
+ *
+ * Built by cpu_ops.py with the system C compiler on first use and called
+ * through ctypes; no PyTorch headers. Parallel loops use the OpenMP runtime
+ * PyTorch has already loaded, so the two share one thread pool.
+ *
+ * The unit of work is a tile: up to a few consecutive query tokens of one
+ * sequence (a decode token is a tile of one) against one KV head. Row i of a
+ * tile attends to the first len0 + i tokens of its sequence, which is the
+ * causal mask for prefill tokens and the whole context for a decode token.
+ * All query heads that share the KV head are computed together, so each K/V
+ * row is read once per tile.
+ *
+ * With AVX-512, keys are taken 16 tokens at a time, transposed in registers
+ * into [head_dim][16], so every query row's 16 scores come out of one chain of
+ * fused multiply-adds with no horizontal sums; softmax is online in float32.
+ * Without AVX-512 a plain scalar loop computes the same thing.
+ *
+ * Caches: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
+ * bfloat16 (query and output in the cache's dtype). Arithmetic is float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_ROWS 64        /* query rows (tile tokens x heads per KV head) in a tile */
+#define MAX_ROW_FLOATS 8192 /* rows x head_dim must fit: 64 x 128 or 32 x 256 */
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16) does. */
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16_t)(bits >> 16);
+}
+
+/* One tile: which sequence, which query rows, how far row 0 sees. */
+typedef struct {
+    int32_t table_row; /* row of the block-table tensor */
+    int32_t q_row;     /* first query row of the tile */
+    int32_t len0;      /* row i attends to tokens [0, len0 + i) */
+    int32_t rows;      /* query tokens in the tile */
+} tile_t;
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const bf16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline void store16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16_bf16(bf16_t *p, __m512 v) {
+    /* round to nearest even; NaN inputs cannot occur here (finite softmax weights) */
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+/* exp(x) for x <= 0 (softmax arguments): 2^k * 2^f, f in [-1/2, 1/2], with a
+   degree-6 polynomial for 2^f (relative error below 3e-7). */
+static inline __m512 vexp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147180559945f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* r[j] (row j, 16 floats) becomes column j of the 16 x 16 matrix. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    /* now lane L of r[4i + j] holds column j + 4L of rows 4i .. 4i + 3 */
+    for (int j = 0; j < 4; ++j) {
+        u[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        u[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        u[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        u[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm512_shuffle_f32x4(u[j], u[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(u[j], u[8 + j], 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(u[4 + j], u[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(u[4 + j], u[12 + j], 0xdd);
+    }
+}
+
+/* The tile kernel. CH = head_dim / 16 is a compile-time constant in each
+   instantiation, so the accumulators below live in registers. */
+#define DEFINE_TILE(NAME, T, LOAD16, STORE16)                                                     \
+static inline __attribute__((always_inline)) void NAME(                                           \
+    const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *table,       \
+    const tile_t tile, int64_t h, int64_t num_heads, int64_t num_kv_heads, const int CH,          \
+    int64_t block_size, float scale, T *out) {                                                    \
+    const int64_t D = 16 * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
+    const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
+    float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [R][D], pre-scaled */             \
+    float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [R][D] */                         \
+    float KT[MAX_HEAD_DIM * 16] __attribute__((aligned(64))); /* [D][16] */                      \
+    float P[MAX_ROWS * 16] __attribute__((aligned(64)));    /* [R][16] */                        \
+    float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[MAX_ROWS];                                   \
+    const __m512 vscale = _mm512_set1_ps(scale);                                                  \
+    for (int64_t r = 0; r < R; ++r) {                                                             \
+        const T *src = q + (tile.q_row + r / G) * q_stride + (h * G + r % G) * D;                 \
+        for (int c = 0; c < CH; ++c) {                                                            \
+            _mm512_store_ps(Q + r * D + 16 * c, _mm512_mul_ps(LOAD16(src + 16 * c), vscale));     \
+            _mm512_store_ps(acc + r * D + 16 * c, _mm512_setzero_ps());                           \
+        }                                                                                         \
+        run_max[r] = -INFINITY;                                                                   \
+        run_sum[r] = 0.0f;                                                                        \
+    }                                                                                             \
+    for (int64_t start = 0; start < max_len;) {                                                   \
+        const int64_t block = table[start / block_size], offset = start % block_size;            \
+        int64_t n = block_size - offset;                                                          \
+        if (n > 16) n = 16;                                                                       \
+        if (n > max_len - start) n = max_len - start;                                             \
+        const T *kb = k_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
+        const T *vb = v_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
+        if (start + n < max_len) { /* the next chunk's rows, while this one computes */           \
+            const int64_t next = start + n, nblock = table[next / block_size];                    \
+            const int64_t nn = max_len - next < 16 ? max_len - next : 16;                         \
+            const char *nk = (const char *)(k_cache + ((nblock * block_size + next % block_size) * num_kv_heads + h) * D); \
+            const char *nv = (const char *)(v_cache + ((nblock * block_size + next % block_size) * num_kv_heads + h) * D); \
+            for (int64_t t = 0; t < nn; ++t)                                                      \
+                for (int64_t byte = 0; byte < D * (int64_t)sizeof(T); byte += 64) {               \
+                    _mm_prefetch(nk + t * tok_stride * (int64_t)sizeof(T) + byte, _MM_HINT_T0);   \
+                    _mm_prefetch(nv + t * tok_stride * (int64_t)sizeof(T) + byte, _MM_HINT_T0);   \
+                }                                                                                 \
+        }                                                                                         \
+        for (int c = 0; c < CH; ++c) { /* keys -> KT[d][token] */                                 \
+            __m512 rows[16];                                                                      \
+            for (int t = 0; t < 16; ++t)                                                          \
+                rows[t] = t < n ? LOAD16(kb + t * tok_stride + 16 * c) : _mm512_setzero_ps();     \
+            transpose16(rows);                                                                    \
+            for (int j = 0; j < 16; ++j) _mm512_store_ps(KT + (16 * c + j) * 16, rows[j]);        \
+        }                                                                                         \
+        /* rows whose length ends before this chunk see none of it */                             \
+        int64_t first = start - tile.len0 + 1;                                                    \
+        if (first < 0) first = 0;                                                                 \
+        const int64_t r_first = first * G;                                                        \
+        for (int64_t r = r_first; r < R; r += 4) {                                                \
+            const int nr = R - r < 4 ? (int)(R - r) : 4;                                          \
+            __m512 even[4], odd[4];                                                               \
+            for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();                   \
+            for (int64_t d = 0; d < D; d += 2) {                                                  \
+                const __m512 k0 = _mm512_load_ps(KT + d * 16), k1 = _mm512_load_ps(KT + d * 16 + 16); \
+                for (int j = 0; j < nr; ++j) {                                                    \
+                    even[j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[(r + j) * D + d]), k0, even[j]);   \
+                    odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[(r + j) * D + d + 1]), k1, odd[j]); \
+                }                                                                                 \
+            }                                                                                     \
+            for (int j = 0; j < nr; ++j) {                                                        \
+                const int64_t row = r + j;                                                        \
+                int64_t visible = tile.len0 + row / G - start;                                    \
+                if (visible > n) visible = n;                                                     \
+                const __mmask16 mask = (__mmask16)((1u << visible) - 1u);                         \
+                const __m512 s = _mm512_add_ps(even[j], odd[j]);                                  \
+                const float block_max = _mm512_mask_reduce_max_ps(mask, s);                       \
+                const float new_max = block_max > run_max[row] ? block_max : run_max[row];        \
+                corr[row] = expf(run_max[row] - new_max);                                         \
+                const __m512 p = _mm512_maskz_mov_ps(mask, vexp(_mm512_sub_ps(s, _mm512_set1_ps(new_max)))); \
+                run_sum[row] = run_sum[row] * corr[row] + _mm512_reduce_add_ps(p);                \
+                run_max[row] = new_max;                                                           \
+                _mm512_store_ps(P + row * 16, p);                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t r = r_first; r < R; r += 2) { /* acc = acc * corr + P @ V, two rows at once */ \
+            const int two = R - r > 1;                                                            \
+            __m512 a0[16], a1[16];                                                                \
+            const __m512 c0 = _mm512_set1_ps(corr[r]), c1 = _mm512_set1_ps(two ? corr[r + 1] : 0.0f); \
+            for (int c = 0; c < CH; ++c) {                                                        \
+                a0[c] = _mm512_mul_ps(_mm512_load_ps(acc + r * D + 16 * c), c0);                  \
+                a1[c] = two ? _mm512_mul_ps(_mm512_load_ps(acc + (r + 1) * D + 16 * c), c1)       \
+                            : _mm512_setzero_ps();                                                \
+            }                                                                                     \
+            for (int64_t t = 0; t < n; ++t) {                                                     \
+                const __m512 p0 = _mm512_set1_ps(P[r * 16 + t]);                                  \
+                const __m512 p1 = _mm512_set1_ps(two ? P[(r + 1) * 16 + t] : 0.0f);               \
+                const T *vrow = vb + t * tok_stride;                                              \
+                for (int c = 0; c < CH; ++c) {                                                    \
+                    const __m512 v = LOAD16(vrow + 16 * c);                                       \
+                    a0[c] = _mm512_fmadd_ps(p0, v, a0[c]);                                        \
+                    a1[c] = _mm512_fmadd_ps(p1, v, a1[c]);                                        \
+                }                                                                                 \
+            }                                                                                     \
+            for (int c = 0; c < CH; ++c) {                                                        \
+                _mm512_store_ps(acc + r * D + 16 * c, a0[c]);                                     \
+                if (two) _mm512_store_ps(acc + (r + 1) * D + 16 * c, a1[c]);                      \
+            }                                                                                     \
+        }                                                                                         \
+        start += n;                                                                               \
+    }                                                                                             \
+    for (int64_t r = 0; r < R; ++r) {                                                             \
+        T *dst = out + ((tile.q_row + r / G) * num_heads + h * G + r % G) * D;                    \
+        const __m512 inv = _mm512_set1_ps(1.0f / run_sum[r]);                                     \
+        for (int c = 0; c < CH; ++c) STORE16(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + r * D + 16 * c), inv)); \
+    }                                                                                             \
+}
+
+DEFINE_TILE(tile_f32, float, load16_f32, store16_f32)
+DEFINE_TILE(tile_bf16, bf16_t, load16_bf16, store16_bf16)
+
+#define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
+    TILE_FN(q, q_stride, k_cache, v_cache, tables + (int64_t)tile.table_row * table_stride, tile, \
+            h, num_heads, num_kv_heads, CH_VALUE, block_size, scale, out)
+
+/* One work item is a tile and either one KV head (split_heads: more items, for
+   small batches) or all of them in turn (each K/V block then streams whole). */
+#define DEFINE_ENTRY(NAME, T, TILE_FN)                                                            \
+void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                      \
+          const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
+          float scale, int32_t split_heads, T *out) {                                             \
+    const int64_t heads_per_item = split_heads ? 1 : num_kv_heads;                                \
+    const int64_t items = num_tiles * (num_kv_heads / heads_per_item);                            \
+    _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
+    for (int64_t item = 0; item < items; ++item) {                                                \
+        const tile_t tile = tiles[item * heads_per_item / num_kv_heads];                          \
+        const int64_t first_head = item * heads_per_item % num_kv_heads;                          \
+        for (int64_t h = first_head; h < first_head + heads_per_item; ++h) {                      \
+            switch (head_dim / 16) {                                                              \
+            case 4: DISPATCH_CH(TILE_FN, 4); break;                                               \
+            case 8: DISPATCH_CH(TILE_FN, 8); break;                                               \
+            default: DISPATCH_CH(TILE_FN, (int)(head_dim / 16)); break;                           \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+int vector_width(void) { return 16; }
+
+#else /* portable scalar path: the same arithmetic, one query row and one token at a time */
+
+#define DEFINE_TILE_SCALAR(NAME, T, TO_F32, FROM_F32)                                             \
+static void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,               \
+                 const int32_t *table, const tile_t tile, int64_t h, int64_t num_heads,           \
+                 int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, T *out) {      \
+    const int64_t G = num_heads / num_kv_heads, tok_stride = num_kv_heads * D;                    \
+    float qs[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];                                                    \
+    for (int64_t r = 0; r < tile.rows * G; ++r) {                                                 \
+        const int64_t row = tile.q_row + r / G, head = h * G + r % G, len = tile.len0 + r / G;    \
+        for (int64_t d = 0; d < D; ++d) {                                                         \
+            qs[d] = TO_F32(q[row * q_stride + head * D + d]) * scale;                             \
+            acc[d] = 0.0f;                                                                        \
+        }                                                                                         \
+        float run_max = -INFINITY, run_sum = 0.0f;                                                \
+        for (int64_t p = 0; p < len; ++p) {                                                       \
+            const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;    \
+            const T *k = k_cache + (slot * num_kv_heads + h) * D;                                 \
+            const T *v = v_cache + (slot * num_kv_heads + h) * D;                                 \
+            float s = 0.0f;                                                                       \
+            for (int64_t d = 0; d < D; ++d) s += qs[d] * TO_F32(k[d]);                            \
+            if (s > run_max) {                                                                    \
+                const float c = expf(run_max - s);                                                \
+                run_sum *= c;                                                                     \
+                for (int64_t d = 0; d < D; ++d) acc[d] *= c;                                      \
+                run_max = s;                                                                      \
+            }                                                                                     \
+            const float w = expf(s - run_max);                                                    \
+            run_sum += w;                                                                         \
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * TO_F32(v[d]);                           \
+        }                                                                                         \
+        T *dst = out + (row * num_heads + head) * D;                                              \
+        for (int64_t d = 0; d < D; ++d) dst[d] = FROM_F32(acc[d] / run_sum);                      \
+    }                                                                                             \
+    (void)tok_stride;                                                                             \
+}
+
+static inline float f32_identity(float x) { return x; }
+DEFINE_TILE_SCALAR(tile_f32, float, f32_identity, f32_identity)
+DEFINE_TILE_SCALAR(tile_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+
+#define DEFINE_ENTRY(NAME, T, TILE_FN)                                                            \
+void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                      \
+          const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
+          float scale, int32_t split_heads, T *out) {                                             \
+    const int64_t items = num_tiles * num_kv_heads;                                               \
+    (void)split_heads;                                                                            \
+    _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
+    for (int64_t item = 0; item < items; ++item) {                                                \
+        const tile_t tile = tiles[item / num_kv_heads];                                           \
+        TILE_FN(q, q_stride, k_cache, v_cache, tables + (int64_t)tile.table_row * table_stride,   \
+                tile, item % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size, scale,  \
+                out);                                                                             \
+    }                                                                                             \
+}
+
+int vector_width(void) { return 1; }
+
+#endif
+
+DEFINE_ENTRY(paged_attention_f32, float, tile_f32)
+DEFINE_ENTRY(paged_attention_bf16, bf16_t, tile_bf16)
