@@ -8,7 +8,7 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, naive_attention
 
-from pagedllm.attention import cpu_ops, torch_backend
+from pagedllm.attention import cpu_ops
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 
 ATOL = 1e-5
