@@ -8,8 +8,8 @@ import pytest
 import torch
 from attention_reference import make_paged_batch, naive_attention
 
-from pagedllm.attention import cpu_ops
 from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.native import cpu_ops
 
 ATOL = 1e-5
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -17,6 +18,7 @@ from pagedllm.models import llama
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import load_model
 from pagedllm.models.registry import resolve_architecture
+from pagedllm.native import cpu_ops
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -157,8 +159,15 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert (a - b).abs().max().item() <= ATOL
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
-def test_prefill_then_decode_matches_hf(name):
+def test_prefill_then_decode_matches_hf(name, native):
+    """Both CPU paths: the native kernels (where they build) and plain PyTorch operators."""
+    with contextlib.nullcontext() if native else cpu_ops.disabled():
+        _check_prefill_then_decode(name)
+
+
+def _check_prefill_then_decode(name):
     hf_model = HF_MODELS[name]()
     ours = _ours(hf_model)
     tokens = torch.randint(3, VOCAB, (25,), generator=torch.Generator().manual_seed(5)).tolist()

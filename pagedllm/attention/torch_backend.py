@@ -13,7 +13,7 @@ touched, and are masked out of the softmax), then attended with two batched
 matmuls per KV head. Prefill and chunked-prefill sequences are computed one at
 a time with ``scaled_dot_product_attention``.
 
-When the optional native kernel (:mod:`pagedllm.attention.cpu_ops`) is
+When the optional native kernel (:mod:`pagedllm.native.cpu_ops`) is
 available on a CPU, every row (decode and prefill) goes to it instead: it
 reads K/V straight from the paged cache.
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_ops
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.native import cpu_ops
 
 
 @dataclass
@@ -116,6 +116,10 @@ class TorchAttentionBackend(AttentionBackend):
         The kept rows are worked out once per ``slot_mapping`` object (every
         layer of a step passes the same one).
         """
+        if self.use_native is not False and key.device.type == "cpu" and cpu_ops.usable_for(key, value, k_cache, v_cache):
+            if key.stride(2) == 1 and value.stride(2) == 1 and slot_mapping.dtype == torch.int64:
+                cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+                return
         if self._write_key is not slot_mapping:
             self._write_targets = _write_targets(slot_mapping)
             self._write_key = slot_mapping

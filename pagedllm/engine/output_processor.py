@@ -125,8 +125,10 @@ class OutputProcessor:
             )
             for req, seq, _ in jobs
         ]
-        index = torch.tensor([r for _, _, r in jobs], device=logits.device)
-        result = self.sampler(logits.index_select(0, index), rows)
+        row_ids = [r for _, _, r in jobs]
+        if row_ids != list(range(logits.shape[0])):  # otherwise every row, in order: no copy
+            logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+        result = self.sampler(logits, rows)
         for i, (request, seq, _) in enumerate(jobs):
             self._append(request, seq, result, i)
 

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.errors import ModelLoadError
 from pagedllm.models.config import ModelConfig
+from pagedllm.native import cpu_ops
 
 logger = logging.getLogger("pagedllm")
 
@@ -79,15 +80,34 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
+def _native(*tensors: Tensor) -> bool:
+    """Whether the native CPU kernels take this step (inference only: they have no autograd)."""
+    return not torch.is_grad_enabled() and cpu_ops.usable_for(*tensors)
+
+
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, the statistic computed in float32 whatever the input dtype."""
+    """``x / rms(x) * weight``, the statistic computed in float32 whatever the input dtype.
+
+    Called with a ``residual``, it first adds ``x`` into ``residual`` in place
+    and normalises the sum: the residual add of the sublayer before, fused.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:  # x: [T, hidden]
+        if residual is None:
+            if _native(x, self.weight):
+                return cpu_ops.rms_norm(x.contiguous(), None, self.weight, self.eps)
+            return self._norm(x)
+        if _native(x, residual, self.weight) and residual.is_contiguous():
+            return cpu_ops.rms_norm(residual, x, self.weight, self.eps)
+        residual += x
+        return self._norm(residual)
+
+    def _norm(self, x: Tensor) -> Tensor:
         x32 = x.float()
         inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))  # [T, 1]
         if x.dtype == torch.float32:
@@ -137,7 +157,7 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
-    def _cos_sin(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if device not in self._tables:
             self._tables[device] = self._build_tables(device)
         return self._tables[device]
@@ -156,15 +176,48 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin at ``positions`` [T], each [T, 1, D/2] in ``dtype``; once per forward pass."""
-        cos_table, sin_table = self._cos_sin(positions.device)
+        cos_table, sin_table = self.tables(positions.device)
         cos = cos_table.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = sin_table.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
+
+    def for_step(self, positions: Tensor, like: Tensor) -> StepRotary:
+        """The angles of one forward pass at ``positions`` [T], for tensors like ``like``."""
+        return StepRotary(self, positions, like)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q: [T, H, D], k: [T, KH, D], positions: [T] -> rotated (q, k)."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+class StepRotary:
+    """The rotary angles of one forward pass, shared by every layer.
+
+    On the CPU with the native kernels, heads are rotated in place reading the
+    float32 tables at each position; otherwise cos/sin are gathered once here
+    and :func:`rotate` builds a new tensor per layer.
+    """
+
+    def __init__(self, rotary: RotaryEmbedding, positions: Tensor, like: Tensor) -> None:
+        self.native = _native(like) and positions.dtype == torch.int64
+        if self.native:
+            self.cos_table, self.sin_table = rotary.tables(positions.device)
+            if positions.numel() and int(positions.max()) >= self.cos_table.shape[0]:
+                raise ValueError(
+                    f"position {int(positions.max())} is past the model's "
+                    f"{self.cos_table.shape[0]} rotary positions"
+                )
+            self.positions = positions.contiguous()
+        else:
+            self.cos, self.sin = rotary.cos_sin(positions, like.dtype)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [T, N, D] (rows may be strided) rotated; in place on the native path."""
+        if self.native:
+            cpu_ops.rotary_(x, self.positions, self.cos_table, self.sin_table)
+            return x
+        return rotate(x, self.cos, self.sin)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -201,7 +254,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: Tensor,  # [T, hidden]
-        cos_sin: tuple[Tensor, Tensor],  # each [T, 1, D/2]
+        rotary: StepRotary,
         kv_cache: tuple[Tensor, Tensor],
         metadata: AttentionMetadata,
     ) -> Tensor:  # [T, hidden]
@@ -209,7 +262,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 KH) * D]
         # q and k sit side by side: rotate both heads' sets with one set of ops
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = rotate(qk, *cos_sin)  # [T, H + KH, D]
+        qk = rotary(qk)  # [T, H + KH, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -228,7 +281,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _native(gate_up):
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -240,11 +296,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden: Tensor, cos_sin, kv_cache, metadata) -> Tensor:
-        """hidden [T, hidden] is updated in place (residual adds) and returned."""
-        hidden += self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, metadata)
-        hidden += self.mlp(self.post_attention_layernorm(hidden))
-        return hidden
+    def forward(self, residual: Tensor, delta: Tensor | None, rotary, kv_cache, metadata) -> Tensor:
+        """One layer on the residual stream ``residual`` [T, hidden], updated in place.
+
+        ``delta`` is the previous layer's MLP output, not yet added (None for the
+        first layer): each residual add is fused into the norm that follows it.
+        Returns this layer's MLP output, for the next norm to add.
+        """
+        x = self.input_layernorm(residual) if delta is None else self.input_layernorm(delta, residual)
+        attn = self.self_attn(x, rotary, kv_cache, metadata)
+        return self.mlp(self.post_attention_layernorm(attn, residual))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -279,13 +340,15 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: Tensor | None = None,  # [num_samples]
     ) -> Tensor:  # [num_samples, vocab] float32
         """Logits of the rows in ``logits_indices`` (all rows when None), as float32."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
+        residual = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place
+        rotary = self.rotary.for_step(positions, residual)  # shared by every layer
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
+            delta = layer(residual, delta, rotary, kv_cache, attn_metadata)
         if logits_indices is not None:
-            hidden = hidden.index_select(0, logits_indices)  # [num_samples, hidden]
-        hidden = self.norm(hidden)
+            residual = residual.index_select(0, logits_indices)  # [num_samples, hidden]
+            delta = None if delta is None else delta.index_select(0, logits_indices)
+        hidden = self.norm(residual) if delta is None else self.norm(delta, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, head, None, self.head_packed).float()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.native import cpu_ops
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -73,8 +74,16 @@ class Sampler:
             return _gather_logprobs(raw_logprobs, token_ids, rows)
         # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
         # materialising the whole log-softmax.
-        normaliser = torch.logsumexp(logits, dim=-1)  # [rows]
-        token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)
+        argmax = None
+        if logits.dim() == 2 and cpu_ops.usable_for(logits) and logits.dtype == torch.float32:
+            argmax, normaliser = cpu_ops.argmax_logsumexp(logits)  # one pass over each row
+        else:
+            normaliser = torch.logsumexp(logits, dim=-1)  # [rows]
+        processed = _apply_logit_processors(logits, rows)
+        if argmax is not None and processed is logits and all(r.params.is_greedy for r in rows):
+            token_ids = argmax
+        else:
+            token_ids = _choose_tokens(processed, rows)
         chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - normaliser
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), None, None)
 

@@ -46,6 +46,8 @@ static inline bf16_t f32_to_bf16(float f) {
     return (bf16_t)(bits >> 16);
 }
 
+static inline float f32_identity(float x) { return x; }
+
 /* One tile: which sequence, which query rows, how far row 0 sees. */
 typedef struct {
     int32_t table_row; /* row of the block-table tensor */
@@ -297,7 +299,6 @@ static void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cach
     (void)tok_stride;                                                                             \
 }
 
-static inline float f32_identity(float x) { return x; }
 DEFINE_TILE_SCALAR(tile_f32, float, f32_identity, f32_identity)
 DEFINE_TILE_SCALAR(tile_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 
@@ -323,3 +324,215 @@ int vector_width(void) { return 1; }
 
 DEFINE_ENTRY(paged_attention_f32, float, tile_f32)
 DEFINE_ENTRY(paged_attention_bf16, bf16_t, tile_bf16)
+
+/* ------------------------------------------------------------------ layer ops
+ *
+ * Element-wise work around the matmuls of a decoder layer, one pass each
+ * instead of several PyTorch operators. Rounding follows what the PyTorch
+ * operators they replace do: bfloat16 results are rounded once per operator
+ * the model would have run (the residual add, the normalised value, the
+ * product with the weight; SiLU, then the product with `up`).
+ */
+
+#define PARALLEL_MIN_ELEMENTS 65536 /* below this a parallel region costs more than it saves */
+
+static inline float silu_f32(float x) { return x / (1.0f + expf(-x)); }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+#ifdef __AVX512F__
+static inline __m512 vexp_any(__m512 x) { /* exp for any x: overflow gives inf, underflow 0 */
+    return vexp(_mm512_min_ps(x, _mm512_set1_ps(88.7f)));
+}
+static inline __m512 vround_bf16(__m512 v) { /* round to bf16 and back (RNE) */
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline __m512 mload_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 mload_bf16(const bf16_t *p, __mmask16 m) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline void mstore_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void mstore_bf16(bf16_t *p, __m512 v, __mmask16 m) {
+    /* v already holds a bf16 value (rounded by vround_bf16): keep its high halves */
+    __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+    _mm256_mask_storeu_epi16(p, m, halves);
+}
+static inline __mmask16 tail_mask(int64_t remaining) {
+    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
+}
+
+/* residual += delta (when delta is given); out = rmsnorm(residual) * weight. Rows of n. */
+#define DEFINE_RMS_NORM(NAME, T, MLOAD, MSTORE, ROUND)                                            \
+void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows, int64_t n,     \
+          T *out) {                                                                               \
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
+    for (int64_t r = 0; r < rows; ++r) {                                                          \
+        T *x = residual + r * n;                                                                  \
+        __m512 squares = _mm512_setzero_ps();                                                     \
+        for (int64_t i = 0; i < n; i += 16) {                                                     \
+            const __mmask16 m = tail_mask(n - i);                                                 \
+            __m512 v = MLOAD(x + i, m);                                                           \
+            if (delta) {                                                                          \
+                v = ROUND(_mm512_add_ps(v, MLOAD(delta + r * n + i, m)));                         \
+                MSTORE(x + i, v, m);                                                              \
+            }                                                                                     \
+            squares = _mm512_fmadd_ps(v, v, squares);                                             \
+        }                                                                                         \
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps)); \
+        for (int64_t i = 0; i < n; i += 16) {                                                     \
+            const __mmask16 m = tail_mask(n - i);                                                 \
+            const __m512 normed = ROUND(_mm512_mul_ps(MLOAD(x + i, m), inv));                     \
+            MSTORE(out + r * n + i, ROUND(_mm512_mul_ps(MLOAD(weight + i, m), normed)), m);      \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+/* out[r, :] = silu(gate_up[r, :n]) * gate_up[r, n:2n] */
+#define DEFINE_SILU_MUL(NAME, T, MLOAD, MSTORE, ROUND)                                            \
+void NAME(const T *gate_up, int64_t rows, int64_t n, T *out) {                                   \
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
+    for (int64_t r = 0; r < rows; ++r) {                                                          \
+        const T *gate = gate_up + r * 2 * n, *up = gate + n;                                      \
+        for (int64_t i = 0; i < n; i += 16) {                                                     \
+            const __mmask16 m = tail_mask(n - i);                                                 \
+            const __m512 g = MLOAD(gate + i, m);                                                  \
+            const __m512 e = vexp_any(_mm512_sub_ps(_mm512_setzero_ps(), g));                     \
+            const __m512 s = ROUND(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));     \
+            MSTORE(out + r * n + i, ROUND(_mm512_mul_ps(s, MLOAD(up + i, m))), m);               \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+static inline __m512 vkeep_f32(__m512 v) { return v; }
+DEFINE_RMS_NORM(rms_norm_f32, float, mload_f32, mstore_f32, vkeep_f32)
+DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, mload_bf16, mstore_bf16, vround_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, mload_f32, mstore_f32, vkeep_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, mload_bf16, mstore_bf16, vround_bf16)
+
+
+/* Per row of float32 logits [rows, n]: the first index of the maximum and
+   log(sum(exp(x))), for greedy picks and the chosen token's logprob. */
+void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse) {
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i best_at = _mm512_set1_epi32(0), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - i), row + i);
+            const __mmask16 better = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* strict: first index wins */
+            best = _mm512_mask_mov_ps(best, better, v);
+            best_at = _mm512_mask_mov_epi32(best_at, better, at);
+            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+        }
+        const float top = _mm512_reduce_max_ps(best);
+        const __mmask16 is_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        const int32_t first = _mm512_mask_reduce_min_epi32(is_top, best_at);
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 shift = _mm512_set1_ps(top);
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = tail_mask(n - i);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), shift))));
+        }
+        argmax[r] = first;
+        lse[r] = top + logf(_mm512_reduce_add_ps(sum));
+    }
+}
+#else
+
+#define DEFINE_RMS_NORM(NAME, T, TO_F32, FROM_F32, ROUND)                                         \
+void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows, int64_t n,     \
+          T *out) {                                                                               \
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
+    for (int64_t r = 0; r < rows; ++r) {                                                          \
+        T *x = residual + r * n;                                                                  \
+        float squares = 0.0f;                                                                     \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            float v = TO_F32(x[i]);                                                               \
+            if (delta) {                                                                          \
+                v = ROUND(v + TO_F32(delta[r * n + i]));                                          \
+                x[i] = FROM_F32(v);                                                               \
+            }                                                                                     \
+            squares += v * v;                                                                     \
+        }                                                                                         \
+        const float inv = 1.0f / sqrtf(squares / (float)n + eps);                                 \
+        for (int64_t i = 0; i < n; ++i)                                                           \
+            out[r * n + i] = FROM_F32(TO_F32(weight[i]) * ROUND(TO_F32(x[i]) * inv));             \
+    }                                                                                             \
+}
+
+#define DEFINE_SILU_MUL(NAME, T, TO_F32, FROM_F32, ROUND)                                         \
+void NAME(const T *gate_up, int64_t rows, int64_t n, T *out) {                                   \
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
+    for (int64_t r = 0; r < rows; ++r)                                                            \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            const float s = ROUND(silu_f32(TO_F32(gate_up[r * 2 * n + i])));                      \
+            out[r * n + i] = FROM_F32(s * TO_F32(gate_up[r * 2 * n + n + i]));                     \
+        }                                                                                         \
+}
+
+
+void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse) {
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        int64_t first = 0;
+        for (int64_t i = 1; i < n; ++i)
+            if (row[i] > row[first]) first = i;
+        const float top = row[first];
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) sum += expf(row[i] - top);
+        argmax[r] = first;
+        lse[r] = top + logf(sum);
+    }
+}
+
+static inline float keep_f32(float x) { return x; }
+DEFINE_RMS_NORM(rms_norm_f32, float, f32_identity, f32_identity, keep_f32)
+DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, f32_identity, f32_identity, keep_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+#endif
+
+/* Rotary embedding in place, "rotate half" convention: each head's halves
+   (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), the angle taken from
+   row positions[t] of the float32 tables cos/sin [max_position, head_dim / 2].
+   x: rows of num_heads * head_dim at row_stride elements apart. */
+#define DEFINE_ROTARY(NAME, T, TO_F32, FROM_F32)                                                  \
+void NAME(T *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,           \
+          const int64_t *positions, const float *cos_table, const float *sin_table) {            \
+    const int64_t half = head_dim / 2;                                                            \
+    _Pragma("omp parallel for schedule(static) if(rows * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)") \
+    for (int64_t t = 0; t < rows; ++t) {                                                          \
+        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;   \
+        for (int64_t h = 0; h < num_heads; ++h) {                                                 \
+            T *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;                           \
+            for (int64_t i = 0; i < half; ++i) {                                                  \
+                const float a = TO_F32(x1[i]), b = TO_F32(x2[i]);                                 \
+                x1[i] = FROM_F32(a * c[i] - b * s[i]);                                            \
+                x2[i] = FROM_F32(b * c[i] + a * s[i]);                                            \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+/* Token t's K and V rows (width elements each, at k_stride / v_stride elements
+   apart) go to cache slot slots[t]; slot -1 is padding and skipped. */
+#define DEFINE_WRITE_KV(NAME, T)                                                                  \
+void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *slots,      \
+          int64_t rows, int64_t width, T *k_cache, T *v_cache) {                                  \
+    for (int64_t t = 0; t < rows; ++t) {                                                          \
+        if (slots[t] < 0) continue;                                                               \
+        memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(T));          \
+        memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(T));          \
+    }                                                                                             \
+}
+
+DEFINE_ROTARY(rotary_f32, float, f32_identity, f32_identity)
+DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_WRITE_KV(write_kv_f32, float)
+DEFINE_WRITE_KV(write_kv_bf16, bf16_t)

@@ -19,6 +19,7 @@ compare the two.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -47,9 +48,14 @@ _tried = False
 _vector_width = 1
 
 
+_disabled = 0  # > 0 inside disabled()
+
+
 def available() -> bool:
-    """True when the native kernel is built and loaded (builds it on the first call)."""
+    """True when the native kernels are built and loaded (builds them on the first call)."""
     global _library, _tried
+    if _disabled:
+        return False
     if _tried:
         return _library is not None
     with _lock:
@@ -57,6 +63,28 @@ def available() -> bool:
             _library = _load()
             _tried = True
     return _library is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within this block :func:`available` is False: everything takes the PyTorch path."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+def usable_for(*tensors: torch.Tensor) -> bool:
+    """Whether the element-wise kernels apply: CPU tensors of one dtype, float32 or bfloat16."""
+    first = tensors[0]
+    return (
+        first.device.type == "cpu"
+        and first.dtype in (torch.float32, torch.bfloat16)
+        and all(t.device.type == "cpu" and t.dtype == first.dtype for t in tensors)
+        and available()
+    )
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -140,6 +168,92 @@ def paged_attention(
     return out
 
 
+# ---------------------------------------------------------------- layer ops
+
+
+def _kernel(name: str, dtype: torch.dtype, library: ctypes.CDLL | None):
+    library = library or _library
+    assert library is not None, "call available() first"
+    return getattr(library, f"{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
+
+
+def rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """``residual += delta`` in place (when given), then RMSNorm of ``residual`` times ``weight``.
+
+    residual, delta: contiguous ``[rows, n]``; weight ``[n]``; all one dtype. Returns a new ``[rows, n]``.
+    """
+    assert residual.is_contiguous() and weight.is_contiguous()
+    if delta is not None:
+        delta = delta.contiguous()
+    rows, n = residual.shape
+    out = torch.empty_like(residual)
+    _kernel("rms_norm", residual.dtype, library)(
+        residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, rows, n,
+        out.data_ptr(),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` of shape ``[rows, 2n]``; returns ``[rows, n]``."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    _kernel("silu_mul", gate_up.dtype, library)(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def rotary_(
+    x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    library: ctypes.CDLL | None = None,
+) -> None:
+    """Rotate ``x`` ``[rows, heads, head_dim]`` in place (rows may be strided; heads and
+    dims contiguous) by the angles at ``positions`` (int64, each below the tables' length)
+    of the float32 tables ``[max_position, head_dim / 2]``."""
+    rows, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim and positions.dtype == torch.int64
+    positions = positions.contiguous()
+    _kernel("rotary", x.dtype, library)(
+        x.data_ptr(), rows, x.stride(0), heads, head_dim, positions.data_ptr(),
+        cos_table.data_ptr(), sin_table.data_ptr(),
+    )
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    library: ctypes.CDLL | None = None,
+) -> None:
+    """Token t's key and value ``[rows, KH, D]`` (rows may be strided) into cache slot
+    ``slots[t]`` (int64); slot -1 is padding and skipped."""
+    rows, kv_heads, head_dim = key.shape
+    for t in (key, value):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+    slots = slots.contiguous()
+    _kernel("write_kv", key.dtype, library)(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), rows,
+        kv_heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+    )
+
+
+def argmax_logsumexp(
+    logits: torch.Tensor, library: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of float32 ``[rows, n]`` logits: the first index of the maximum (int64,
+    as ``argmax``) and ``logsumexp`` (float32), in one pass over the row."""
+    library = library or _library
+    assert library is not None, "call available() first"
+    logits = logits.contiguous()
+    rows, n = logits.shape
+    argmax = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    library.row_argmax_logsumexp(logits.data_ptr(), rows, n, argmax.data_ptr(), lse.data_ptr())
+    return argmax, lse
+
+
 # ---------------------------------------------------------------- build and load
 
 
@@ -178,6 +292,20 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
             ctypes.c_int32, pointer,
         ]
         fn.restype = None
+    f32 = ctypes.c_float
+    signatures = {
+        "rms_norm": [pointer, pointer, pointer, f32, i64, i64, pointer],
+        "silu_mul": [pointer, i64, i64, pointer],
+        "rotary": [pointer, i64, i64, i64, i64, pointer, pointer, pointer],
+        "write_kv": [pointer, i64, pointer, i64, pointer, i64, i64, pointer, pointer],
+    }
+    library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer]
+    library.row_argmax_logsumexp.restype = None
+    for name, argtypes in signatures.items():
+        for suffix in ("f32", "bf16"):
+            fn = getattr(library, f"{name}_{suffix}")
+            fn.argtypes = argtypes
+            fn.restype = None
     return library
 
 
