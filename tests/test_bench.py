@@ -294,3 +294,27 @@ def test_throughput_vllm_peer(tmp_path):
     random_workload(2, (12, 20), 3, seed=2).save(tmp_path / "w2.json")
     data = _run_cli(["throughput", "--workload", str(tmp_path / "w2.json"), "--backend", "vllm"], tmp_path)
     assert data["backend"] == "vllm" and data["output_tokens"] == 6 and data["prompt_tokens"] > 0
+
+
+def test_latency_compare_rejects_unknown_backends_and_missing_peer(capsys, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_VLLM_PYTHON", raising=False)
+    assert main(["bench", "latency", "--compare", "pagedllm,tgi"]) == 2
+    assert "choose from pagedllm, vllm" in capsys.readouterr().err
+    assert main(["bench", "latency", "--compare", "pagedllm,vllm"]) == 2
+    assert "--peer-python" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PAGEDLLM_VLLM_PYTHON"), reason="set PAGEDLLM_VLLM_PYTHON to vLLM's python")
+def test_latency_vllm_peer(tmp_path):
+    data = _run_cli(
+        ["latency", "--compare", "pagedllm,vllm", "--input-len", "16", "--output-len", "4", "--runs", "2",
+         "--num-kv-blocks", "32", "--no-warmup"],
+        tmp_path,
+    )
+    ours, peer = data["results"]
+    assert (ours["backend"], peer["backend"]) == ("pagedllm", "vllm")
+    for result in (ours, peer):
+        assert result["num_runs"] == 2
+        for run in result["runs"]:
+            assert len(run["inter_token_s"]) == 3 and run["e2e_s"] >= run["ttft_s"] > 0

@@ -4,11 +4,16 @@ Each run submits one prompt of random token ids (``ignore_eos``, greedy) and
 drives the engine's step loop, stamping the moment every new token comes
 out. TTFT is submission to first token; TPOT is the mean gap between later
 tokens, (last - first) / (n - 1); decode tok/s is its inverse.
+
+``--compare pagedllm,vllm`` times the same prompts through vLLM's own engine
+step loop as well (in vLLM's virtualenv, see :mod:`pagedllm.bench.peers`),
+stamped the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -57,17 +62,31 @@ def run_latency(
         time_one_request(engine, f"warmup-{i}", prompt, WARMUP_OUTPUT_LEN)
     prompts = random_workload(num_runs, (input_len, input_len), output_len, seed=seed).prompt_token_ids
     runs = [time_one_request(engine, f"run-{i}", p, output_len) for i, p in enumerate(prompts)]
+    return summarize_runs("pagedllm", dtype_name(engine.dtype), input_len, output_len, runs)
+
+
+def run_latency_vllm(args: argparse.Namespace, python: str) -> dict:
+    """The same prompts (same seed) through vLLM, one at a time."""
+    from pagedllm.bench.peers import resolve_dtype_name, run_vllm_latency
+
+    workload = random_workload(args.runs, (args.input_len, args.input_len), args.output_len, seed=args.seed)
+    runs, version = run_vllm_latency(workload, python, args.model, args.dtype)
+    dtype = resolve_dtype_name(args.dtype)
+    return {**summarize_runs("vllm", dtype, args.input_len, args.output_len, runs), "vllm": version}
+
+
+def summarize_runs(backend: str, dtype: str, input_len: int, output_len: int, runs: list[dict]) -> dict:
     summary = {
         key: report.summarize([r[key] for r in runs if r[key] is not None])
         for key in ("ttft_s", "tpot_s", "decode_tokens_per_s", "e2e_s")
         if any(r[key] is not None for r in runs)
     }
     return {
-        "backend": "pagedllm",
-        "dtype": dtype_name(engine.dtype),
+        "backend": backend,
+        "dtype": dtype,
         "input_len": input_len,
         "output_len": output_len,
-        "num_runs": num_runs,
+        "num_runs": len(runs),
         **summary,
         "runs": runs,
     }
@@ -83,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="a few short requests before timing")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="inter-token latency per run (matplotlib)")
+    g.add_argument(
+        "--compare", default=None, metavar="pagedllm,vllm",
+        help="also time the same prompts through vLLM (needs --peer-python)",
+    )
+    g.add_argument("--peer-python", default=None, metavar="PATH", help="the python of vLLM's virtualenv")
     add_engine_arguments(parser)
 
 
@@ -92,13 +116,31 @@ def run(args: argparse.Namespace) -> int:
     if args.input_len < 1 or args.output_len < 1 or args.runs < 1:
         print("--input-len, --output-len and --runs must be >= 1", file=sys.stderr)
         return 2
+    backends = ["pagedllm"]
+    python = None
+    if args.compare:
+        backends = [b.strip() for b in args.compare.split(",") if b.strip()]
+        if not backends or not set(backends) <= {"pagedllm", "vllm"}:
+            print(f"--compare {args.compare!r}: choose from pagedllm, vllm", file=sys.stderr)
+            return 2
+        python = args.peer_python or os.environ.get("PAGEDLLM_VLLM_PYTHON")
+        if "vllm" in backends and not python:
+            print("--compare vllm needs --peer-python PATH (the python of vLLM's virtualenv)", file=sys.stderr)
+            return 2
     config = engine_config_from_args(args)
-    result = run_latency(config, args.input_len, args.output_len, args.runs, args.seed, args.warmup)
-    print(format_result(result))
+    results = []
+    for backend in backends:
+        if backend == "pagedllm":
+            result = run_latency(config, args.input_len, args.output_len, args.runs, args.seed, args.warmup)
+        else:
+            result = run_latency_vllm(args, python)
+        print(format_result(result))
+        results.append(result)
     if args.json:
-        report.write_json(args.json, {**result, "env": report.environment()})
+        body = results[0] if len(results) == 1 else {"results": results}
+        report.write_json(args.json, {**body, "env": report.environment()})
     if args.plot:
-        report.plot_latency(result, args.plot)
+        report.plot_latency(results[0], args.plot)
     return 0
 
 
@@ -111,7 +153,7 @@ def format_result(result: dict) -> str:
         if key in result
     ]
     title = (
-        f"Latency ({result['dtype']}): one request at a time, {result['input_len']} prompt tokens -> "
+        f"Latency, {result['backend']} ({result['dtype']}): one request at a time, {result['input_len']} prompt tokens -> "
         f"{result['output_len']} new tokens, {result['num_runs']} runs"
     )
     return report.format_table(["metric", "min", "median", "max"], rows, title=title)

@@ -217,6 +217,33 @@ def run_vllm(workload, python: str, model: str | None, dtype: str, max_num_seqs:
     )
 
 
+def run_vllm_latency(workload, python: str, model: str | None, dtype: str) -> tuple[list[dict], str | None]:
+    """Time each prompt of ``workload`` alone through vLLM's engine step loop, in a
+    subprocess under ``python``. Returns one dict per run (the keys of
+    :func:`pagedllm.bench.latency.time_one_request`) and vLLM's version."""
+    import tempfile
+
+    from pagedllm.errors import ConfigError
+
+    if not Path(python).exists():
+        raise ConfigError(f"--peer-python {python!r} does not exist")
+    model_dir = export_hf_dir(model)
+    with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
+        workload_file, out_file = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        workload.save(workload_file)
+        cmd = [
+            python, str(Path(__file__).resolve()), "vllm", "--mode", "latency",
+            "--model-dir", str(model_dir), "--workload", str(workload_file), "--out", str(out_file),
+            "--dtype", resolve_dtype_name(dtype), "--max-num-seqs", "8",
+            "--max-model-len", str(_round_up(workload.max_seq_len, 256)),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(), cwd=tmp)
+        if done.returncode != 0 or not out_file.is_file():
+            raise ConfigError(f"the vLLM run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        data = json.loads(out_file.read_text())
+    return data["runs"], data.get("vllm_version")
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -230,6 +257,7 @@ def _vllm_main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--mode", choices=["throughput", "latency"], default="throughput")
     args = parser.parse_args(argv)
 
     # This script's folder holds modules (cli, report, ...) that must not shadow vLLM's imports.
@@ -252,6 +280,10 @@ def _vllm_main(argv: list[str]) -> int:
     llm.generate([{"prompt_token_ids": list(range(100, 116))}] * 4, warm, use_tqdm=False)
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if args.mode == "latency":
+        runs = [_vllm_time_one(llm.llm_engine, f"run-{i}", p, params, output_len) for i, p in enumerate(prompts)]
+        Path(args.out).write_text(json.dumps({"runs": runs, "vllm_version": getattr(vllm, "__version__", None)}))
+        return 0
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.perf_counter() - start
@@ -266,6 +298,29 @@ def _vllm_main(argv: list[str]) -> int:
     }
     Path(args.out).write_text(json.dumps(result))
     return 0
+
+
+def _vllm_time_one(engine, request_id: str, prompt: dict, params, output_len: int) -> dict:
+    """vLLM's counterpart of ``latency.time_one_request``: one request alone, stamped per token."""
+    stamps: list[float] = []
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id != request_id:
+                continue
+            now = time.perf_counter()
+            stamps += [now] * (len(output.outputs[0].token_ids) - len(stamps))
+    if len(stamps) != output_len:
+        raise RuntimeError(f"request {request_id} produced {len(stamps)} tokens, expected {output_len}")
+    decode_s = stamps[-1] - stamps[0]
+    return {
+        "ttft_s": stamps[0] - start,
+        "tpot_s": decode_s / (len(stamps) - 1) if len(stamps) > 1 else None,
+        "decode_tokens_per_s": (len(stamps) - 1) / decode_s if decode_s > 0 else None,
+        "e2e_s": stamps[-1] - start,
+        "inter_token_s": [b - a for a, b in zip(stamps, stamps[1:])],
+    }
 
 
 if __name__ == "__main__":
