@@ -6,6 +6,7 @@ Usage (one process per dtype; repeat runs, the machine's cores are shared):
     python benchmarks/perf_probe.py --dtype float32 single     # 128 -> 128, one request
     python benchmarks/perf_probe.py --dtype float32 w64 --num-requests 32
     python benchmarks/perf_probe.py --dtype float32 profile    # torch.profiler table of a decode step
+    python benchmarks/perf_probe.py --dtype bfloat16 breakdown # W64 under cProfile, by function
 
 ``steps`` times ``ModelRunner.execute`` on synthetic decode batches (every
 sequence at the same context length) without the scheduler, so it isolates
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-W64_PATH = Path("/work/shared/workloads/w64.json")
+W64_PATH = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w64.json"  # ../shared beside the repo
 
 
 def make_llm(args):
@@ -124,6 +125,27 @@ def cmd_w64(args) -> None:
             Path(args.save_tokens).write_text(json.dumps([o.outputs[0].token_ids for o in outs]))
 
 
+def cmd_breakdown(args) -> None:
+    """W64 once under cProfile: where the wall time goes, by function (own time)."""
+    import cProfile
+    import pstats
+
+    from pagedllm import SamplingParams
+
+    work = json.loads(W64_PATH.read_text())
+    prompts = [{"prompt_token_ids": p} for p in work["prompt_token_ids"][: args.num_requests]]
+    params = SamplingParams(max_tokens=work["output_len"], temperature=0.0, ignore_eos=True)
+    llm, _ = make_llm(args)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    print(f"wall {time.perf_counter() - started:.2f} s (under cProfile)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.rows)
+
+
 def cmd_profile(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -139,7 +161,7 @@ def cmd_profile(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["steps", "single", "w64", "profile"])
+    parser.add_argument("command", choices=["steps", "single", "w64", "profile", "breakdown"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-memory", type=int, default=2048, help="MiB")
     parser.add_argument("--repeats", type=int, default=5)
@@ -151,7 +173,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--save-tokens", default="")
     args = parser.parse_args()
-    {"steps": cmd_steps, "single": cmd_single, "w64": cmd_w64, "profile": cmd_profile}[args.command](args)
+    {"steps": cmd_steps, "single": cmd_single, "w64": cmd_w64, "profile": cmd_profile, "breakdown": cmd_breakdown}[args.command](args)
 
 
 if __name__ == "__main__":

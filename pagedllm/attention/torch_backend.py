@@ -113,13 +113,20 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """Store token t's K/V at flat slot ``slot_mapping[t]``; rows with -1 are dropped.
 
-        The kept rows are worked out once per ``slot_mapping`` object (every
+        On the CPU the native kernel copies the rows where they are; otherwise
+        the kept rows are worked out once per ``slot_mapping`` object (every
         layer of a step passes the same one).
         """
-        if self.use_native is not False and key.device.type == "cpu" and cpu_ops.usable_for(key, value, k_cache, v_cache):
-            if key.stride(2) == 1 and value.stride(2) == 1 and slot_mapping.dtype == torch.int64:
-                cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
-                return
+        if (
+            self.use_native is not False
+            and cpu_ops.usable_for(key, value, k_cache, v_cache)
+            and key.stride(2) == 1 and value.stride(2) == 1
+            and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64
+        ):
+            cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
         if self._write_key is not slot_mapping:
             self._write_targets = _write_targets(slot_mapping)
             self._write_key = slot_mapping

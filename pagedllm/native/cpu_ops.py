@@ -46,8 +46,6 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
 _vector_width = 1
-
-
 _disabled = 0  # > 0 inside disabled()
 
 
@@ -157,7 +155,7 @@ def paged_attention(
     out = torch.empty((num_rows, num_heads, head_dim), dtype=query.dtype)
     kernel = library.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else library.paged_attention_f32
     # Few tiles: one work item per (tile, KV head) keeps every thread busy. Many:
-    # one per tile, so each K/V block is read front to back by one thread.
+    # one per tile (its KV heads in turn), fewer and longer items.
     if split_heads is None:
         split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
     kernel(
