@@ -149,21 +149,23 @@ static inline __attribute__((always_inline)) void NAME(                         
         if (n > max_len - start) n = max_len - start;                                             \
         const T *kb = k_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
         const T *vb = v_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
-        if (start + n < max_len) { /* the next chunk's rows, while this one computes */           \
+        /* the next chunk's rows, prefetched a few lines at a time inside the loops below */     \
+        int64_t ahead = 0;                                                                        \
+        const char *nk = (const char *)kb, *nv = (const char *)vb;                                \
+        if (start + n < max_len) {                                                                \
             const int64_t next = start + n, nblock = table[next / block_size];                    \
-            const int64_t nn = max_len - next < 16 ? max_len - next : 16;                         \
-            const char *nk = (const char *)(k_cache + ((nblock * block_size + next % block_size) * num_kv_heads + h) * D); \
-            const char *nv = (const char *)(v_cache + ((nblock * block_size + next % block_size) * num_kv_heads + h) * D); \
-            for (int64_t t = 0; t < nn; ++t)                                                      \
-                for (int64_t byte = 0; byte < D * (int64_t)sizeof(T); byte += 64) {               \
-                    _mm_prefetch(nk + t * tok_stride * (int64_t)sizeof(T) + byte, _MM_HINT_T0);   \
-                    _mm_prefetch(nv + t * tok_stride * (int64_t)sizeof(T) + byte, _MM_HINT_T0);   \
-                }                                                                                 \
+            ahead = max_len - next < 16 ? max_len - next : 16;                                    \
+            const int64_t at = ((nblock * block_size + next % block_size) * num_kv_heads + h) * D; \
+            nk = (const char *)(k_cache + at);                                                    \
+            nv = (const char *)(v_cache + at);                                                    \
         }                                                                                         \
+        const int64_t stride_bytes = tok_stride * (int64_t)sizeof(T), row_bytes = D * (int64_t)sizeof(T); \
         for (int c = 0; c < CH; ++c) { /* keys -> KT[d][token] */                                 \
             __m512 rows[16];                                                                      \
             for (int t = 0; t < 16; ++t)                                                          \
                 rows[t] = t < n ? LOAD16(kb + t * tok_stride + 16 * c) : _mm512_setzero_ps();     \
+            if (64 * c < row_bytes)                                                               \
+                for (int64_t t = 0; t < ahead; ++t) _mm_prefetch(nk + t * stride_bytes + 64 * c, _MM_HINT_T0); \
             transpose16(rows);                                                                    \
             for (int j = 0; j < 16; ++j) _mm512_store_ps(KT + (16 * c + j) * 16, rows[j]);        \
         }                                                                                         \
@@ -210,6 +212,9 @@ static inline __attribute__((always_inline)) void NAME(                         
                 const __m512 p0 = _mm512_set1_ps(P[r * 16 + t]);                                  \
                 const __m512 p1 = _mm512_set1_ps(two ? P[(r + 1) * 16 + t] : 0.0f);               \
                 const T *vrow = vb + t * tok_stride;                                              \
+                if (r == r_first && t < ahead)                                                    \
+                    for (int64_t byte = 0; byte < row_bytes; byte += 64)                          \
+                        _mm_prefetch(nv + t * stride_bytes + byte, _MM_HINT_T0);                  \
                 for (int c = 0; c < CH; ++c) {                                                    \
                     const __m512 v = LOAD16(vrow + 16 * c);                                       \
                     a0[c] = _mm512_fmadd_ps(p0, v, a0[c]);                                        \
