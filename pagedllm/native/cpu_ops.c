@@ -118,9 +118,42 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
+/* acc[r] = acc[r] * corr[r] + sum_t P[r][t] V[t] for NR rows from row r0; NR and
+   CH are compile-time constants at every call, so a[][] lives in registers and
+   each V row is loaded once for all NR rows. */
+#define DEFINE_ACCUMULATE_V(NAME, T, LOAD16)                                                      \
+static inline __attribute__((always_inline)) void NAME(                                           \
+    float *acc, const float *P, const float *corr, const T *vb, int64_t tok_stride, int64_t n,    \
+    int64_t r0, const int NR, const int CH, const char *prefetch, int64_t prefetch_rows,          \
+    int64_t stride_bytes, int64_t row_bytes) {                                                    \
+    const int64_t D = 16 * CH;                                                                    \
+    __m512 a[4][16];                                                                              \
+    for (int j = 0; j < NR; ++j) {                                                                \
+        const __m512 scale = _mm512_set1_ps(corr[r0 + j]);                                        \
+        for (int c = 0; c < CH; ++c)                                                              \
+            a[j][c] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + j) * D + 16 * c), scale);          \
+    }                                                                                             \
+    for (int64_t t = 0; t < n; ++t) {                                                             \
+        const T *vrow = vb + t * tok_stride;                                                      \
+        if (t < prefetch_rows)                                                                    \
+            for (int64_t byte = 0; byte < row_bytes; byte += 64)                                  \
+                _mm_prefetch(prefetch + t * stride_bytes + byte, _MM_HINT_T0);                    \
+        __m512 p[4];                                                                              \
+        for (int j = 0; j < NR; ++j) p[j] = _mm512_set1_ps(P[(r0 + j) * 16 + t]);                 \
+        for (int c = 0; c < CH; ++c) {                                                            \
+            const __m512 v = LOAD16(vrow + 16 * c);                                               \
+            for (int j = 0; j < NR; ++j) a[j][c] = _mm512_fmadd_ps(p[j], v, a[j][c]);             \
+        }                                                                                         \
+    }                                                                                             \
+    for (int j = 0; j < NR; ++j)                                                                  \
+        for (int c = 0; c < CH; ++c) _mm512_store_ps(acc + (r0 + j) * D + 16 * c, a[j][c]);       \
+}
+DEFINE_ACCUMULATE_V(accumulate_v_f32, float, load16_f32)
+DEFINE_ACCUMULATE_V(accumulate_v_bf16, bf16_t, load16_bf16)
+
 /* The tile kernel. CH = head_dim / 16 is a compile-time constant in each
    instantiation, so the accumulators below live in registers. */
-#define DEFINE_TILE(NAME, T, LOAD16, STORE16)                                                     \
+#define DEFINE_TILE(NAME, T, LOAD16, STORE16, ACCUMULATE_V)                                                     \
 static inline __attribute__((always_inline)) void NAME(                                           \
     const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *table,       \
     const tile_t tile, int64_t h, int64_t num_heads, int64_t num_kv_heads, const int CH,          \
@@ -199,31 +232,16 @@ static inline __attribute__((always_inline)) void NAME(                         
                 _mm512_store_ps(P + row * 16, p);                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t r = r_first; r < R; r += 2) { /* acc = acc * corr + P @ V, two rows at once */ \
-            const int two = R - r > 1;                                                            \
-            __m512 a0[16], a1[16];                                                                \
-            const __m512 c0 = _mm512_set1_ps(corr[r]), c1 = _mm512_set1_ps(two ? corr[r + 1] : 0.0f); \
-            for (int c = 0; c < CH; ++c) {                                                        \
-                a0[c] = _mm512_mul_ps(_mm512_load_ps(acc + r * D + 16 * c), c0);                  \
-                a1[c] = two ? _mm512_mul_ps(_mm512_load_ps(acc + (r + 1) * D + 16 * c), c1)       \
-                            : _mm512_setzero_ps();                                                \
-            }                                                                                     \
-            for (int64_t t = 0; t < n; ++t) {                                                     \
-                const __m512 p0 = _mm512_set1_ps(P[r * 16 + t]);                                  \
-                const __m512 p1 = _mm512_set1_ps(two ? P[(r + 1) * 16 + t] : 0.0f);               \
-                const T *vrow = vb + t * tok_stride;                                              \
-                if (r == r_first && t < ahead)                                                    \
-                    for (int64_t byte = 0; byte < row_bytes; byte += 64)                          \
-                        _mm_prefetch(nv + t * stride_bytes + byte, _MM_HINT_T0);                  \
-                for (int c = 0; c < CH; ++c) {                                                    \
-                    const __m512 v = LOAD16(vrow + 16 * c);                                       \
-                    a0[c] = _mm512_fmadd_ps(p0, v, a0[c]);                                        \
-                    a1[c] = _mm512_fmadd_ps(p1, v, a1[c]);                                        \
-                }                                                                                 \
-            }                                                                                     \
-            for (int c = 0; c < CH; ++c) {                                                        \
-                _mm512_store_ps(acc + r * D + 16 * c, a0[c]);                                     \
-                if (two) _mm512_store_ps(acc + (r + 1) * D + 16 * c, a1[c]);                      \
+        /* acc = acc * corr + P @ V, up to four rows per pass (two for wide heads); the first \
+           pass also prefetches the next chunk's values */                                        \
+        const int per_pass = CH <= 4 ? 4 : 2;                                                     \
+        for (int64_t r = r_first; r < R; r += per_pass) {                                         \
+            const int64_t pf = r == r_first ? ahead : 0;                                          \
+            switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                 \
+            case 4: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 4, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 3: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 3, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 2: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 2, CH, nv, pf, stride_bytes, row_bytes); break; \
+            default: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 1, CH, nv, pf, stride_bytes, row_bytes); break; \
             }                                                                                     \
         }                                                                                         \
         start += n;                                                                               \
@@ -235,8 +253,8 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                             \
 }
 
-DEFINE_TILE(tile_f32, float, load16_f32, store16_f32)
-DEFINE_TILE(tile_bf16, bf16_t, load16_bf16, store16_bf16)
+DEFINE_TILE(tile_f32, float, load16_f32, store16_f32, accumulate_v_f32)
+DEFINE_TILE(tile_bf16, bf16_t, load16_bf16, store16_bf16, accumulate_v_bf16)
 
 #define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
     TILE_FN(q, q_stride, k_cache, v_cache, tables + (int64_t)tile.table_row * table_stride, tile, \
