@@ -193,6 +193,20 @@ def test_native_work_split_by_tile_or_by_head(split_heads):
 
 
 @native_only
+@pytest.mark.parametrize("kind", ["mixed", "decode_only"])
+def test_portable_build_leaves_prefill_steps_to_pytorch(monkeypatch, kind):
+    """Without AVX-512 the native kernel takes decode-only steps; a step with prefill
+    chunks goes to SDPA, which is faster there. Both give the oracle's answer."""
+    monkeypatch.setattr(cpu_ops, "_vector_width", 1)
+    calls = []
+    real = cpu_ops.paged_attention
+    monkeypatch.setattr(cpu_ops, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batch = make_paged_batch(SPECS[kind], block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, seed=31)
+    _assert_matches_oracle(batch)
+    assert bool(calls) == (kind == "decode_only")
+
+
+@native_only
 def test_native_tiles_cover_every_row_once():
     seq_lens, query_lens = [40, 7, 100, 1], [33, 1, 100, 1]
     tiles = cpu_ops.make_tiles(seq_lens, query_lens, tokens_per_tile=16)

@@ -96,10 +96,15 @@ class TorchAttentionBackend(AttentionBackend):
             self._plan_block_size = block_size
         return self._plan
 
-    def _native_enabled(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def _native_enabled(self, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
         if query.device.type != "cpu" or self.use_native is False:
             return False
-        return cpu_ops.available() and cpu_ops.supports(query, k_cache)
+        if not (cpu_ops.available() and cpu_ops.supports(query, k_cache)):
+            return False
+        # The portable (non-AVX-512) build beats the gathered-context decode
+        # path but not SDPA on prefill chunks: 4.8 against 8.6 ms for a decode
+        # batch of 64 x 340, 9.9 against 4.2 ms for two 300-token prefills.
+        return cpu_ops.vectorized() or metadata.max_query_len == 1
 
     # ---- contract ---------------------------------------------------------
 
@@ -144,7 +149,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each sequence's new tokens over its first ``seq_len``
         cached tokens. Padding rows past the last sequence come back as zeros."""
-        if self._native_enabled(query, k_cache):
+        if self._native_enabled(query, k_cache, metadata):
             return self._forward_native(query, k_cache, v_cache, metadata, scale)
         plan = self.plan(metadata, k_cache.shape[1])
         decode = plan.decode

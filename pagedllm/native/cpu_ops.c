@@ -1,5 +1,6 @@
 /* Native CPU kernels of pagedllm: paged attention that reads K/V through the
- * block table in place.
+ * block table in place, and the element-wise work of a decoder layer (the
+ * "layer ops" at the end of this file).
  *
  * Built by cpu_ops.py with the system C compiler on first use and called
  * through ctypes; no PyTorch headers. Parallel loops use the OpenMP runtime
@@ -15,7 +16,8 @@
  * With AVX-512, keys are taken 16 tokens at a time, transposed in registers
  * into [head_dim][16], so every query row's 16 scores come out of one chain of
  * fused multiply-adds with no horizontal sums; softmax is online in float32.
- * Without AVX-512 a plain scalar loop computes the same thing.
+ * Without AVX-512 a plain scalar loop computes the same thing (the attention
+ * backend then uses it for decode-only steps, where it still beats PyTorch).
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
  * bfloat16 (query and output in the cache's dtype). Arithmetic is float32.
@@ -24,6 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The same limits are in cpu_ops.py, which sizes the tiles. */
 #define MAX_HEAD_DIM 256
 #define MAX_ROWS 64        /* query rows (tile tokens x heads per KV head) in a tile */
 #define MAX_ROW_FLOATS 8192 /* rows x head_dim must fit: 64 x 128 or 32 x 256 */

@@ -63,6 +63,11 @@ def available() -> bool:
     return _library is not None
 
 
+def vectorized() -> bool:
+    """Whether the loaded kernels are the AVX-512 build (otherwise the portable scalar one)."""
+    return available() and _vector_width > 1
+
+
 @contextlib.contextmanager
 def disabled():
     """Within this block :func:`available` is False: everything takes the PyTorch path."""
