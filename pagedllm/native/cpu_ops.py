@@ -317,7 +317,9 @@ def _build(compiler: str, flags: list[str]) -> Path:
     # -march=native code is only valid on this CPU model: key the file on it too.
     source = _SOURCE_PATH.read_text()
     key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
+    from pagedllm.models.paths import cache_dir as pagedllm_cache_dir
+
+    cache_dir = pagedllm_cache_dir()  # ~/.cache/pagedllm, or $PAGEDLLM_CACHE
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / f"cpu_ops-{key}.so"
     if target.exists():
