@@ -103,7 +103,8 @@ def cmd_single(args) -> None:
         )
 
 
-def cmd_w64(args) -> None:
+def w64_ready(args):
+    """W64's prompts and sampling params, and an engine warmed up on two of them."""
     from pagedllm import SamplingParams
 
     work = json.loads(W64_PATH.read_text())
@@ -111,6 +112,12 @@ def cmd_w64(args) -> None:
     params = SamplingParams(max_tokens=work["output_len"], temperature=0.0, ignore_eos=True)
     llm, load_s = make_llm(args)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return prompts, params, llm, load_s
+
+
+def cmd_w64(args) -> None:
+
+    prompts, params, llm, load_s = w64_ready(args)
     for _ in range(args.repeats):
         started = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -130,13 +137,8 @@ def cmd_breakdown(args) -> None:
     import cProfile
     import pstats
 
-    from pagedllm import SamplingParams
 
-    work = json.loads(W64_PATH.read_text())
-    prompts = [{"prompt_token_ids": p} for p in work["prompt_token_ids"][: args.num_requests]]
-    params = SamplingParams(max_tokens=work["output_len"], temperature=0.0, ignore_eos=True)
-    llm, _ = make_llm(args)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    prompts, params, llm, _ = w64_ready(args)
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()

@@ -182,29 +182,9 @@ def vllm_env(num_cpus: int | None = None) -> dict:
 
 def run_vllm(workload, python: str, model: str | None, dtype: str, max_num_seqs: int = 256):
     """Run the workload through vLLM under ``python`` (another virtualenv) in a subprocess."""
-    import tempfile
-
     from pagedllm.bench.throughput import ThroughputResult
-    from pagedllm.errors import ConfigError
 
-    if not Path(python).exists():
-        raise ConfigError(f"--peer-python {python!r} does not exist")
-    model_dir = export_hf_dir(model)
-    with tempfile.TemporaryDirectory(prefix="pagedllm-vllm-") as tmp:
-        workload_file, out_file = Path(tmp) / "workload.json", Path(tmp) / "result.json"
-        workload.save(workload_file)
-        cmd = [
-            python, str(Path(__file__).resolve()), "vllm",
-            "--model-dir", str(model_dir), "--workload", str(workload_file), "--out", str(out_file),
-            "--dtype", resolve_dtype_name(dtype), "--max-num-seqs", str(max_num_seqs),
-            "--max-model-len", str(_round_up(workload.max_seq_len, 256)),
-        ]
-        # Run from the temporary directory so that the repository is not importable
-        # as a package shadowing anything in the other virtualenv.
-        done = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(), cwd=tmp)
-        if done.returncode != 0 or not out_file.is_file():
-            raise ConfigError(f"the vLLM run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-        data = json.loads(out_file.read_text())
+    data = _run_vllm_script(workload, python, model, dtype, ["--max-num-seqs", str(max_num_seqs)])
     return ThroughputResult(
         backend="vllm",
         dtype=data["dtype"],
@@ -221,6 +201,12 @@ def run_vllm_latency(workload, python: str, model: str | None, dtype: str) -> tu
     """Time each prompt of ``workload`` alone through vLLM's engine step loop, in a
     subprocess under ``python``. Returns one dict per run (the keys of
     :func:`pagedllm.bench.latency.time_one_request`) and vLLM's version."""
+    data = _run_vllm_script(workload, python, model, dtype, ["--mode", "latency", "--max-num-seqs", "8"])
+    return data["runs"], data.get("vllm_version")
+
+
+def _run_vllm_script(workload, python: str, model: str | None, dtype: str, extra_args: list[str]) -> dict:
+    """This file's ``vllm`` command under ``python`` on ``workload``; returns its JSON result."""
     import tempfile
 
     from pagedllm.errors import ConfigError
@@ -232,16 +218,17 @@ def run_vllm_latency(workload, python: str, model: str | None, dtype: str) -> tu
         workload_file, out_file = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         workload.save(workload_file)
         cmd = [
-            python, str(Path(__file__).resolve()), "vllm", "--mode", "latency",
+            python, str(Path(__file__).resolve()), "vllm",
             "--model-dir", str(model_dir), "--workload", str(workload_file), "--out", str(out_file),
-            "--dtype", resolve_dtype_name(dtype), "--max-num-seqs", "8",
-            "--max-model-len", str(_round_up(workload.max_seq_len, 256)),
+            "--dtype", resolve_dtype_name(dtype), "--max-model-len", str(_round_up(workload.max_seq_len, 256)),
+            *extra_args,
         ]
+        # Run from the temporary directory so that the repository is not importable
+        # as a package shadowing anything in the other virtualenv.
         done = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(), cwd=tmp)
         if done.returncode != 0 or not out_file.is_file():
             raise ConfigError(f"the vLLM run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-        data = json.loads(out_file.read_text())
-    return data["runs"], data.get("vllm_version")
+        return json.loads(out_file.read_text())
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -301,7 +288,9 @@ def _vllm_main(argv: list[str]) -> int:
 
 
 def _vllm_time_one(engine, request_id: str, prompt: dict, params, output_len: int) -> dict:
-    """vLLM's counterpart of ``latency.time_one_request``: one request alone, stamped per token."""
+    """vLLM's counterpart of ``latency.time_one_request``: one request alone, stamped per
+    token. It repeats that function's arithmetic because this file runs in vLLM's
+    virtualenv, where pagedllm cannot be imported."""
     stamps: list[float] = []
     start = time.perf_counter()
     engine.add_request(request_id, prompt, params)

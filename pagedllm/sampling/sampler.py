@@ -75,7 +75,7 @@ class Sampler:
         # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
         # materialising the whole log-softmax.
         argmax = None
-        if logits.dim() == 2 and cpu_ops.usable_for(logits) and logits.dtype == torch.float32:
+        if cpu_ops.usable_for(logits):  # a float32 CPU tensor here
             argmax, normaliser = cpu_ops.argmax_logsumexp(logits)  # one pass over each row
         else:
             normaliser = torch.logsumexp(logits, dim=-1)  # [rows]
