@@ -128,3 +128,22 @@ def test_write_kv_native_and_torch_paths_agree(dtype):
         TorchAttentionBackend(use_native=use_native).write_kv(key, value, k_cache, v_cache, slots)
         caches.append((k_cache, v_cache))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_rotary_rejects_positions_past_the_table():
+    """The native path reads the cos/sin tables by position without bounds checks of
+    its own, so the step refuses positions the tables do not have."""
+    from pagedllm.models.config import ModelConfig
+    from pagedllm.models.llama import RotaryEmbedding
+
+    config = ModelConfig.from_hf_config(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 100, "max_position_embeddings": 32, "rms_norm_eps": 1e-5}
+    )
+    rotary = RotaryEmbedding(config)
+    like = torch.zeros(2, 64)
+    with torch.inference_mode():
+        rotary.for_step(torch.tensor([0, 31]), like)  # the last position is fine
+        with pytest.raises(ValueError, match="rotary positions"):
+            rotary.for_step(torch.tensor([3, 32]), like)

@@ -160,7 +160,7 @@ DEFINE_ACCUMULATE_V(accumulate_v_bf16, bf16_t, load16_bf16)
 static inline __attribute__((always_inline)) void NAME(                                           \
     const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *table,       \
     const tile_t tile, int64_t h, int64_t num_heads, int64_t num_kv_heads, const int CH,          \
-    int64_t block_size, float scale, T *out) {                                                    \
+    int64_t block_size, float scale, int64_t next_head, T *out) {                                \
     const int64_t D = 16 * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
     const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
     float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [R][D], pre-scaled */             \
@@ -192,6 +192,12 @@ static inline __attribute__((always_inline)) void NAME(                         
             const int64_t next = start + n, nblock = table[next / block_size];                    \
             ahead = max_len - next < 16 ? max_len - next : 16;                                    \
             const int64_t at = ((nblock * block_size + next % block_size) * num_kv_heads + h) * D; \
+            nk = (const char *)(k_cache + at);                                                    \
+            nv = (const char *)(v_cache + at);                                                    \
+        } else if (next_head >= 0) { /* last chunk: the next KV head's first one */              \
+            ahead = max_len < 16 ? max_len : 16;                                                  \
+            if (ahead > block_size) ahead = block_size;                                           \
+            const int64_t at = ((int64_t)table[0] * block_size * num_kv_heads + next_head) * D;   \
             nk = (const char *)(k_cache + at);                                                    \
             nv = (const char *)(v_cache + at);                                                    \
         }                                                                                         \
@@ -261,7 +267,8 @@ DEFINE_TILE(tile_bf16, bf16_t, load16_bf16, store16_bf16, accumulate_v_bf16)
 
 #define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
     TILE_FN(q, q_stride, k_cache, v_cache, tables + (int64_t)tile.table_row * table_stride, tile, \
-            h, num_heads, num_kv_heads, CH_VALUE, block_size, scale, out)
+            h, num_heads, num_kv_heads, CH_VALUE, block_size, scale,                              \
+            h + 1 < first_head + heads_per_item ? h + 1 : -1, out)
 
 /* One work item is a tile and either one KV head (split_heads: more items, for
    small batches) or all of them in turn (each K/V block then streams whole). */
