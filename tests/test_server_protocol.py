@@ -260,6 +260,13 @@ def test_request_errors_surface_on_submit_and_fail_only_that_request():
     assert run(main())[-1].outputs[0].text == "ab"
 
 
+async def _until_no_requests(fake, timeout_s: float = 5.0) -> None:
+    """Wait (up to ``timeout_s``) until the fake engine holds no request."""
+    deadline = time.monotonic() + timeout_s
+    while fake.requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def test_closing_a_stream_aborts_the_request():
     async def main():
         fake = FakeEngine(step_delay=0.01)
@@ -267,9 +274,7 @@ def test_closing_a_stream_aborts_the_request():
         stream = await engine.add_request("r", "hello", SamplingParams(max_tokens=1000))
         await stream.__anext__()
         stream.close()
-        deadline = time.monotonic() + 5
-        while fake.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await _until_no_requests(fake)
         assert engine.num_unfinished_requests == 0
         await engine.shutdown(0)
         return fake
@@ -293,9 +298,7 @@ def test_cancelled_consumer_aborts_the_request():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        deadline = time.monotonic() + 5
-        while fake.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await _until_no_requests(fake)
         await engine.shutdown(0)
         return fake
 

@@ -34,14 +34,12 @@ class DecodePlan:
     """The decode sequences of a step (query length 1), in batch order.
 
     rows:    [S] int64 query rows, or None when they are rows ``0 .. S-1``.
-    seq_ids: [S] int64 indices into the metadata's per-sequence tensors, or None for all.
     slots:   [S * max_len] int64 flat cache slot of every (sequence, position);
              positions at or past a sequence's length repeat its last slot.
     beyond:  [1, S, 1, max_len] bool, True where a position is past the sequence's length.
     """
 
     rows: torch.Tensor | None
-    seq_ids: torch.Tensor | None
     slots: torch.Tensor
     beyond: torch.Tensor
     num_seqs: int
@@ -64,7 +62,6 @@ class StepPlan:
 
     decode: DecodePlan | None
     prefills: list[PrefillSeq]
-    num_rows: int  # rows with a sequence (the rest are padding)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -73,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, use_native: bool | None = None) -> None:
-        # None: use the native decode kernel when it builds on this machine.
+        # None: use the native kernels when they build on this machine; False: never.
         self.use_native = use_native
         self._write_key: torch.Tensor | None = None
         self._write_targets: tuple[torch.Tensor | None, torch.Tensor] | None = None
@@ -81,7 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_block_size = 0
         self._plan: StepPlan | None = None
         self._tiles_metadata: AttentionMetadata | None = None
-        self._tiles: torch.Tensor | None = None
+        self._tiles: tuple[torch.Tensor, int] | None = None  # (work list, rows with a sequence)
 
     # ---- per-step plan ----------------------------------------------------
 
@@ -122,14 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
         the kept rows are worked out once per ``slot_mapping`` object (every
         layer of a step passes the same one).
         """
-        if (
-            self.use_native is not False
-            and cpu_ops.usable_for(key, value, k_cache, v_cache)
-            and key.stride(2) == 1 and value.stride(2) == 1
-            and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and slot_mapping.dtype == torch.int64
-        ):
+        if self.use_native is not False and cpu_ops.can_write_kv(key, value, k_cache, v_cache, slot_mapping):
             cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
         if self._write_key is not slot_mapping:
@@ -174,10 +164,11 @@ class TorchAttentionBackend(AttentionBackend):
         """Every row through the native kernel; its work list is built once per step."""
         if self._tiles_metadata is not md:
             per_tile = cpu_ops.tile_tokens(query.shape[1], k_cache.shape[2], query.shape[2])
-            self._tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile)
+            tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile)
+            self._tiles = (tiles, sum(md.query_lens_host))
             self._tiles_metadata = md
-        out = cpu_ops.paged_attention(query, k_cache, v_cache, md.block_tables, self._tiles, scale)
-        num_rows = sum(md.query_lens_host)
+        tiles, num_rows = self._tiles
+        out = cpu_ops.paged_attention(query, k_cache, v_cache, md.block_tables, tiles, scale)
         if num_rows < query.shape[0]:
             out[num_rows:].zero_()  # padding rows
         return out
@@ -190,7 +181,6 @@ def build_step_plan(md: AttentionMetadata, block_size: int) -> StepPlan:
     """Host-side bookkeeping plus a handful of small index tensors, once per step."""
     device = md.slot_mapping.device
     query_lens = md.query_lens_host
-    num_rows = sum(query_lens)
     starts = _query_starts(query_lens)
     decode_seqs = [i for i, q in enumerate(query_lens) if q == 1]
     decode = None
@@ -204,7 +194,7 @@ def build_step_plan(md: AttentionMetadata, block_size: int) -> StepPlan:
             prefills.append(
                 PrefillSeq(starts[i], q_len, seq_len, _slots_of(md.block_tables[i : i + 1], positions[None], block_size)[0])
             )
-    return StepPlan(decode, prefills, num_rows)
+    return StepPlan(decode, prefills)
 
 
 def _decode_plan(
@@ -225,7 +215,6 @@ def _decode_plan(
     slots = _slots_of(tables, clamped, block_size)
     return DecodePlan(
         rows=None if in_order else torch.tensor(rows, device=device),
-        seq_ids=seq_index,
         slots=slots.reshape(-1),
         beyond=beyond[None, :, None, :],
         num_seqs=num_seqs,

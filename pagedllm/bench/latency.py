@@ -18,7 +18,7 @@ import sys
 import time
 
 from pagedllm.bench import report
-from pagedllm.bench.throughput import dtype_name
+from pagedllm.bench.throughput import PEER_PYTHON_ENV, dtype_name
 from pagedllm.bench.workloads import WARMUP_OUTPUT_LEN, random_workload, warmup_prompts
 
 
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if not backends or not set(backends) <= {"pagedllm", "vllm"}:
             print(f"--compare {args.compare!r}: choose from pagedllm, vllm", file=sys.stderr)
             return 2
-        python = args.peer_python or os.environ.get("PAGEDLLM_VLLM_PYTHON")
+        python = args.peer_python or os.environ.get(PEER_PYTHON_ENV)
         if "vllm" in backends and not python:
             print("--compare vllm needs --peer-python PATH (the python of vLLM's virtualenv)", file=sys.stderr)
             return 2

@@ -62,19 +62,30 @@ typedef struct {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const bf16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-static inline void store16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void store16_bf16(bf16_t *p, __m512 v) {
-    /* round to nearest even; NaN inputs cannot occur here (finite softmax weights) */
+static inline __m512 vround_bf16(__m512 v) { /* round to bf16 and back (RNE) */
     __m512i bits = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
 }
+static inline __m512 mload_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 mload_bf16(const bf16_t *p, __mmask16 m) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline void mstore_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void mstore_bf16(bf16_t *p, __m512 v, __mmask16 m) {
+    /* v already holds a bf16 value (rounded by vround_bf16): keep its high halves */
+    __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+    _mm256_mask_storeu_epi16(p, m, halves);
+}
+static inline __mmask16 tail_mask(int64_t remaining) {
+    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const bf16_t *p) { return mload_bf16(p, (__mmask16)0xffff); }
+static inline void store16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16_bf16(bf16_t *p, __m512 v) { mstore_bf16(p, vround_bf16(v), (__mmask16)0xffff); }
 
 /* exp(x) for x <= 0 (softmax arguments): 2^k * 2^f, f in [-1/2, 1/2], with a
    degree-6 polynomial for 2^f (relative error below 3e-7). */
@@ -376,26 +387,6 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 static inline __m512 vexp_any(__m512 x) { /* exp for any x: overflow gives inf, underflow 0 */
     return vexp(_mm512_min_ps(x, _mm512_set1_ps(88.7f)));
 }
-static inline __m512 vround_bf16(__m512 v) { /* round to bf16 and back (RNE) */
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
-}
-static inline __m512 mload_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 mload_bf16(const bf16_t *p, __mmask16 m) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-static inline void mstore_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-static inline void mstore_bf16(bf16_t *p, __m512 v, __mmask16 m) {
-    /* v already holds a bf16 value (rounded by vround_bf16): keep its high halves */
-    __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
-    _mm256_mask_storeu_epi16(p, m, halves);
-}
-static inline __mmask16 tail_mask(int64_t remaining) {
-    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
-}
 
 /* residual += delta (when delta is given); out = rmsnorm(residual) * weight. Rows of n. */
 #define DEFINE_RMS_NORM(NAME, T, MLOAD, MSTORE, ROUND)                                            \
@@ -523,10 +514,9 @@ void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argm
     }
 }
 
-static inline float keep_f32(float x) { return x; }
-DEFINE_RMS_NORM(rms_norm_f32, float, f32_identity, f32_identity, keep_f32)
+DEFINE_RMS_NORM(rms_norm_f32, float, f32_identity, f32_identity, f32_identity)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, f32_identity, f32_identity, keep_f32)
+DEFINE_SILU_MUL(silu_mul_f32, float, f32_identity, f32_identity, f32_identity)
 DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 
 #endif

@@ -225,6 +225,23 @@ def rotary_(
     )
 
 
+def can_write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """Whether :func:`write_kv` takes these: CPU tensors of one float32 or bfloat16
+    dtype, in a layout it copies directly."""
+    return usable_for(key, value, k_cache, v_cache) and _write_kv_layout(key, value, k_cache, v_cache, slots)
+
+
+def _write_kv_layout(key, value, k_cache, v_cache, slots) -> bool:
+    """Rows of contiguous heads (the rows may be strided), contiguous caches, int64 slots."""
+    return (
+        all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and slots.dtype == torch.int64
+    )
+
+
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     library: ctypes.CDLL | None = None,
@@ -232,9 +249,7 @@ def write_kv(
     """Token t's key and value ``[rows, KH, D]`` (rows may be strided) into cache slot
     ``slots[t]`` (int64); slot -1 is padding and skipped."""
     rows, kv_heads, head_dim = key.shape
-    for t in (key, value):
-        assert t.stride(2) == 1 and t.stride(1) == head_dim
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+    assert _write_kv_layout(key, value, k_cache, v_cache, slots)
     slots = slots.contiguous()
     _kernel("write_kv", key.dtype, library)(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), rows,

@@ -237,13 +237,8 @@ def paged_decode(
     head_dim_pad = triton.next_power_of_2(head_dim)
     tiling = tiling or DecodeTiling.default(block_size, query.dtype)
     split = num_splits > 1
-    device = query.device
     if split:
-        part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(
-            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
-        )
+        part_m, part_l, part_acc = _split_partials(num_seqs, num_heads, num_splits, head_dim, query.device)
     else:
         part_m = part_l = part_acc = out  # unused by the kernel
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -269,14 +264,28 @@ def paged_decode(
         num_stages=tiling.num_stages,
     )
     if split:
-        _decode_merge_kernel[(num_seqs, num_heads)](
-            part_m, part_l, part_acc, query_start_loc, out,
-            *out.stride(),
-            num_heads,
-            num_splits,
-            head_dim,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM_PAD=head_dim_pad,
-            num_warps=4,
-        )
+        _merge_partials(part_m, part_l, part_acc, query_start_loc, out)
     return out
+
+
+def _split_partials(num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device):
+    """float32 scratch for split-K: running max and sum [S, H, splits], accumulator [S, H, splits, D]."""
+    part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    return part_m, part_l, part_acc
+
+
+def _merge_partials(part_m, part_l, part_acc, query_start_loc, out) -> None:
+    """Combine each (sequence, head)'s split-K partials into its row of ``out``."""
+    num_seqs, num_heads, num_splits, head_dim = part_acc.shape
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_m, part_l, part_acc, query_start_loc, out,
+        *out.stride(),
+        num_heads,
+        num_splits,
+        head_dim,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
