@@ -1,7 +1,9 @@
-"""GGUF loading: metadata, dequantization, the q/k row permutation and the disk cache."""
+"""GGUF loading: metadata, dequantization, the q/k row permutation, rope frequency
+factors, the sliding window and the disk cache."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import gguf
@@ -13,8 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.errors import UnsupportedModelError
+from pagedllm.errors import ModelLoadError, UnsupportedModelError
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_loader import (
     hf_tensor_name,
     load_gguf_checkpoint,
@@ -44,21 +47,24 @@ def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
 
 
-def _hf_model() -> LlamaForCausalLM:
+def _hf_model(**overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": HIDDEN,
+            "intermediate_size": FFN,
+            "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            **overrides,
+        }
     )
     return LlamaForCausalLM(config).eval()
 
@@ -72,21 +78,36 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{LAYER_TENSORS[suffix]}"
 
 
-def _write_gguf(path, state: dict[str, torch.Tensor], qtypes: dict[str, QType], arch="llama"):
-    """Write HF-named tensors the way llama.cpp's converter would (q/k permuted).
+def _write_gguf(
+    path,
+    state: dict[str, torch.Tensor],
+    qtypes: dict[str, QType],
+    arch="llama",
+    *,
+    context_length=64,
+    rope_theta=10000.0,
+    rope_freqs: np.ndarray | None = None,
+    sliding_window: int | None = None,
+):
+    """Write HF-named tensors the way llama.cpp's converter would (q/k permuted),
+    plus a ``rope_freqs`` tensor and a sliding-window key when given.
 
     Returns the tensors, by HF name, that a correct loader must produce: the
     package's own dequantization of what was written, un-permuted.
     """
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
-    writer.add_context_length(64)
+    writer.add_context_length(context_length)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_theta)
     writer.add_token_list([f"tok{i}" for i in range(VOCAB)])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -246,3 +267,112 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedModelError, match="llama"):
         load_gguf_checkpoint(path)
+
+
+# Llama 3.1 scaling on a tiny model: with head_dim 16 and theta 100 the eight
+# rotary wavelengths run from 6 to about 350 tokens, so against an original
+# context of 32 (thresholds 8 and 32) one pair is kept, two are blended and
+# five are slowed by the full factor.
+LLAMA3_THETA = 100.0
+LOGITS_ATOL = 1e-4
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def _llama3_rope_freqs(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for llama3 scaling:
+    per rotary pair, the factor its wavelength is stretched by (``factor`` past
+    the long threshold, 1 below the short one, and in between the reciprocal of
+    the blend of 1/factor and 1 that llama3 scaling applies to the frequency)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factors = []
+    for pair in range(head_dim // 2):
+        wavelength = 2 * math.pi * theta ** (2 * pair / head_dim)
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _llama31_gguf(tmp_path, rope_freqs: np.ndarray | None):
+    """An HF Llama with llama3 rope scaling, and its GGUF the way llama.cpp
+    writes one: no scaling metadata, the scaling carried by ``rope_freqs``."""
+    hf_model = _hf_model(
+        max_position_embeddings=128, rope_theta=LLAMA3_THETA, rope_scaling=dict(LLAMA3_SCALING)
+    )
+    path = tmp_path / "llama31.gguf"
+    _write_gguf(
+        path, _state(hf_model), {}, context_length=128, rope_theta=LLAMA3_THETA, rope_freqs=rope_freqs
+    )
+    return hf_model, path
+
+
+def _load(path):
+    return load_model(
+        str(path), dtype=torch.float32, device=torch.device("cpu"), attn_backend=TorchAttentionBackend()
+    )
+
+
+def _greedy(last_logits, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy argmax continuation (no EOS handling); ``last_logits(tokens)`` is
+    the model's [vocab] logits after ``tokens``."""
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(int(last_logits(tokens).argmax()))
+    return tokens[len(prompt):]
+
+
+def test_gguf_rope_freqs_give_hf_llama3_logits_and_greedy_tokens(tmp_path):
+    factors = _llama3_rope_freqs(HIDDEN // HEADS, LLAMA3_THETA, LLAMA3_SCALING)
+    assert factors[0] == 1.0 and factors[-1] == LLAMA3_SCALING["factor"]
+    assert ((factors > 1.0) & (factors < LLAMA3_SCALING["factor"])).sum() == 2
+    hf_model, path = _llama31_gguf(tmp_path, factors)
+    loaded = _load(path)
+    assert loaded.config.rope_scaling is None
+    assert loaded.config.rope_frequency_factors == tuple(factors.tolist())
+    tokens = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    assert (_prefill_logits(loaded, tokens) - expected).abs().max().item() <= LOGITS_ATOL
+    prompt = tokens[:90]
+    with torch.no_grad():
+        hf_tokens = _greedy(lambda t: hf_model(torch.tensor([t])).logits[0, -1], prompt, 10)
+    assert _greedy(lambda t: _prefill_logits(loaded, t)[-1], prompt, 10) == hf_tokens
+    assert _load(path).config == loaded.config  # the factors survive the weight cache
+
+
+def test_gguf_without_rope_freqs_differs_from_hf_llama3(tmp_path):
+    """The same weights without the tensor: plain rope, far outside the tolerance
+    the test above holds the match to."""
+    hf_model, path = _llama31_gguf(tmp_path, rope_freqs=None)
+    loaded = _load(path)
+    assert loaded.config.rope_frequency_factors is None
+    tokens = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    assert (_prefill_logits(loaded, tokens) - expected).abs().max().item() > 10 * LOGITS_ATOL
+
+
+def test_rope_freqs_of_the_wrong_length_are_refused(tmp_path):
+    _, path = _llama31_gguf(tmp_path, rope_freqs=np.ones(5, dtype=np.float32))
+    with pytest.raises(ModelLoadError, match=r"rope_freqs.weight has 5 values .* needs 8"):
+        load_gguf_checkpoint(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("window", "expected"), [(16, 16), (0, None), (None, None)])
+def test_gguf_sliding_window_reaches_the_model_config(tmp_path, arch, window, expected):
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf(path, _state(_hf_model()), {}, arch=arch, sliding_window=window)
+    config = ModelConfig.from_hf_config(load_gguf_checkpoint(path).hf_config)
+    assert config.sliding_window == expected

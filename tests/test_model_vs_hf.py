@@ -8,7 +8,14 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
@@ -340,3 +347,35 @@ def test_reloading_weights_refreshes_packed_matmuls():
     model.load_weights(second.state_dict().items())
     paged = PagedSequences(model.config)
     _close(paged.step(model, {paged.add(): tokens}), _hf_logits(second, tokens))
+
+
+WINDOW = 16
+
+
+def _hf_mistral_windowed():
+    """Mistral with a 16-token window; eager attention applies it in HF's mask."""
+    torch.manual_seed(2)
+    config = MistralConfig(
+        **{**COMMON, "tie_word_embeddings": False, "sliding_window": WINDOW},
+        attn_implementation="eager",
+    )
+    return MistralForCausalLM(config).eval()
+
+
+def test_sliding_window_model_matches_hf_up_to_the_window_and_not_past_it():
+    """Full causal attention equals Mistral's windowed attention for sequences of
+    at most ``WINDOW`` tokens, which is why the engine caps max_model_len there;
+    one token more and the outputs part, so the cap is the exact bound."""
+    hf_model = _hf_mistral_windowed()
+    ours = _ours(hf_model)
+    assert ours.config.sliding_window == WINDOW
+    tokens = torch.randint(3, VOCAB, (WINDOW + 1,), generator=torch.Generator().manual_seed(6)).tolist()
+    expected = _hf_logits(hf_model, tokens)
+    paged = PagedSequences(ours.config)
+    seq = paged.add()
+    prompt_len = 6
+    _close(paged.step(ours, {seq: tokens[:prompt_len]}), expected[:prompt_len])
+    for i in range(prompt_len, WINDOW):
+        _close(paged.step(ours, {seq: [tokens[i]]}), expected[i : i + 1])
+    past_window = paged.step(ours, {seq: [tokens[WINDOW]]})
+    assert (past_window - expected[WINDOW:]).abs().max().item() > 10 * ATOL

@@ -139,17 +139,37 @@ class LLMEngine:
         return DEFAULT_CPU_KV_MEMORY
 
     def _resolve_max_model_len(self) -> int:
+        """The explicit max_model_len once checked, else the largest one that is safe.
+
+        A sliding-window model also bounds it: attention here is full causal, which
+        equals windowed attention only while no sequence is longer than the window.
+        """
         model_limit = self.model_config.max_position_embeddings
+        window = self.model_config.sliding_window
         capacity = self.kv_cache.num_blocks * self.config.block_size
         wanted = self.config.max_model_len
         if wanted is not None and wanted > model_limit:
             raise ConfigError(f"max_model_len={wanted} exceeds the model's context ({model_limit} tokens)")
+        if wanted is not None and window is not None and wanted > window:
+            raise ConfigError(
+                f"max_model_len={wanted} exceeds the model's sliding attention window ({window} tokens), "
+                f"and sliding-window attention is not implemented; set max_model_len <= {window}"
+            )
         if wanted is not None and wanted > capacity:
             raise ConfigError(
                 f"max_model_len={wanted} does not fit the KV cache ({capacity} token slots); "
                 "raise num_kv_blocks / kv_cache_memory or lower max_model_len"
             )
-        return wanted if wanted is not None else min(model_limit, capacity)
+        if wanted is not None:
+            return wanted
+        if window is not None and window < min(model_limit, capacity):
+            logger.info(
+                "max_model_len capped at the sliding attention window of %d tokens: sliding-window "
+                "attention is not implemented, and full attention gives the same outputs only up to it",
+                window,
+            )
+            return window
+        return min(model_limit, capacity)
 
     # ---- requests ---------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,12 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # model_type values whose q/k/v projections always carry a bias (no config key says so).
 _ALWAYS_QKV_BIAS = ("qwen2",)
 
+# model_type values whose sliding window is off unless ``use_sliding_window`` turns it on.
+_SLIDING_WINDOW_FLAGGED = ("qwen2",)
+
+# The window HF's config classes assume when config.json has no ``sliding_window`` key.
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "qwen2": 4096}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -23,6 +30,17 @@ class ModelConfig:
     ``rope_type`` of :data:`SUPPORTED_ROPE_TYPES` and that type's parameters.
     ``o_proj_bias`` is an addition to the published interface: Llama's
     ``attention_bias`` puts a bias on the output projection too, Qwen2's does not.
+
+    ``rope_frequency_factors`` holds ``head_dim / 2`` divisors, one per rotary
+    pair, applied after ``rope_scaling``: how llama.cpp's GGUF files carry Llama
+    3.1 scaling (their ``rope_freqs`` tensor). It comes from the config key of
+    the same name, which only pagedllm's GGUF reader writes.
+
+    ``sliding_window`` is the attention window in tokens (a query sees itself
+    and the ``sliding_window - 1`` tokens before it) when at least one layer
+    uses one, else None. pagedllm's attention is always full causal, which
+    equals windowed attention for sequences of at most ``sliding_window``
+    tokens, so the engine keeps ``max_model_len`` within it.
     """
 
     architecture: str
@@ -42,6 +60,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     o_proj_bias: bool = False
+    rope_frequency_factors: tuple[float, ...] | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
@@ -73,6 +93,8 @@ class ModelConfig:
                 bos_token_id=_optional_int(cfg.get("bos_token_id")),
                 eos_token_ids=_token_ids(cfg.get("eos_token_id")),
                 o_proj_bias=llama_bias and model_type not in _ALWAYS_QKV_BIAS,
+                rope_frequency_factors=_optional_floats(cfg.get("rope_frequency_factors")),
+                sliding_window=_sliding_window(cfg, model_type),
             )
         except KeyError as exc:
             raise ModelLoadError(f"model config is missing the key {exc.args[0]!r}") from exc
@@ -87,6 +109,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        factors = self.rope_frequency_factors
+        if factors is not None and len(factors) != self.head_dim // 2:
+            raise ModelLoadError(
+                f"rope_frequency_factors has {len(factors)} values but head_dim={self.head_dim} "
+                f"needs {self.head_dim // 2} (one per rotary pair)"
+            )
+        if factors is not None and not all(math.isfinite(f) and f > 0 for f in factors):
+            raise ModelLoadError("rope_frequency_factors must all be positive and finite")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window={self.sliding_window} must be a positive token count")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("Llama checkpoints with mlp_bias=True are not supported")
         act = cfg.get("hidden_act", "silu")
@@ -111,6 +143,33 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The window in tokens if any layer attends through one, else None.
+
+    Mistral windows every layer unless ``sliding_window`` is null (an absent
+    key means HF's default of 4096). Qwen2 needs ``use_sliding_window`` (default
+    false) and then windows the layers listed as ``"sliding_attention"`` in
+    ``layer_types``, or, in configs without that list, the layers from
+    ``max_window_layers`` on.
+    """
+    window = cfg.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type))
+    if not window:  # null or 0
+        return None
+    if not cfg.get("use_sliding_window", model_type not in _SLIDING_WINDOW_FLAGGED):
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    first_windowed = cfg.get("max_window_layers")
+    if first_windowed is not None and int(first_windowed) >= int(cfg["num_hidden_layers"]):
+        return None
+    return int(window)
+
+
+def _optional_floats(value: Any) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(v) for v in value)
 
 
 def _optional_int(value: Any) -> int | None:

@@ -7,6 +7,11 @@ one safetensors file (config in its metadata) under
 ``pagedllm.models.paths.cache_dir() / "gguf"``, keyed by the GGUF file's
 resolved path, size and modification time, so only the first load pays for
 dequantization.
+
+Two GGUF-only settings reach the config dict under keys HF does not have:
+``rope_frequency_factors`` (the ``rope_freqs`` tensor by which llama.cpp's
+converter expresses Llama 3.1 rope scaling) and ``sliding_window`` with
+``use_sliding_window`` (from ``{arch}.attention.sliding_window``).
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ from pagedllm.models.paths import cache_dir
 
 logger = logging.getLogger("pagedllm")
 
-# Bump when the cached tensors' meaning changes (names, permutation, dtype policy).
-CACHE_FORMAT_VERSION = "1"
+# Bump when the cached tensors' or config's meaning changes (names, permutation,
+# dtype policy, settings read from metadata). 2: rope_freqs and sliding_window.
+CACHE_FORMAT_VERSION = "2"
 
 # GGUF general.architecture -> HF architecture class name.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # llama.cpp's converter interleaves the rotary halves of q/k rows only for these.
 _ROPE_PERMUTED_ARCHS = ("llama",)
+
+# One divisor per rotary pair (Llama 3.1 scaling); read into the config, not the weights.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -128,6 +137,8 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     arch = hf_config["model_type"]
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue
         name = hf_tensor_name(tensor.name)
         if name is None:
             logger.warning("GGUF tensor %s has no counterpart in the model; skipped", tensor.name)
@@ -208,9 +219,25 @@ def gguf_hf_config(reader: Any, tensor_names: set[str]) -> dict:
             "rope_type": scaling_type,
             "factor": float(get(f"{arch}.rope.scaling.factor", 1.0)),
         }
-    if "rope_freqs.weight" in tensor_names:
-        logger.warning("GGUF rope_freqs tensor (Llama 3.1 scaling) is ignored")
+    if ROPE_FREQS_TENSOR in tensor_names:
+        config["rope_frequency_factors"] = _rope_frequency_factors(reader, config["head_dim"])
+    window = get(f"{arch}.attention.sliding_window")
+    if window:  # llama.cpp writes 0 for "no window"
+        config.update(sliding_window=int(window), use_sliding_window=True)
     return config
+
+
+def _rope_frequency_factors(reader: Any, head_dim: int) -> list[float]:
+    """The ``rope_freqs`` tensor: llama.cpp divides rotary pair ``i``'s frequency by value ``i``.
+    Raises ModelLoadError unless it holds exactly one value per rotary pair."""
+    tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR)
+    factors = _dequantize(tensor).float().flatten()
+    if factors.numel() != head_dim // 2:
+        raise ModelLoadError(
+            f"GGUF tensor {ROPE_FREQS_TENSOR} has {factors.numel()} values but head_dim={head_dim} "
+            f"needs {head_dim // 2} (one per rotary pair); the file is inconsistent, reconvert it"
+        )
+    return factors.tolist()
 
 
 def _vocab_size(fields: Any, arch: str, get: Any) -> int:

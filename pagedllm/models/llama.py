@@ -116,11 +116,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
-    """``[head_dim / 2]`` float32 angular frequencies, with the config's scaling applied."""
+    """``[head_dim / 2]`` float32 angular frequencies, with the config's scaling
+    applied, then divided by its per-pair frequency factors (as llama.cpp does)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
+    inv_freq = _scaled_frequencies(1.0 / (config.rope_theta**exponents), config.rope_scaling)
+    if config.rope_frequency_factors is None:
+        return inv_freq
+    return inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
+
+
+def _scaled_frequencies(inv_freq: Tensor, scaling: dict | None) -> Tensor:
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
