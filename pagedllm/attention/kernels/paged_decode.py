@@ -211,8 +211,12 @@ class DecodeTiling:
     @staticmethod
     def default(block_size: int, dtype: torch.dtype) -> DecodeTiling:
         # 64 tokens x 128 dims of bf16 K plus V is 32 KiB per step; fp32 halves
-        # the tile to keep the same bytes in flight.
-        return DecodeTiling(block_n=max(32 if dtype == torch.float32 else 64, block_size))
+        # the tile to keep the same bytes in flight, and spreads it over 8 warps:
+        # its IEEE dots run on FMA units, and with 4 warps they spill registers
+        # at head_dim 128 (benchmarks/kernel_compile.py, sm_90).
+        if dtype == torch.float32:
+            return DecodeTiling(block_n=max(32, block_size), num_warps=8)
+        return DecodeTiling(block_n=max(64, block_size))
 
 
 def paged_decode(
