@@ -11,6 +11,9 @@ SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+# Tokens of growth per running sequence kept free when admitting (one block at
+# the default block size); measured in docs/benchmarks.md, "KV memory audit".
+DEFAULT_NUM_HEADROOM_TOKENS = 16
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -27,6 +30,11 @@ def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _non_negative(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start, before the model is read.
@@ -35,6 +43,9 @@ class EngineConfig:
     is an exact count of KV blocks and wins over ``kv_cache_memory``.
     ``max_num_batched_tokens`` is the per-step token budget (prefill chunks plus
     decode tokens); ``None`` picks a default from the device.
+    ``num_headroom_tokens``: a request is admitted only while the free KV blocks
+    left afterwards still cover that many more tokens of every running sequence
+    (capped by each one's max_tokens); 0 admits whenever the prompt fits.
     """
 
     model: str | None = None
@@ -50,6 +61,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     kv_policy: str = "paged"
+    num_headroom_tokens: int = DEFAULT_NUM_HEADROOM_TOKENS
     attention_backend: str | None = None
     enforce_eager: bool = False
     num_threads: int | None = None
@@ -73,6 +85,7 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_threads", self.num_threads)
+        _non_negative("num_headroom_tokens", self.num_headroom_tokens)
         if not isinstance(self.swap_space, int) or self.swap_space < 0:
             raise ConfigError(f"swap_space must be a byte count >= 0, got {self.swap_space!r}")
         if self.preemption_mode in ("swap", "auto") and self.swap_space == 0:

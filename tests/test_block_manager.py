@@ -133,6 +133,19 @@ def test_watermark_is_kept_free_on_admission():
     manager.check_invariants()
 
 
+def test_headroom_blocks_stay_free_on_admission_with_the_watermark():
+    manager = BlockManager(100, BS, watermark=0.05)
+    manager.allocate(0, tokens(10 * BS))
+    assert manager.get_num_blocks(0) == 10
+    # 90 free: 80 for the prompt + 5 headroom + 5 watermark fits, one block more does not
+    assert manager.can_allocate(tokens(80 * BS, 1000), num_headroom_blocks=5)
+    assert not manager.can_allocate(tokens(80 * BS + 1, 1000), num_headroom_blocks=5)
+    assert not manager.can_allocate(tokens(80 * BS, 1000), num_headroom_blocks=6)
+    manager.append_slots(0, 1)  # a table grows one block at a time
+    assert manager.get_num_blocks(0) == 11
+    manager.check_invariants()
+
+
 # -- fork and copy-on-write -------------------------------------------------------------
 
 

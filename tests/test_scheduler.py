@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler import MemoryOpKind, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
+from pagedllm.errors import ConfigError
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
 
-def make_request(rid: str, prompt_len: int, first_token: int = 1, n: int = 1) -> Request:
+def make_request(
+    rid: str, prompt_len: int, first_token: int = 1, n: int = 1, max_tokens: int = 64
+) -> Request:
     tokens = [first_token + i for i in range(prompt_len)]
-    req = Request(rid, None, tokens, SamplingParams(n=n, max_tokens=64), RequestMetrics(0.0))
+    req = Request(rid, None, tokens, SamplingParams(n=n, max_tokens=max_tokens), RequestMetrics(0.0))
     req.seqs.append(Sequence(prompt_len=prompt_len, token_ids=list(tokens)))
     return req
 
 
-def make_scheduler(num_blocks=32, budget=64, max_seqs=8, mode="recompute", swap_blocks=0, caching=False):
+def make_scheduler(num_blocks=32, budget=64, max_seqs=8, mode="recompute", swap_blocks=0, caching=False,
+                   headroom=16):
+    """Block size 8; ``headroom`` is num_headroom_tokens (0: admit whenever the prompt fits)."""
     bm = BlockManager(num_blocks, 8, num_cpu_blocks=swap_blocks, enable_prefix_caching=caching)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1024,
-                          preemption_mode=mode)
+                          preemption_mode=mode, num_headroom_tokens=headroom)
     return Scheduler(cfg, bm)
 
 
@@ -65,7 +71,7 @@ def test_slot_mapping_inputs_follow_the_block_table():
 
 
 def test_admission_is_fcfs_and_a_long_prompt_is_not_starved():
-    sched = make_scheduler(num_blocks=10, budget=256)
+    sched = make_scheduler(num_blocks=10, budget=256, headroom=0)
     sched.add_request(make_request("short1", 16))
     long_req = make_request("long", 70, first_token=100)  # 9 blocks: must wait for short1
     sched.add_request(long_req)
@@ -79,7 +85,7 @@ def test_admission_is_fcfs_and_a_long_prompt_is_not_starved():
 
 
 def test_preemption_recompute_takes_the_most_recent_request():
-    sched = make_scheduler(num_blocks=4, budget=64)
+    sched = make_scheduler(num_blocks=4, budget=64, headroom=0)  # admit both: the cache overcommits
     a, b = make_request("a", 15), make_request("b", 16, first_token=50)
     sched.add_request(a)
     sched.add_request(b)
@@ -93,7 +99,7 @@ def test_preemption_recompute_takes_the_most_recent_request():
 
 
 def test_preemption_by_swap_keeps_blocks_on_the_cpu_and_returns():
-    sched = make_scheduler(num_blocks=4, budget=64, mode="swap", swap_blocks=8)
+    sched = make_scheduler(num_blocks=4, budget=64, mode="swap", swap_blocks=8, headroom=0)
     a, b = make_request("a", 15), make_request("b", 16, first_token=50)
     sched.add_request(a)
     sched.add_request(b)
@@ -204,3 +210,127 @@ def test_memory_ops_keep_the_order_they_were_decided_in():
         (MemoryOpKind.SWAP_OUT, [(3, 1)]),
     ]
     assert out.block_copies == [(1, 2), (4, 5)] and out.swap_in == [(0, 3)] and out.swap_out == [(3, 1)]
+
+
+# ---- admission headroom (block size 8) ---------------------------------------------
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+@pytest.mark.parametrize(("num_blocks", "admitted"), [(11, ["a", "b"]), (12, ["a", "b", "c"])])
+def test_admission_keeps_headroom_for_every_running_sequence(num_blocks, admitted):
+    sched = make_scheduler(num_blocks=num_blocks, budget=256)  # 16 tokens of headroom: 2 blocks each
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, 16, first_token=100 * i + 1))
+    run_step(sched)
+    # a: 2 blocks, alone so no headroom. b: 2 + its own 2 + a's 2. c: 2 + 2 + 4, and
+    # 11 - 4 = 7 blocks are free with 11 blocks, 8 with 12.
+    assert ids(sched.running) == admitted
+    tables = [sched.block_manager.get_block_table(r.seqs[0].seq_id) for r in sched.running]
+    assert tables[:2] == [[0, 1], [2, 3]]
+    assert sched.block_manager.get_num_free_blocks() == num_blocks - 2 * len(admitted)
+
+
+def test_without_headroom_every_prompt_that_fits_is_admitted():
+    sched = make_scheduler(num_blocks=11, budget=256, headroom=0)
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, 16, first_token=100 * i + 1))
+    run_step(sched)
+    assert ids(sched.running) == ["a", "b", "c"] and sched.block_manager.get_num_free_blocks() == 5
+
+
+def test_headroom_stops_at_max_tokens():
+    sched = make_scheduler(num_blocks=11, budget=256)
+    sched.add_request(make_request("a", 15, max_tokens=1))  # final length 16: its 2 blocks hold it
+    sched.add_request(make_request("b", 16, first_token=101))
+    sched.add_request(make_request("c", 16, first_token=201))
+    run_step(sched)
+    # c: 2 + its own 2 + b's 2 = 6 of the 7 free (with max_tokens=64, a would reserve 2 more: see above)
+    assert ids(sched.running) == ["a", "b", "c"] and sched.block_manager.get_num_free_blocks() == 5
+
+
+def test_a_request_alone_is_admitted_without_headroom():
+    sched = make_scheduler(num_blocks=4, budget=256)
+    big, small = make_request("big", 30), make_request("small", 8, first_token=101)
+    sched.add_request(big)
+    sched.add_request(small)
+    run_step(sched)
+    assert ids(sched.running) == ["big"] and ids(sched.waiting) == ["small"]
+    assert sched.block_manager.get_num_free_blocks() == 0
+    for _ in range(2):  # positions 30 and 31 fill its last block
+        run_step(sched)
+    out = run_step(sched)  # position 32 needs a fifth block: the cache cannot hold it
+    assert out.failed == [big] and "too small" in big.error
+    run_step(sched)
+    assert ids(sched.running) == ["small"]
+
+
+def test_a_preempted_request_returns_only_with_headroom():
+    sched = make_scheduler(num_blocks=7, budget=256, headroom=8)  # 1 block each
+    a, b = make_request("a", 16), make_request("b", 16, first_token=101)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # a: 2 blocks; b: 2 + 1 + a's 1 = 4 of the 5 free
+    assert ids(sched.running) == ["a", "b"]
+    sched._preempt(b, SchedulerOutput())  # b now needs ceil(17 / 8) = 3 blocks
+    run_step(sched)
+    # a took its third block: 4 free; b needs 3 + its own 1 + a's 1 = 5
+    assert ids(sched.running) == ["a"] and ids(sched.waiting) == ["b"]
+    assert sched.block_manager.get_num_free_blocks() == 4
+    sched.finish_request(a, FinishReason.STOP)
+    out = run_step(sched)
+    assert ids(sched.running) == ["b"]
+    assert [(c.start_pos, len(c.token_ids)) for c in out.chunks] == [(0, 17)]  # recomputed whole
+
+
+def test_without_headroom_a_preempted_request_returns_as_soon_as_it_fits():
+    sched = make_scheduler(num_blocks=7, budget=256, headroom=0)
+    a, b = make_request("a", 16), make_request("b", 16, first_token=101)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)
+    sched._preempt(b, SchedulerOutput())
+    run_step(sched)
+    assert ids(sched.running) == ["a", "b"] and sched.block_manager.get_num_free_blocks() == 1
+
+
+@pytest.mark.parametrize(("headroom", "swapped_in"), [(8, False), (0, True)])
+def test_swap_in_waits_for_the_running_sequences_headroom(headroom, swapped_in):
+    sched = make_scheduler(num_blocks=7, budget=256, mode="swap", swap_blocks=8, headroom=headroom)
+    a, b = make_request("a", 16), make_request("b", 16, first_token=101)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)
+    sched._preempt(b, SchedulerOutput())  # b's 2 blocks go to the CPU
+    out = run_step(sched)
+    # 4 free after a's third block; b's 2 blocks + 2 to step fit, + a's 1 of headroom does not
+    assert (b.status == SeqStatus.RUNNING) is swapped_in
+    assert len(out.swap_in) == (2 if swapped_in else 0)
+    assert sched.block_manager.get_num_free_blocks() == (1 if swapped_in else 4)  # back, b took a third
+
+
+@pytest.mark.parametrize(("num_blocks", "admitted"), [(7, False), (8, True)])
+def test_headroom_counts_every_sequence_of_a_forked_request(num_blocks, admitted):
+    sched = make_scheduler(num_blocks=num_blocks, budget=256, headroom=8)
+    a = make_request("a", 16, n=2)
+    sched.add_request(a)
+    run_step(sched)
+    child = a.seqs[0].fork(1)
+    sched.fork_seq(a.seqs[0], child)
+    a.seqs.append(child)
+    a.forked = True
+    sched.add_request(make_request("b", 8, first_token=101))
+    run_step(sched)
+    # a's two samples each took a third block; each reserves one more. b: 1 + its own 1 + 2
+    assert ("b" in ids(sched.running)) is admitted
+    assert sched.block_manager.get_num_free_blocks() == num_blocks - 4 - (1 if admitted else 0)
+
+
+def test_headroom_is_an_engine_option_checked_at_the_boundary():
+    assert EngineConfig().num_headroom_tokens == SchedulerConfig(8, 64, 1024).num_headroom_tokens == 16
+    assert EngineConfig(num_headroom_tokens=0).num_headroom_tokens == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="num_headroom_tokens"):
+            EngineConfig(num_headroom_tokens=bad)

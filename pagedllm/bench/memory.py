@@ -17,6 +17,8 @@ known, which is what tells reserved-for-future from fragmentation. Averages
 are over engine steps (each step weighs the same), which keeps them
 deterministic; utilization is token states / allocated slots. Prefix caching
 is off so that the policies differ only in what they reserve.
+``--headroom-tokens`` audits paged KV again under other admission headrooms
+(``EngineConfig.num_headroom_tokens``; 0 admits whenever the prompt fits).
 
 Sharing audit. Parallel sampling (n samples) and beam search fork sequences
 that share blocks copy-on-write. For each n and beam width the peak of
@@ -142,6 +144,7 @@ def audit_policy(config, workload: Workload, warmup: bool = True) -> dict:
     stats = engine.block_manager.stats()
     return {
         "kv_policy": config.kv_policy,
+        "num_headroom_tokens": config.num_headroom_tokens,
         "block_size": config.block_size,
         "dtype": dtype_name(engine.dtype),
         **summarize_censuses(censuses),
@@ -244,6 +247,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"KV budget in token slots for every policy (default {DEFAULT_KV_TOKENS}; --num-kv-blocks wins)",
     )
     g.add_argument("--policies", default=",".join(KV_POLICIES), help="comma-separated kv policies to audit")
+    g.add_argument(
+        "--headroom-tokens", type=_int_list, default=[],
+        help="also audit paged KV admitting with these num_headroom_tokens, e.g. 0 (admit whenever the prompt fits)",
+    )
     g.add_argument("--block-sizes", type=_int_list, default=None, help="also sweep paged KV over these block sizes, e.g. 8,16,32")
     g.add_argument("--sharing", action=argparse.BooleanOptionalAction, default=True, help="audit parallel sampling / beam search sharing")
     g.add_argument("--sharing-prompts", type=int, default=4, help="prompts (from the workload) per sharing measurement")
@@ -283,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
     for policy in policies:
         print(f"auditing {policy} ...", file=sys.stderr, flush=True)
         result["policies"][policy] = audit_policy(audit_config(args, args.block_size, policy), workload, args.warmup)
+    result["paged_headroom"] = audit_headrooms(args, workload)
     config = audit_config(args, args.block_size, policies[0])
     result.update(kv_tokens=config.num_kv_blocks * config.block_size, max_model_len=config.max_model_len)
     print(format_policies(result))
@@ -303,6 +311,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def audit_headrooms(args: argparse.Namespace, workload: Workload) -> dict:
+    """Paged KV under each ``--headroom-tokens`` value, keyed by the value as a string."""
+    runs = {}
+    for num_tokens in args.headroom_tokens:
+        print(f"auditing paged, headroom {num_tokens} tokens ...", file=sys.stderr, flush=True)
+        config = audit_config(args, args.block_size, "paged")
+        config = dataclasses.replace(config, num_headroom_tokens=num_tokens)
+        runs[str(num_tokens)] = audit_policy(config, workload, args.warmup)
+    return runs
+
+
+def labelled_runs(result: dict) -> dict:
+    """Every audited run by its table label: the policies, then paged under other headrooms."""
+    extra = {f"paged, headroom {n}": r for n, r in result.get("paged_headroom", {}).items()}
+    return {**result["policies"], **extra}
+
+
 def sweep_block_sizes(args: argparse.Namespace, workload: Workload, already: dict | None) -> dict:
     sweep = {}
     for block_size in args.block_sizes:
@@ -318,7 +343,7 @@ def _write_outputs(args: argparse.Namespace, result: dict) -> None:
     if args.json:
         report.write_json(args.json, result)
     if args.plot:
-        report.plot_memory(result["policies"], args.plot, title=f"KV cache usage, {result['kv_tokens']} token slots")
+        report.plot_memory(labelled_runs(result), args.plot, title=f"KV cache usage, {result['kv_tokens']} token slots")
     if args.sharing_plot and "sharing" in result:
         report.plot_sharing(result["sharing"], args.sharing_plot)
     if args.sweep_plot and "block_sizes" in result:
@@ -330,7 +355,7 @@ def _write_outputs(args: argparse.Namespace, result: dict) -> None:
 
 def format_policies(result: dict) -> str:
     rows = []
-    for name, r in result["policies"].items():
+    for name, r in labelled_runs(result).items():
         b = r["budget_breakdown"]
         rows.append([
             name, report.pct(r["utilization"]), report.pct(b["token_states"]), report.pct(b["reserved_future"]),

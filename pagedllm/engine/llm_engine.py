@@ -89,6 +89,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 preemption_mode=config.preemption_mode,
                 kv_policy=config.kv_policy,
+                num_headroom_tokens=config.num_headroom_tokens,
             ),
             self.block_manager,
         )

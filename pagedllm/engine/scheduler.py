@@ -6,6 +6,14 @@ next chunk of a prompt), then swapped-out requests come back, then waiting
 prompts are admitted in arrival order. When a running request needs a block
 and none is free, the most recently admitted request is preempted.
 
+Admission headroom: a request is admitted (or swapped back in) only if the
+free blocks left afterwards still cover the next ``num_headroom_tokens``
+tokens of every running sequence, itself included (never past a sequence's
+``max_tokens``). The reserve grows with the batch, so a tight cache fills by
+admitting a little less instead of admitting everything whose prompt fits and
+preempting by recompute as the sequences grow; it applies to preempted
+requests coming back too, so they return only when they can keep running.
+
 The scheduler decides; it never touches tensors. Its output is plain data
 (:class:`SchedulerOutput`) that the runner executes.
 """
@@ -18,6 +26,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedllm.config import DEFAULT_NUM_HEADROOM_TOKENS
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.kv.block_manager import BlockManager
 
@@ -96,6 +105,9 @@ class SchedulerConfig:
     max_model_len: int
     preemption_mode: str = "recompute"  # recompute | swap | auto
     kv_policy: str = "paged"
+    # Tokens of growth per running sequence that must still fit after an
+    # admission (see the module docstring); 0 admits whenever the prompt fits.
+    num_headroom_tokens: int = DEFAULT_NUM_HEADROOM_TOKENS
 
 
 class Scheduler:
@@ -296,9 +308,10 @@ class Scheduler:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             seq_ids = [s.seq_id for s in request.live_seqs()]
-            # Headroom: a new block and a copy-on-write per sequence, so a group
-            # that comes back can step instead of being swapped straight out.
-            if not self.block_manager.can_swap_in(seq_ids, num_headroom_blocks=2 * len(seq_ids)):
+            # A new block and a copy-on-write per sequence, so a group that
+            # comes back can step instead of being swapped straight out.
+            num_headroom = 2 * len(seq_ids) + self._running_headroom_blocks()
+            if not self.block_manager.can_swap_in(seq_ids, num_headroom_blocks=num_headroom):
                 break
             self.swapped.popleft()
             out.add_memory_op(MemoryOpKind.SWAP_IN, self.block_manager.swap_in(seq_ids))
@@ -333,26 +346,66 @@ class Scheduler:
             total += math.ceil(tokens / bs) - shared_blocks
         return total
 
-    def _can_admit(self, request: Request) -> bool:
+    def _can_admit(self, request: Request, num_headroom_blocks: int) -> bool:
+        """Whether the request's blocks fit with ``num_headroom_blocks`` and the watermark still free."""
         seqs = request.live_seqs()
         bm = self.block_manager
         if len(seqs) == 1:
             seq = seqs[0]
-            return bm.can_allocate(seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq))
-        return self._blocks_for(request) <= bm.get_num_free_blocks() - bm.watermark_blocks
+            return bm.can_allocate(
+                seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq), num_headroom_blocks
+            )
+        num_needed = self._blocks_for(request) + num_headroom_blocks
+        return num_needed <= bm.get_num_free_blocks() - bm.watermark_blocks
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        num_headroom = self._running_headroom_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self._blocks_for(request) > self.block_manager.num_blocks:
                 self.waiting.popleft()
                 self._fail(request, out, "the prompt needs more KV blocks than the whole cache holds")
                 continue
-            if not self._can_admit(request):
+            num_growth = self._admission_growth_blocks(request)
+            # Alone in the cache a request needs no headroom: it runs as far as the cache lets it.
+            num_reserve = num_headroom + num_growth if self.running else 0
+            if not self._can_admit(request, num_reserve):
                 break  # FCFS: later prompts wait behind this one so it is never starved
             self.waiting.popleft()
             self._admit(request)
+            num_headroom += num_growth
             _, budget, _ = self._schedule_running(request, budget, out)
+
+    # ---- admission headroom -----------------------------------------------
+
+    def _final_len(self, request: Request, seq: Sequence) -> int:
+        """The most tokens the sequence can reach: prompt + max_tokens, within max_model_len."""
+        limit = self.config.max_model_len
+        max_tokens = request.params.max_tokens
+        return limit if max_tokens is None else min(seq.prompt_len + max_tokens, limit)
+
+    def _growth_blocks(self, request: Request, seq: Sequence, num_held_blocks: int) -> int:
+        """Blocks beyond ``num_held_blocks`` that ``seq`` needs for its next num_headroom_tokens tokens."""
+        target = min(seq.num_tokens + self.config.num_headroom_tokens, self._final_len(request, seq))
+        return max(0, math.ceil(target / self.block_manager.block_size) - num_held_blocks)
+
+    def _running_headroom_blocks(self) -> int:
+        """Free blocks the running sequences need to grow by num_headroom_tokens each."""
+        bm = self.block_manager
+        return sum(
+            self._growth_blocks(request, seq, bm.get_num_blocks(seq.seq_id))
+            for request in self.running
+            for seq in request.live_seqs()
+        )
+
+    def _admission_growth_blocks(self, request: Request) -> int:
+        """What a waiting request adds to the headroom once admitted with the blocks _blocks_for counts."""
+        bs = self.block_manager.block_size
+        total = 0
+        for seq in request.live_seqs():
+            num_admitted_tokens = self._reserved_tokens(request, seq) or seq.num_tokens
+            total += self._growth_blocks(request, seq, math.ceil(num_admitted_tokens / bs))
+        return total
 
     def _admit(self, request: Request) -> None:
         bm = self.block_manager

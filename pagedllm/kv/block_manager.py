@@ -144,10 +144,15 @@ class BlockManager:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         num_reserved_tokens: int | None = None,
+        num_headroom_blocks: int = 0,
     ) -> bool:
-        """Whether ``allocate`` would succeed and still leave the watermark free."""
+        """Whether ``allocate`` would succeed and still leave the watermark free.
+
+        ``num_headroom_blocks`` more must stay free as well: what the sequences
+        already running need to keep growing.
+        """
         hits = self._find_cached_prefix(token_ids, cache_salt)
-        num_needed = self._num_blocks_to_take(token_ids, num_reserved_tokens, hits)
+        num_needed = self._num_blocks_to_take(token_ids, num_reserved_tokens, hits) + num_headroom_blocks
         return self._pool.get_num_free_blocks() - num_needed >= self.watermark_blocks
 
     def allocate(
@@ -413,6 +418,10 @@ class BlockManager:
     def get_block_table(self, seq_id: int) -> list[int]:
         """A copy of the device block ids of ``seq_id``, logical block order."""
         return list(self._device_seq(seq_id).block_table)
+
+    def get_num_blocks(self, seq_id: int) -> int:
+        """Blocks in ``seq_id``'s table (device or CPU), counting shared ones."""
+        return len(self._get_seq(seq_id).block_table)
 
     def get_num_slots(self, seq_id: int) -> int:
         """Token positions ``seq_id`` covers (kept while swapped out)."""
