@@ -318,3 +318,210 @@ def test_latency_vllm_peer(tmp_path):
         assert result["num_runs"] == 2
         for run in result["runs"]:
             assert len(run["inter_token_s"]) == 3 and run["e2e_s"] >= run["ttft_s"] > 0
+
+
+# ---- bench serve --compare: servers started and stopped by the bench -------------------
+
+
+def _stream_handler(chunks_for):
+    """An httpx handler that streams ``chunks_for(body)`` as server-sent events."""
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        chunks = chunks_for(json.loads(request.content))
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    return handler
+
+
+def _token_chunks(n: int, last_text: str, closing_chunk: bool) -> list[dict]:
+    chunks = [{"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]} for i in range(n - 1)]
+    if closing_chunk:  # the last token, then a chunk that only says why the stream ends
+        chunks.append({"choices": [{"index": 0, "text": last_text, "finish_reason": None}]})
+        chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    else:  # the last token carries the finish reason (pagedllm and vLLM)
+        chunks.append({"choices": [{"index": 0, "text": last_text, "finish_reason": "length"}]})
+    return chunks
+
+
+@pytest.mark.parametrize("closing_chunk", [False, True])
+@pytest.mark.parametrize("with_usage", [False, True])
+def test_serve_stamps_every_token_chunk_even_without_text(closing_chunk, with_usage):
+    import httpx
+
+    def chunks_for(body):
+        n = body["max_tokens"]
+        # the last token decodes to no text (part of a UTF-8 character) unless a closing chunk follows
+        chunks = _token_chunks(n, "" if not closing_chunk else "end", closing_chunk)
+        if with_usage:
+            chunks.append({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": n}})
+        return chunks
+
+    workload = Workload("fake", [[1, 2], [3, 4]], output_len=6)
+    result = asyncio.run(
+        serve.run_load("http://fake", "m", workload, transport=httpx.MockTransport(_stream_handler(chunks_for)))
+    )
+    assert result["completed"] == 2 and result["errors"] == 0
+    if with_usage or closing_chunk:
+        # usage tells an empty last token from a closing chunk; without usage an empty
+        # last chunk counts as a closing one
+        assert result["token_chunks"] == 12 and result["output_tokens"] == 12
+        assert result["min_output_tokens"] == result["max_output_tokens"] == 6
+    else:
+        assert result["token_chunks"] == 10 and result["output_tokens"] == 10
+
+
+def test_serve_compare_settings_reach_both_servers_alike(monkeypatch):
+    from pagedllm.bench import peers
+
+    args = build_parser().parse_args(
+        ["bench", "serve", "--compare", "pagedllm,vllm", "--dtype", "bfloat16", "--kv-cache-memory", "1GiB",
+         "--no-enable-prefix-caching", "--max-num-seqs", "8"]
+    )
+    workload = random_workload(2, (300, 300), 10, seed=3)
+    settings = serve.settings_from_args(args, workload)
+    assert settings.max_model_len == 512  # 310 tokens, rounded up to 256
+    assert settings.kv_cache_bytes == 2**30 and settings.dtype == "bfloat16"
+    assert settings.max_num_batched_tokens == 2048 and not settings.enable_prefix_caching
+
+    ours = serve.pagedllm_server_command(settings, "127.0.0.1", 8123)
+    served = build_parser().parse_args(ours[ours.index("serve"):])
+    assert (served.dtype, served.max_model_len, served.kv_cache_memory) == ("bfloat16", 512, 2**30)
+    assert (served.max_num_seqs, served.max_num_batched_tokens) == (8, 2048)
+    assert served.enable_prefix_caching is False and served.port == 8123
+    assert served.served_model_name == settings.served_model_name
+
+    theirs = peers.vllm_server_command("/peer/python", "/models/smol", settings, "127.0.0.1", 8124)
+
+    def flag(name: str) -> str:
+        return theirs[theirs.index(name) + 1]
+
+    assert flag("--dtype") == "bfloat16" and flag("--max-model-len") == "512"
+    assert flag("--kv-cache-memory-bytes") == str(2**30)
+    assert flag("--max-num-seqs") == "8" and flag("--max-num-batched-tokens") == "2048"
+    assert flag("--served-model-name") == settings.served_model_name and flag("--port") == "8124"
+    assert "--no-enable-prefix-caching" in theirs and "--enable-prefix-caching" not in theirs
+    # the whole-GiB setting would override --kv-cache-memory-bytes
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    env = peers.vllm_server_env()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_serve_compare_rejects_bad_choices(capsys, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_VLLM_PYTHON", raising=False)
+    assert main(["bench", "serve", "--compare", "pagedllm,tgi"]) == 2
+    assert "choose from pagedllm, vllm" in capsys.readouterr().err
+    assert main(["bench", "serve", "--compare", "pagedllm,pagedllm"]) == 2
+    assert main(["bench", "serve", "--compare", "vllm", "--num-prompts", "1"]) == 2
+    assert "--peer-python" in capsys.readouterr().err
+    assert main(["bench", "serve"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+    assert main(["bench", "serve", "--compare", "pagedllm", "--base-url", "http://x"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["bench", "serve", "--compare", "pagedllm", "--input-len", "300", "--max-model-len", "256"]) == 2
+    assert "longest request" in capsys.readouterr().err
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _pids_with_argument(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and _is_running(int(entry)):
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc")
+def test_server_process_kills_its_whole_group_when_the_server_never_answers(tmp_path):
+    from pagedllm.errors import ConfigError
+
+    child_pid_file = tmp_path / "child.pid"
+    # a "server" that never listens, with a child that ignores SIGTERM
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'])\n"
+        f"open({str(child_pid_file)!r}, 'w').write(str(child.pid))\n"
+        "print('listening nowhere', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    launch = serve.ServerLaunch([sys.executable, "-c", script], dict(os.environ), str(tmp_path))
+    server = serve.ServerProcess("fake", launch, stop_grace_s=2.0)
+    with pytest.raises(ConfigError, match="did not answer") as excinfo:
+        with server:
+            server.wait_ready(f"http://127.0.0.1:{_free_port()}", "m", timeout_s=3.0)
+    assert "listening nowhere" in str(excinfo.value)
+    child_pid = int(child_pid_file.read_text())
+    assert not _is_running(server.pgid) and not _is_running(child_pid)
+    assert serve.live_group_members(server.pgid) == []
+
+
+def test_server_process_reports_an_early_exit(tmp_path):
+    from pagedllm.errors import ConfigError
+
+    script = "import sys; print('no weights here'); sys.exit(3)"
+    launch = serve.ServerLaunch([sys.executable, "-c", script], dict(os.environ), str(tmp_path))
+    with pytest.raises(ConfigError, match="exited with code 3") as excinfo:
+        with serve.ServerProcess("fake", launch) as server:
+            server.wait_ready(f"http://127.0.0.1:{_free_port()}", "m", timeout_s=60.0)
+    assert "no weights here" in str(excinfo.value)
+
+
+def _check_compare_rows(data: dict, servers: list[str], workload: Workload) -> None:
+    import httpx
+
+    assert [r["backend"] for r in data["results"]] == servers
+    assert data["settings"]["max_model_len"] == 256 and data["env"]["commit"]
+    for row in data["results"]:
+        assert row["completed"] == workload.num_requests and row["errors"] == 0
+        assert row["min_output_tokens"] == row["max_output_tokens"] == workload.output_len
+        assert row["output_tokens"] == workload.num_output_tokens
+        assert row["prompt_tokens"] == workload.num_prompt_tokens
+        assert row["token_chunks"] == workload.num_output_tokens
+        assert row["model"] == data["settings"]["served_model_name"]
+        assert row["startup_s"] > 0 and row["server_version"]
+        assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens"] / row["duration_s"])
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert row[key]["p50"] <= row[key]["p99"]
+        # the server and every process it started are gone
+        port = row["base_url"].rsplit(":", 1)[1]
+        assert _pids_with_argument(f"--port {port}") == []
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{row['base_url']}/v1/models", timeout=5)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="checks for leftover processes in /proc")
+def test_serve_compare_starts_runs_and_stops_a_pagedllm_server(tmp_path):
+    data = _run_cli(
+        ["serve", "--compare", "pagedllm", "--num-prompts", "3", "--input-len-range", "12:20", "--output-len", "4",
+         "--kv-cache-memory", "64MiB", "--no-warmup", "--markdown", str(tmp_path / "serve.md")],
+        tmp_path,
+    )
+    _check_compare_rows(data, ["pagedllm"], random_workload(3, (12, 20), 4, seed=0))
+    assert data["settings"]["kv_cache_bytes"] == 64 * 2**20
+    table = (tmp_path / "serve.md").read_text().splitlines()
+    assert len(table) == 3 and table[2].startswith("| pagedllm | float32 | 3 / 3 |")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PAGEDLLM_VLLM_PYTHON"), reason="set PAGEDLLM_VLLM_PYTHON to vLLM's python")
+def test_serve_compare_with_vllm_server(tmp_path):
+    data = _run_cli(
+        ["serve", "--compare", "pagedllm,vllm", "--num-prompts", "3", "--input-len-range", "12:20",
+         "--output-len", "4", "--kv-cache-memory", "256MiB"],
+        tmp_path,
+    )
+    _check_compare_rows(data, ["pagedllm", "vllm"], random_workload(3, (12, 20), 4, seed=0))
+    assert data["results"][1]["server_command"].split()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]

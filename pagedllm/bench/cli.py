@@ -13,7 +13,10 @@ import importlib
 BENCHMARKS = {
     "throughput": ("pagedllm.bench.throughput", "Offline throughput on a workload, optionally beside HF / vLLM"),
     "latency": ("pagedllm.bench.latency", "One request at a time: TTFT, TPOT, decode tok/s"),
-    "serve": ("pagedllm.bench.serve", "Load-test an OpenAI-compatible server with streaming requests"),
+    "serve": (
+        "pagedllm.bench.serve",
+        "Load-test an OpenAI-compatible server with streaming requests, or start pagedllm's and vLLM's in turn (--compare)",
+    ),
     "memory": ("pagedllm.bench.memory", "KV memory audit: waste per allocation policy, savings from sharing"),
 }
 

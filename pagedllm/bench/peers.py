@@ -235,6 +235,43 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def default_max_model_len(workload) -> int:
+    """The ``max_model_len`` vLLM is given for ``workload``: its longest request, rounded up to 256."""
+    return _round_up(workload.max_seq_len, 256)
+
+
+# ---- vLLM's OpenAI server -------------------------------------------------------------
+
+
+def vllm_server_command(python: str, model_dir: Path, settings, host: str, port: int) -> list[str]:
+    """vLLM's OpenAI server started with ``settings`` (a ``serve.ServerSettings``), the
+    same values ``pagedllm serve`` gets. vLLM keeps its own KV block size (128 on CPU)."""
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", settings.served_model_name,
+        "--dtype", settings.dtype,
+        "--max-model-len", str(settings.max_model_len),
+        "--kv-cache-memory-bytes", str(settings.kv_cache_bytes),
+        "--max-num-seqs", str(settings.max_num_seqs),
+        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+        "--enable-prefix-caching" if settings.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--seed", "0",
+        "--host", host,
+        "--port", str(port),
+        # pagedllm serve writes no access log unless --log-level debug
+        "--disable-uvicorn-access-log",
+    ]
+
+
+def vllm_server_env(num_cpus: int | None = None) -> dict:
+    """:func:`vllm_env` without ``VLLM_CPU_KVCACHE_SPACE``: that setting (whole GiB) would
+    override ``--kv-cache-memory-bytes``, the KV size matched to pagedllm's."""
+    env = vllm_env(num_cpus)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
 def _vllm_main(argv: list[str]) -> int:
     """Inside vLLM's virtualenv: load, warm up, time the workload, write a JSON result."""
     parser = argparse.ArgumentParser(prog="peers.py vllm")

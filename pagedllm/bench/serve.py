@@ -10,6 +10,12 @@ Per request: TTFT (send to first streamed token), ITL (gaps between
 streamed chunks), TPOT ((E2E - TTFT) / (output tokens - 1)), E2E. Output
 tokens come from the final ``usage`` chunk when the server sends one, else
 from the number of streamed chunks.
+
+``--compare pagedllm,vllm`` starts each server in turn as a subprocess on a
+free port (``pagedllm serve``, then vLLM's OpenAI server from its own
+virtualenv), both with the same settings (:class:`ServerSettings`), waits
+until ``/v1/models`` answers (the start-up time), warms it up, sends the same
+load and stops it, its whole process group, before the next one starts.
 """
 
 from __future__ import annotations
@@ -17,13 +23,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from pagedllm.bench import report
-from pagedllm.bench.workloads import Workload, add_workload_arguments, workload_from_args
+from pagedllm.bench.throughput import PEER_PYTHON_ENV
+from pagedllm.bench.workloads import (
+    WARMUP_OUTPUT_LEN,
+    Workload,
+    add_workload_arguments,
+    warmup_prompts,
+    workload_from_args,
+)
+from pagedllm.errors import ConfigError
+
+SERVERS = ("pagedllm", "vllm")
 
 
 @dataclass
@@ -32,6 +54,7 @@ class RequestRecord:
 
     prompt_tokens: int
     output_tokens: int = 0
+    num_chunks: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -44,17 +67,23 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _is_token_chunk(chunk: dict) -> bool:
-    """A chunk that carries generated text (the usage-only and final empty chunks do not)."""
-    choices = chunk.get("choices") or []
-    return any(c.get("text") or c.get("finish_reason") is None for c in choices)
+def _is_empty_final(chunk: dict) -> bool:
+    """A chunk whose choices carry no text but end the stream: a token that decoded to no
+    text yet (part of a UTF-8 character), or a closing chunk that carries no token."""
+    choices = chunk["choices"]
+    return all(not c.get("text") and c.get("finish_reason") is not None for c in choices)
 
 
 async def send_request(client, url: str, payload: dict, record: RequestRecord) -> RequestRecord:
-    """POST one streaming completion and time its chunks into ``record``."""
+    """POST one streaming completion and time its chunks into ``record``.
+
+    Every chunk with choices is stamped (the ``usage`` chunk has none). A last
+    chunk without text is dropped when the ``usage`` count shows it carried no
+    token, or when there is no ``usage`` to tell.
+    """
     start = time.perf_counter()
-    last = None
-    num_chunks = 0
+    stamps: list[float] = []
+    last_is_empty_final = False
     usage_tokens = None
     try:
         async with client.stream("POST", url, json=payload) as response:
@@ -74,19 +103,20 @@ async def send_request(client, url: str, payload: dict, record: RequestRecord) -
                     return record
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
-                if not _is_token_chunk(chunk):
+                if not chunk.get("choices"):
                     continue
-                now = time.perf_counter()
-                if last is None:
-                    record.ttft_s = now - start
-                else:
-                    record.itl_s.append(now - last)
-                last = now
-                num_chunks += 1
+                stamps.append(time.perf_counter())
+                last_is_empty_final = _is_empty_final(chunk)
         record.e2e_s = time.perf_counter() - start
-        record.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
-        if record.ttft_s is None:
+        if last_is_empty_final and (usage_tokens is None or len(stamps) > usage_tokens):
+            stamps.pop()
+        record.num_chunks = len(stamps)
+        record.output_tokens = usage_tokens if usage_tokens is not None else len(stamps)
+        if not stamps:
             record.error = "the stream ended without a token"
+            return record
+        record.ttft_s = stamps[0] - start
+        record.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]
     except Exception as exc:  # a load test records failures and carries on
         record.error = f"{type(exc).__name__}: {exc}"
     return record
@@ -145,7 +175,8 @@ async def run_load(
                 return await send_request(client, f"{base}/v1/completions", payload, record)
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one(i)) async for i in arrival_times(workload.num_requests, request_rate, seed)]
+        arrivals = arrival_times(workload.num_requests, request_rate, seed)
+        tasks = [asyncio.create_task(one(i)) async for i in arrivals]
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return summarize(records, duration, model, workload, request_rate, max_concurrency)
@@ -174,6 +205,7 @@ def summarize(records, duration: float, model: str, workload: Workload, rate: fl
     errors = [r.error for r in records if r.error is not None]
     output_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
+    output_lens = [r.output_tokens for r in done]
     return {
         "model": model,
         "num_requests": len(records),
@@ -185,6 +217,11 @@ def summarize(records, duration: float, model: str, workload: Workload, rate: fl
         "duration_s": duration,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
+        # per completed request; both equal max_tokens when every request ran to its length
+        "min_output_tokens": min(output_lens, default=None),
+        "max_output_tokens": max(output_lens, default=None),
+        # streamed chunks that carried tokens; fewer than output_tokens if a server sends several per chunk
+        "token_chunks": sum(r.num_chunks for r in done),
         "request_throughput": len(done) / duration,
         "output_tokens_per_s": output_tokens / duration,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / duration,
@@ -195,6 +232,330 @@ def summarize(records, duration: float, model: str, workload: Workload, rate: fl
     }
 
 
+# ---- servers started by --compare ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What every server of a comparison is started with: sizes in bytes, lengths in tokens.
+
+    ``model`` is what the servers load (``None``: the default model);
+    ``served_model_name`` is the name they answer to and the load asks for.
+    """
+
+    model: str | None
+    served_model_name: str
+    dtype: str
+    max_model_len: int
+    kv_cache_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def settings_from_args(args: argparse.Namespace, workload: Workload) -> ServerSettings:
+    """The engine options of ``args``, with pagedllm's defaults made explicit for vLLM."""
+    from pagedllm.bench.peers import default_max_model_len, resolve_dtype_name
+    from pagedllm.engine.llm_engine import DEFAULT_CPU_KV_MEMORY, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from pagedllm.models.paths import model_display_name, resolve_model_path
+
+    max_model_len = args.max_model_len or default_max_model_len(workload)
+    if workload.max_seq_len > max_model_len:
+        raise ConfigError(
+            f"--max-model-len {max_model_len} is shorter than the workload's longest request "
+            f"({workload.max_seq_len} tokens)"
+        )
+    return ServerSettings(
+        model=args.model,
+        served_model_name=model_display_name(resolve_model_path(args.model)),
+        dtype=resolve_dtype_name(args.dtype),
+        max_model_len=max_model_len,
+        kv_cache_bytes=args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=(
+            args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+        ),
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def pagedllm_server_command(settings: ServerSettings, host: str, port: int) -> list[str]:
+    """``pagedllm serve`` under this interpreter, started with ``settings``."""
+    command = [sys.executable, "-m", "pagedllm.cli", "serve"]
+    if settings.model is not None:
+        command += ["--model", settings.model]
+    return command + [
+        "--served-model-name", settings.served_model_name,
+        "--dtype", settings.dtype,
+        "--max-model-len", str(settings.max_model_len),
+        "--kv-cache-memory", str(settings.kv_cache_bytes),
+        "--max-num-seqs", str(settings.max_num_seqs),
+        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+        "--enable-prefix-caching" if settings.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--host", host,
+        "--port", str(port),
+    ]
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """How to start one server: its command line, environment and working directory."""
+
+    command: list[str]
+    env: dict
+    cwd: str
+
+
+def server_launch(
+    system: str, settings: ServerSettings, host: str, port: int, peer_python: str | None
+) -> ServerLaunch:
+    from pagedllm.bench import peers
+
+    if system == "pagedllm":
+        # The folder holding the pagedllm package, so ``-m pagedllm.cli`` runs this very copy.
+        package_root = str(Path(__file__).resolve().parents[2])
+        return ServerLaunch(pagedllm_server_command(settings, host, port), dict(os.environ), package_root)
+    if not Path(peer_python).exists():
+        raise ConfigError(f"--peer-python {peer_python!r} does not exist")
+    model_dir = peers.export_hf_dir(settings.model)
+    command = peers.vllm_server_command(peer_python, model_dir, settings, host, port)
+    # Not the repository: ``python -m`` puts the working directory first on sys.path.
+    return ServerLaunch(command, peers.vllm_server_env(), tempfile.gettempdir())
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of process group ``pgid`` that are not zombies (from /proc; without it, whether
+    the group has any process at all)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+class ServerProcess:
+    """A server run in its own session, so that stopping it ends its whole process group
+    (vLLM's engine core and worker processes as well as the API server).
+
+    Use as a context manager: the group is stopped on leaving the block, on error too.
+    Output goes to ``log_path`` (a temporary file when ``None``). ``pagedllm serve``
+    and vLLM both shut down cleanly on SIGTERM; whatever of the group still runs
+    ``stop_grace_s`` later is killed.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        launch: ServerLaunch,
+        log_path: str | Path | None = None,
+        stop_grace_s: float = 60.0,
+    ) -> None:
+        self.name = name
+        self.launch = launch
+        self.log_path = Path(log_path) if log_path else None
+        self.stop_grace_s = stop_grace_s
+        self.process: subprocess.Popen | None = None
+        self._log = None
+        self._started_at = 0.0
+
+    @property
+    def pgid(self) -> int:
+        assert self.process is not None, "the server was not started"
+        return self.process.pid
+
+    def __enter__(self) -> ServerProcess:
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "w+b")  # closed in stop()
+        else:
+            self._log = tempfile.TemporaryFile()
+        self._started_at = time.perf_counter()
+        self.process = subprocess.Popen(
+            self.launch.command, env=self.launch.env, cwd=self.launch.cwd,
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def wait_ready(self, base_url: str, model: str, timeout_s: float) -> float:
+        """Seconds from the start of the process until ``/v1/models`` lists ``model``;
+        ConfigError if the server exits or does not answer within ``timeout_s``."""
+        import httpx
+
+        assert self.process is not None, "the server was not started"
+        while True:
+            if self.process.poll() is not None:
+                raise ConfigError(
+                    f"{self.name} exited with code {self.process.returncode} while starting:\n{self.log_tail()}"
+                )
+            try:
+                response = httpx.get(f"{base_url}/v1/models", timeout=5.0)
+                if response.status_code == 200:
+                    names = [m.get("id") for m in response.json().get("data", [])]
+                    if model not in names:
+                        raise ConfigError(f"{self.name} serves {names}, not {model!r}")
+                    return time.perf_counter() - self._started_at
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - self._started_at > timeout_s:
+                raise ConfigError(
+                    f"{self.name} did not answer {base_url}/v1/models within {timeout_s:.0f} s:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM to the group; SIGKILL to whatever of it still runs ``stop_grace_s`` later."""
+        if self.process is None or self._log.closed:
+            return
+        pgid = self.pgid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        # The leader's children (vLLM's engine processes) may outlive it in the group.
+        while self._group_running(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._group_running(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+            self.process.wait()
+            deadline = time.monotonic() + 10.0  # SIGKILL takes effect asynchronously
+            while live_group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._log.close()
+
+    def _group_running(self, pgid: int) -> bool:
+        # poll() also reaps the leader, so that an exited leader is not counted as a member
+        return self.process.poll() is None or bool(live_group_members(pgid))
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        self._log.flush()
+        self._log.seek(0, os.SEEK_END)
+        size = self._log.tell()
+        self._log.seek(max(0, size - num_chars))
+        return self._log.read().decode(errors="replace")
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+async def warm_up(base_url: str, model: str, max_model_len: int) -> None:
+    """A few short requests of growing length, so that first-shape costs stay out of the figures."""
+    prompts = warmup_prompts(max_len=max_model_len - WARMUP_OUTPUT_LEN)
+    result = await run_load(base_url, model, Workload("warm-up", prompts, WARMUP_OUTPUT_LEN))
+    if result["errors"]:
+        raise ConfigError(f"the warm-up requests failed: {result['error_samples']}")
+
+
+def server_version(base_url: str) -> str | None:
+    """What ``GET /version`` answers (pagedllm and vLLM both have it), else None."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{base_url}/version", timeout=5.0)
+        return response.json().get("version") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
+def bench_server(
+    system: str, settings: ServerSettings, workload: Workload, args: argparse.Namespace, peer_python: str | None
+) -> dict:
+    """Start ``system``'s server, time its start-up, warm it up, run the load, stop it."""
+    host = "127.0.0.1"
+    port = free_port(host)
+    base_url = f"http://{host}:{port}"
+    launch = server_launch(system, settings, host, port, peer_python)
+    log_path = Path(args.server_log_dir) / f"{system}.log" if args.server_log_dir else None
+    print(f"starting {system}: {' '.join(launch.command)}", file=sys.stderr, flush=True)
+    with ServerProcess(system, launch, log_path) as server:
+        startup_s = server.wait_ready(base_url, settings.served_model_name, args.startup_timeout)
+        print(f"{system} answered after {startup_s:.1f} s", file=sys.stderr, flush=True)
+        version = server_version(base_url)
+        if args.warmup:
+            asyncio.run(warm_up(base_url, settings.served_model_name, settings.max_model_len))
+        result = asyncio.run(
+            run_load(
+                base_url, settings.served_model_name, workload, args.request_rate, args.max_concurrency,
+                seed=args.seed, timeout_s=args.timeout,
+            )
+        )
+        loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "backend": system,
+        "dtype": settings.dtype,
+        "startup_s": startup_s,
+        "server_version": version,
+        **result,
+        # other work on the machine skews the figures: the 1-minute load as this server's load ended
+        "loadavg_1m": loadavg,
+        "base_url": base_url,
+        "server_command": " ".join(launch.command),
+    }
+
+
+def parse_servers(text: str) -> list[str]:
+    servers = [s.strip() for s in text.split(",") if s.strip()]
+    if not servers or not set(servers) <= set(SERVERS) or len(set(servers)) != len(servers):
+        raise ConfigError(f"--compare {text!r}: choose from {', '.join(SERVERS)}, each at most once")
+    return servers
+
+
+def run_compare(args: argparse.Namespace, workload: Workload) -> int:
+    servers = parse_servers(args.compare)
+    peer_python = args.peer_python or os.environ.get(PEER_PYTHON_ENV)
+    if "vllm" in servers and not peer_python:
+        raise ConfigError(
+            f"--compare vllm needs --peer-python PATH (the python of vLLM's virtualenv) or ${PEER_PYTHON_ENV}"
+        )
+    settings = settings_from_args(args, workload)
+    results = [bench_server(system, settings, workload, args, peer_python) for system in servers]
+    print(format_comparison(results, workload))
+    data = {
+        "workload": workload.describe(),
+        "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "settings": settings.to_json(),
+        "env": report.environment(),
+        "results": results,
+    }
+    if args.json:
+        report.write_json(args.json, data)
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(results) + "\n")
+    return 0 if all(r["errors"] == 0 for r in results) else 1
+
+
+# ---- command line -------------------------------------------------------------
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -203,20 +564,66 @@ def _rate(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (with or without /v1)")
-    g.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    g = parser.add_argument_group("load")
+    g.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    g.add_argument(
+        "--model", default=None,
+        help="with --base-url: the model name to send (default: the server's first model); with --compare: "
+        "the model the servers load (HF directory or .gguf; default: SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--api-key", default=None)
-    g.add_argument("--request-rate", type=_rate, default=float("inf"), help="requests/s, Poisson arrivals; inf = all at once")
+    g.add_argument(
+        "--request-rate", type=_rate, default=float("inf"), help="requests/s, Poisson arrivals; inf = all at once"
+    )
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     g.add_argument("--timeout", type=float, default=3600.0, help="seconds a request may take")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
-    add_workload_arguments(parser, default_workload=False, default_num_prompts=32, default_output_len=None, with_seed=True)
+    g.add_argument("--markdown", default=None, metavar="FILE", help="write the results as a Markdown table")
+    _add_compare_arguments(parser)
+    add_workload_arguments(
+        parser, default_workload=False, default_num_prompts=32, default_output_len=None, with_seed=True
+    )
+
+
+def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.cli import _bytes
+
+    c = parser.add_argument_group("servers started by --compare, each with the same settings")
+    c.add_argument(
+        "--compare", default=None, metavar="pagedllm,vllm",
+        help="start each server in turn on a free port and send it the same load (instead of --base-url)",
+    )
+    c.add_argument(
+        "--peer-python", default=None, metavar="PATH", help=f"python of vLLM's virtualenv (default: ${PEER_PYTHON_ENV})"
+    )
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: float32")
+    c.add_argument("--max-model-len", type=int, default=None, help="default: the longest request, rounded up to 256")
+    c.add_argument(
+        "--kv-cache-memory", type=_bytes, default=None, help="KV cache size, e.g. 2GiB (default: pagedllm's, 4GiB on CPU)"
+    )
+    c.add_argument("--max-num-seqs", type=int, default=256)
+    c.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="per-step token budget (default: pagedllm's, 2048)"
+    )
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    c.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds a server may take to answer /v1/models"
+    )
+    c.add_argument(
+        "--warmup", action=argparse.BooleanOptionalAction, default=True, help="a few short requests before timing"
+    )
+    c.add_argument("--server-log-dir", default=None, metavar="DIR", help="keep each server's output in DIR/<server>.log")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.base_url and not args.compare:
+        raise ConfigError("give --base-url URL (a running server) or --compare pagedllm,vllm (servers to start)")
+    if args.base_url and args.compare:
+        raise ConfigError("give either --base-url or --compare, not both")
     workload = workload_from_args(args)
     print(workload.describe(), file=sys.stderr)
+    if args.compare:
+        return run_compare(args, workload)
     result = asyncio.run(
         run_load(
             args.base_url, args.model, workload, args.request_rate, args.max_concurrency,
@@ -228,15 +635,20 @@ def run(args: argparse.Namespace) -> int:
     print(format_result(result))
     if args.json:
         report.write_json(args.json, result)
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown([result]) + "\n")
     return 0 if result["errors"] == 0 else 1
 
 
+# ---- presenting ---------------------------------------------------------------
+
+LATENCY_METRICS = (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_ms", "E2E (ms)"))
+STATS = ("mean", "p50", "p90", "p99")
+
+
 def format_result(result: dict) -> str:
-    rows = []
-    for key, label in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_ms", "E2E (ms)")):
-        s = result[key]
-        rows.append([label, *(s[k] if s else None for k in ("mean", "p50", "p90", "p99"))])
-    table = report.format_table(["metric", "mean", "p50", "p90", "p99"], rows)
+    rows = [[label, *(result[key][k] if result[key] else None for k in STATS)] for key, label in LATENCY_METRICS]
+    table = report.format_table(["metric", *STATS], rows)
     summary = (
         f"Serving {result['model']}: {result['completed']}/{result['num_requests']} requests ok, "
         f"{result['errors']} errors, rate {result['request_rate']}, "
@@ -246,3 +658,48 @@ def format_result(result: dict) -> str:
     )
     errors = "".join(f"\n  error: {e}" for e in result["error_samples"])
     return f"{summary}\n{table}{errors}"
+
+
+def format_comparison(results: list[dict], workload: Workload) -> str:
+    """Throughput side by side, then each server's latencies."""
+    base = next((r for r in results if r["backend"] == "pagedllm"), None)
+    rows = [
+        [
+            r["backend"], r["dtype"], f"{r['completed']}/{r['num_requests']}", r["startup_s"], r["duration_s"],
+            r["request_throughput"], r["output_tokens_per_s"], r["total_tokens_per_s"],
+            r["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None,
+        ]
+        for r in results
+    ]
+    headers = ["server", "dtype", "ok", "start-up s", "wall s", "req/s", "output tok/s", "total tok/s", "x pagedllm"]
+    throughput = report.format_table(headers, rows, title=f"Serving: {workload.describe()}")
+    latency_rows = [
+        [r["backend"], label, *(r[key][k] if r[key] else None for k in STATS)]
+        for r in results
+        for key, label in LATENCY_METRICS
+    ]
+    latency = report.format_table(["server", "metric", *STATS], latency_rows)
+    errors = "".join(f"\n  {r['backend']} error: {e}" for r in results for e in r["error_samples"])
+    return f"{throughput}\n\n{latency}{errors}"
+
+
+def format_markdown(results: list[dict]) -> str:
+    """One row per server: throughput, start-up, and TTFT / TPOT / ITL mean, p50, p99 in ms."""
+
+    def stats(s: dict | None) -> str:
+        return " / ".join(f"{s[k]:,.1f}" for k in ("mean", "p50", "p99")) if s else "-"
+
+    lines = [
+        "| server | dtype | requests ok | start-up s | output tok/s | total tok/s | requests/s "
+        "| TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms | ITL mean / p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        startup = f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "-"
+        cells = [
+            r.get("backend") or r["base_url"], r.get("dtype", "-"), f"{r['completed']} / {r['num_requests']}", startup,
+            f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}", f"{r['request_throughput']:.2f}",
+            stats(r["ttft_ms"]), stats(r["tpot_ms"]), stats(r["itl_ms"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
