@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON figures")
     parser.add_argument("--workload", default=None, help="W64 workload JSON (default ../shared/workloads/w64.json)")
+    parser.add_argument("--model", default=None,
+                        help="model path for the engine parts (default: the default model's package)")
     parser.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     parser.add_argument("--skip-engine", action="store_true", help="skip the end-to-end engine parts")
     parser.add_argument("--time-budget", type=float, default=280.0, help="seconds; later parts are skipped past it")
@@ -351,7 +353,7 @@ def _generate_tokens(ctx: dict, prompts, max_tokens: int, **llm_kwargs) -> tuple
 
     torch = ctx["torch"]
     t0 = time.perf_counter()
-    llm = LLM(model=None, **llm_kwargs)
+    llm = LLM(model=ctx["model"], **llm_kwargs)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
@@ -432,7 +434,7 @@ def _w64_run(ctx: dict, prompts: list[dict], params, enforce_eager: bool) -> dic
 
     torch, clock, tiny = ctx["torch"], ctx["clock"], ctx["interpret"]
     t0 = time.perf_counter()
-    llm = LLM(model=None, dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager)
+    llm = LLM(model=ctx["model"], dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager)
     info = {"load_s": round(time.perf_counter() - t0, 2), "attention_backend": _backend_name(llm)}
     # Warm-up: compile kernels and capture graphs outside the timed run.
     warm = SamplingParams(temperature=0, max_tokens=2 if tiny else 8, ignore_eos=True)
@@ -548,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --interpret to check this script on the CPU", file=sys.stderr)
         return 2
-    ctx = {"torch": torch, "device": device, "interpret": args.interpret, "clock": Clock(torch, device)}
+    ctx = {"torch": torch, "device": device, "interpret": args.interpret, "clock": Clock(torch, device),
+           "model": args.model}
     report: dict = {"environment": _environment(torch, triton, device), "interpret": args.interpret}
 
     parts = [
