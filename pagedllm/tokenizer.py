@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedllm.errors import ModelLoadError, RequestError
-from pagedllm.models.paths import cache_dir
+from pagedllm.models.paths import cache_dir, content_digest
 
 logger = logging.getLogger(__name__)
 
@@ -135,12 +135,12 @@ def _generation_config_eos_ids(model_dir: Path) -> list[int]:
 def _cached_gguf_tokenizer_dir(gguf_path: Path) -> Path:
     """Directory holding the GGUF file's tokenizer in HF format, created on first use.
 
-    The key changes when the file does (name, size, mtime). The directory is
-    written under a temporary name and renamed, so a reader never sees half of it.
+    The key is the file's content, so every copy of one model shares a
+    directory. It is written under a temporary name and renamed, so a reader
+    never sees half of it.
     """
-    stat = gguf_path.stat()
     root = cache_dir() / "tokenizers"
-    target = root / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    target = root / f"{gguf_path.stem}-{content_digest(gguf_path)[:16]}"
     if (target / "tokenizer_config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import gguf
 import numpy as np
@@ -251,9 +252,43 @@ def test_second_load_comes_from_cache_and_file_change_invalidates(tmp_path):
     assert second.hf_config == first.hf_config
     second_weights = dict(second.weights)
     assert all(torch.equal(second_weights[k], v) for k, v in first_weights.items())
+    # Touching the file keeps its bytes, and so its cache entry.
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert load_gguf_checkpoint(path).from_cache
+    # New bytes are a new entry.
+    _write_gguf(path, state, {"model.embed_tokens.weight": QType.Q4_1})
     assert not load_gguf_checkpoint(path).from_cache
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.safetensors"))) == 2
+
+
+def test_copies_of_one_file_share_a_cache_entry(tmp_path):
+    state = _state(_hf_model())
+    first = tmp_path / "env-a" / "model.gguf"
+    first.parent.mkdir()
+    _write_gguf(first, state, {})
+    assert not load_gguf_checkpoint(first).from_cache
+    second = tmp_path / "env-b" / "model.gguf"
+    second.parent.mkdir()
+    shutil.copyfile(first, second)  # another install of the same model: new path, new mtime
+    assert load_gguf_checkpoint(second).from_cache
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.safetensors"))) == 1
+
+
+def test_writing_an_entry_removes_entries_of_other_cache_formats(tmp_path, monkeypatch):
+    from pagedllm.models import gguf_loader
+
+    state = _state(_hf_model())
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, state, {})
+    monkeypatch.setattr(gguf_loader, "CACHE_FORMAT_VERSION", "old")
+    load_gguf_checkpoint(path)
+    (old_entry,) = (tmp_path / "cache" / "gguf").glob("*.safetensors")
+    monkeypatch.setattr(gguf_loader, "CACHE_FORMAT_VERSION", "new")
+    assert not load_gguf_checkpoint(path).from_cache  # the old format is not read
+    (entry,) = (tmp_path / "cache" / "gguf").glob("*.safetensors")
+    assert entry != old_entry and not old_entry.exists()
+    assert load_gguf_checkpoint(path).from_cache
 
 
 def test_unsupported_gguf_architecture(tmp_path):

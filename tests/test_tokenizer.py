@@ -1,5 +1,6 @@
 import json
 import random
+import shutil
 import time
 
 import pytest
@@ -142,6 +143,21 @@ def test_second_gguf_load_is_served_from_cache(tok, cache_root, monkeypatch):
         [{"role": "user", "content": "x"}]
     )
     assert not [p for p in (cache_root / "tokenizers").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_copy_of_the_gguf_shares_the_cached_tokenizer(tok, cache_root, tmp_path, monkeypatch):
+    import transformers
+
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(cache_root))
+    copy = tmp_path / default_model_path().name
+    shutil.copyfile(default_model_path(), copy)  # a second install: another path and mtime
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda path, **kw: calls.append(str(path)) or real(path, **kw)
+    )
+    assert Tokenizer.load(copy).source == tok.source
+    assert calls == [str(tok.source)]  # read from the cache, not converted again
 
 
 def test_hf_directory_with_generation_config(tok, tmp_path):

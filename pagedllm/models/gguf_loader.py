@@ -5,8 +5,9 @@ dequantizer, so every type it supports loads (F32, F16, BF16, Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, the K-quants, the IQ types). The result is cached on disk as
 one safetensors file (config in its metadata) under
 ``pagedllm.models.paths.cache_dir() / "gguf"``, keyed by the GGUF file's
-resolved path, size and modification time, so only the first load pays for
-dequantization.
+content (``paths.content_digest``) and the cache format, so only the first
+load of a file pays for dequantization, however many environments install
+it. Writing an entry deletes the entries of other cache formats.
 
 Two GGUF-only settings reach the config dict under keys HF does not have:
 ``rope_frequency_factors`` (the ``rope_freqs`` tensor by which llama.cpp's
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
-from pagedllm.models.paths import cache_dir
+from pagedllm.models.paths import cache_dir, content_digest
 
 logger = logging.getLogger("pagedllm")
 
@@ -267,10 +268,8 @@ def _field_value(field: Any) -> Any:
 
 
 def _cache_file(path: Path) -> Path:
-    """Cache location for ``path``; changes whenever the file is replaced or touched."""
-    resolved = path.resolve()
-    stat = resolved.stat()
-    key = f"{CACHE_FORMAT_VERSION}|{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
+    """Cache location for ``path``: the same for every copy of the same bytes."""
+    key = f"{CACHE_FORMAT_VERSION}|{content_digest(path)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{path.stem}.{digest}.safetensors"
 
@@ -297,10 +296,27 @@ def _write_cache(
     tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {"hf_config": json.dumps(hf_config), "source": str(source)}
+        metadata = {"hf_config": json.dumps(hf_config), "source": str(source), "format": CACHE_FORMAT_VERSION}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
         os.replace(tmp, cache_file)
         logger.info("cached dequantized weights at %s", cache_file)
     except OSError as exc:
         logger.warning("could not cache dequantized weights at %s: %s", cache_file, exc)
         tmp.unlink(missing_ok=True)
+        return
+    _prune_other_formats(cache_file.parent)
+
+
+def _prune_other_formats(directory: Path) -> None:
+    """Delete cache entries written by another cache format; no reader will use them again."""
+    from safetensors import safe_open
+
+    for entry in directory.glob("*.safetensors"):
+        try:
+            with safe_open(str(entry), framework="pt", device="cpu") as handle:
+                stale = (handle.metadata() or {}).get("format") != CACHE_FORMAT_VERSION
+        except Exception:  # noqa: BLE001 - an unreadable entry is as stale as an old one
+            stale = True
+        if stale:
+            entry.unlink(missing_ok=True)
+            logger.info("removed stale weight cache %s", entry)

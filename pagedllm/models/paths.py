@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
+import tempfile
 from pathlib import Path
 
 from pagedllm.errors import ModelLoadError
@@ -61,3 +64,42 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagedllm"
     )
     return Path(root)
+
+
+def content_digest(path: Path) -> str:
+    """sha256 (hex) of the file's bytes, computed once per (resolved path, size, mtime).
+
+    Caches derived from a model file are keyed by this digest rather than by
+    its path, so the same model installed in several environments (each with
+    its own path and mtime) shares one cache entry. The digest is remembered
+    in a small file under ``cache_dir() / "digests"`` keyed by path, size and
+    mtime, so a file is hashed once, not on every load.
+    """
+    resolved = path.resolve()
+    stat = resolved.stat()
+    stamp = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = cache_dir() / "digests" / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".json")
+    try:
+        remembered = json.loads(memo.read_text())
+        if remembered.get("stamp") == stamp:
+            return remembered["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = hashlib.sha256()
+    with open(resolved, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    _write_atomically(memo, json.dumps({"stamp": stamp, "sha256": digest.hexdigest()}))
+    return digest.hexdigest()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` via a temporary file and a rename; a read-only cache is skipped silently."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
