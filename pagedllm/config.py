@@ -45,7 +45,8 @@ class EngineConfig:
     decode tokens); ``None`` picks a default from the device.
     ``num_headroom_tokens``: a request is admitted only while the free KV blocks
     left afterwards still cover that many more tokens of every running sequence
-    (capped by each one's max_tokens); 0 admits whenever the prompt fits.
+    (none past its max_tokens, and never more than a tenth of the cache in all);
+    0 admits whenever the prompt fits.
     """
 
     model: str | None = None

@@ -23,11 +23,12 @@ def make_request(
 
 
 def make_scheduler(num_blocks=32, budget=64, max_seqs=8, mode="recompute", swap_blocks=0, caching=False,
-                   headroom=16):
+                   headroom=16, headroom_fraction=0.1):
     """Block size 8; ``headroom`` is num_headroom_tokens (0: admit whenever the prompt fits)."""
     bm = BlockManager(num_blocks, 8, num_cpu_blocks=swap_blocks, enable_prefix_caching=caching)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1024,
-                          preemption_mode=mode, num_headroom_tokens=headroom)
+                          preemption_mode=mode, num_headroom_tokens=headroom,
+                          max_headroom_fraction=headroom_fraction)
     return Scheduler(cfg, bm)
 
 
@@ -219,9 +220,14 @@ def ids(requests) -> list[str]:
     return [r.request_id for r in requests]
 
 
+def make_headroom_scheduler(num_blocks, headroom=16, **options):
+    """No cap on the reserve: in caches this small the default (a tenth) would hide the rule."""
+    return make_scheduler(num_blocks=num_blocks, budget=256, headroom=headroom, headroom_fraction=1.0, **options)
+
+
 @pytest.mark.parametrize(("num_blocks", "admitted"), [(11, ["a", "b"]), (12, ["a", "b", "c"])])
 def test_admission_keeps_headroom_for_every_running_sequence(num_blocks, admitted):
-    sched = make_scheduler(num_blocks=num_blocks, budget=256)  # 16 tokens of headroom: 2 blocks each
+    sched = make_headroom_scheduler(num_blocks)  # 16 tokens of headroom: 2 blocks each
     for i, rid in enumerate("abc"):
         sched.add_request(make_request(rid, 16, first_token=100 * i + 1))
     run_step(sched)
@@ -234,7 +240,7 @@ def test_admission_keeps_headroom_for_every_running_sequence(num_blocks, admitte
 
 
 def test_without_headroom_every_prompt_that_fits_is_admitted():
-    sched = make_scheduler(num_blocks=11, budget=256, headroom=0)
+    sched = make_headroom_scheduler(11, headroom=0)
     for i, rid in enumerate("abc"):
         sched.add_request(make_request(rid, 16, first_token=100 * i + 1))
     run_step(sched)
@@ -242,7 +248,7 @@ def test_without_headroom_every_prompt_that_fits_is_admitted():
 
 
 def test_headroom_stops_at_max_tokens():
-    sched = make_scheduler(num_blocks=11, budget=256)
+    sched = make_headroom_scheduler(11)
     sched.add_request(make_request("a", 15, max_tokens=1))  # final length 16: its 2 blocks hold it
     sched.add_request(make_request("b", 16, first_token=101))
     sched.add_request(make_request("c", 16, first_token=201))
@@ -252,7 +258,7 @@ def test_headroom_stops_at_max_tokens():
 
 
 def test_a_request_alone_is_admitted_without_headroom():
-    sched = make_scheduler(num_blocks=4, budget=256)
+    sched = make_headroom_scheduler(4)
     big, small = make_request("big", 30), make_request("small", 8, first_token=101)
     sched.add_request(big)
     sched.add_request(small)
@@ -268,7 +274,7 @@ def test_a_request_alone_is_admitted_without_headroom():
 
 
 def test_a_preempted_request_returns_only_with_headroom():
-    sched = make_scheduler(num_blocks=7, budget=256, headroom=8)  # 1 block each
+    sched = make_headroom_scheduler(7, headroom=8)  # 1 block each
     a, b = make_request("a", 16), make_request("b", 16, first_token=101)
     sched.add_request(a)
     sched.add_request(b)
@@ -286,7 +292,7 @@ def test_a_preempted_request_returns_only_with_headroom():
 
 
 def test_without_headroom_a_preempted_request_returns_as_soon_as_it_fits():
-    sched = make_scheduler(num_blocks=7, budget=256, headroom=0)
+    sched = make_headroom_scheduler(7, headroom=0)
     a, b = make_request("a", 16), make_request("b", 16, first_token=101)
     sched.add_request(a)
     sched.add_request(b)
@@ -298,7 +304,7 @@ def test_without_headroom_a_preempted_request_returns_as_soon_as_it_fits():
 
 @pytest.mark.parametrize(("headroom", "swapped_in"), [(8, False), (0, True)])
 def test_swap_in_waits_for_the_running_sequences_headroom(headroom, swapped_in):
-    sched = make_scheduler(num_blocks=7, budget=256, mode="swap", swap_blocks=8, headroom=headroom)
+    sched = make_headroom_scheduler(7, headroom=headroom, mode="swap", swap_blocks=8)
     a, b = make_request("a", 16), make_request("b", 16, first_token=101)
     sched.add_request(a)
     sched.add_request(b)
@@ -313,7 +319,7 @@ def test_swap_in_waits_for_the_running_sequences_headroom(headroom, swapped_in):
 
 @pytest.mark.parametrize(("num_blocks", "admitted"), [(7, False), (8, True)])
 def test_headroom_counts_every_sequence_of_a_forked_request(num_blocks, admitted):
-    sched = make_scheduler(num_blocks=num_blocks, budget=256, headroom=8)
+    sched = make_headroom_scheduler(num_blocks, headroom=8)
     a = make_request("a", 16, n=2)
     sched.add_request(a)
     run_step(sched)
@@ -334,3 +340,15 @@ def test_headroom_is_an_engine_option_checked_at_the_boundary():
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="num_headroom_tokens"):
             EngineConfig(num_headroom_tokens=bad)
+
+
+@pytest.mark.parametrize(("fraction", "num_admitted"), [(1.0, 5), (0.1, 9)])
+def test_the_reserve_never_holds_back_more_than_its_fraction_of_the_cache(fraction, num_admitted):
+    sched = make_scheduler(num_blocks=20, budget=256, max_seqs=10, headroom_fraction=fraction)
+    for i in range(10):
+        sched.add_request(make_request(f"r{i}", 16, first_token=100 * i + 1))
+    run_step(sched)
+    # Uncapped, the k-th request needs 2 + 2 * k blocks of the 20 - 2 * (k - 1) free: 5 fit.
+    # Capped at 2 blocks (a tenth of 20), each needs 2 + 2: 9 fit, leaving 2.
+    assert ids(sched.running) == [f"r{i}" for i in range(num_admitted)]
+    assert sched.block_manager.get_num_free_blocks() == 20 - 2 * num_admitted

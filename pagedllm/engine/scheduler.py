@@ -13,6 +13,9 @@ tokens of every running sequence, itself included (never past a sequence's
 admitting a little less instead of admitting everything whose prompt fits and
 preempting by recompute as the sequences grow; it applies to preempted
 requests coming back too, so they return only when they can keep running.
+It never holds back more than ``max_headroom_fraction`` of the cache, so that
+a batch of many short sequences is not kept small for growth that early stops
+may never use.
 
 The scheduler decides; it never touches tensors. Its output is plain data
 (:class:`SchedulerOutput`) that the runner executes.
@@ -108,6 +111,7 @@ class SchedulerConfig:
     # Tokens of growth per running sequence that must still fit after an
     # admission (see the module docstring); 0 admits whenever the prompt fits.
     num_headroom_tokens: int = DEFAULT_NUM_HEADROOM_TOKENS
+    max_headroom_fraction: float = 0.1  # of the device blocks
 
 
 class Scheduler:
@@ -310,7 +314,7 @@ class Scheduler:
             seq_ids = [s.seq_id for s in request.live_seqs()]
             # A new block and a copy-on-write per sequence, so a group that
             # comes back can step instead of being swapped straight out.
-            num_headroom = 2 * len(seq_ids) + self._running_headroom_blocks()
+            num_headroom = 2 * len(seq_ids) + self._capped(self._running_headroom_blocks())
             if not self.block_manager.can_swap_in(seq_ids, num_headroom_blocks=num_headroom):
                 break
             self.swapped.popleft()
@@ -368,7 +372,7 @@ class Scheduler:
                 continue
             num_growth = self._admission_growth_blocks(request)
             # Alone in the cache a request needs no headroom: it runs as far as the cache lets it.
-            num_reserve = num_headroom + num_growth if self.running else 0
+            num_reserve = self._capped(num_headroom + num_growth) if self.running else 0
             if not self._can_admit(request, num_reserve):
                 break  # FCFS: later prompts wait behind this one so it is never starved
             self.waiting.popleft()
@@ -377,6 +381,11 @@ class Scheduler:
             _, budget, _ = self._schedule_running(request, budget, out)
 
     # ---- admission headroom -----------------------------------------------
+
+    def _capped(self, num_headroom_blocks: int) -> int:
+        """The headroom, held to max_headroom_fraction of the device blocks."""
+        limit = int(self.config.max_headroom_fraction * self.block_manager.num_blocks)
+        return min(num_headroom_blocks, limit)
 
     def _final_len(self, request: Request, seq: Sequence) -> int:
         """The most tokens the sequence can reach: prompt + max_tokens, within max_model_len."""
