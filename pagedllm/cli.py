@@ -10,7 +10,13 @@ import argparse
 import importlib
 import sys
 
-from pagedllm.config import KV_POLICIES, PREEMPTION_MODES, SUPPORTED_BLOCK_SIZES, EngineConfig
+from pagedllm.config import (
+    DEFAULT_NUM_HEADROOM_TOKENS,
+    KV_POLICIES,
+    PREEMPTION_MODES,
+    SUPPORTED_BLOCK_SIZES,
+    EngineConfig,
+)
 from pagedllm.errors import PagedLLMError
 
 # subcommand -> module with add_arguments(parser) and run(args) -> int
@@ -36,6 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--num-headroom-tokens", type=int, default=DEFAULT_NUM_HEADROOM_TOKENS,
+                   help="admit a request only while every running sequence can still grow this many tokens "
+                   "(0: admit whenever the prompt fits)")
     g.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
     g.add_argument("--kv-policy", default="paged", choices=list(KV_POLICIES))
     g.add_argument("--attention-backend", default=None)
@@ -57,6 +66,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        num_headroom_tokens=args.num_headroom_tokens,
         preemption_mode=args.preemption_mode,
         kv_policy=args.kv_policy,
         attention_backend=args.attention_backend,

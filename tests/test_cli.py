@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedllm.cli import _bytes, build_parser
+from pagedllm.cli import _bytes, build_parser, engine_config_from_args
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -31,6 +31,14 @@ def test_every_subcommand_is_registered():
         with pytest.raises(SystemExit) as info:
             parser.parse_args([command, "--help"])
         assert info.value.code == 0
+
+
+def test_engine_flags_reach_the_engine_config():
+    args = build_parser().parse_args(["generate", "hi", "--num-headroom-tokens", "0", "--max-num-seqs", "8"])
+    config = engine_config_from_args(args)
+    assert config.num_headroom_tokens == 0 and config.max_num_seqs == 8
+    default = engine_config_from_args(build_parser().parse_args(["generate", "hi"]))
+    assert default.num_headroom_tokens == 16
 
 
 def test_bad_flags_fail_fast_with_a_clear_message():
