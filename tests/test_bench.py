@@ -286,6 +286,65 @@ def test_serve_against_a_pagedllm_server(tmp_path, pagedllm_server):
         assert set(data[key]) == {"mean", "p50", "p90", "p99"}
         assert data[key]["p50"] <= data[key]["p99"]
     assert data["ttft_ms"]["mean"] <= data["e2e_ms"]["mean"]
+    # The server's own /metrics was read during the load.
+    metrics = data["server_metrics"]
+    assert metrics["num_samples"] >= 2 and metrics["preemptions"] == 0
+    assert 0 <= metrics["peak_running"] <= 4 and 0 <= metrics["peak_kv_cache_usage"] <= 1
+
+
+def _metrics_text(prefix: str, running: int, waiting: int, usage: float, preemptions: int) -> str:
+    return "\n".join([
+        f"# TYPE {prefix}:num_requests_running gauge",
+        f'{prefix}:num_requests_running{{model_name="m"}} {running}',
+        f"# TYPE {prefix}:num_requests_waiting gauge",
+        f'{prefix}:num_requests_waiting{{model_name="m"}} {waiting}',
+        f"# TYPE {prefix}:kv_cache_usage_perc gauge",
+        f'{prefix}:kv_cache_usage_perc{{model_name="m"}} {usage}',
+        f"# TYPE {prefix}:num_preemptions counter",
+        f'{prefix}:num_preemptions_total{{model_name="m"}} {preemptions}',
+        "",
+    ])
+
+
+@pytest.mark.parametrize("prefix", ["pagedllm", "vllm"])
+def test_serve_samples_the_servers_metrics_during_the_load(prefix, monkeypatch):
+    import httpx
+
+    monkeypatch.setattr(serve, "METRICS_INTERVAL_S", 0.01)
+    readings = iter([(0, 0, 0.0, 5), (3, 7, 0.42, 5), (8, 1, 0.97, 6), (2, 0, 0.5, 9)])
+    last = [(0, 0, 0.0, 9)]
+
+    async def slow_stream(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            reading = next(readings, None) or last[0]
+            return httpx.Response(200, text=_metrics_text(prefix, *reading))
+        await asyncio.sleep(0.2)  # long enough for every reading above
+        body = json.loads(request.content)
+        chunks = _token_chunks(body["max_tokens"], "x", closing_chunk=False)
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    workload = Workload("fake", [[1, 2]], output_len=3)
+    result = asyncio.run(serve.run_load("http://fake", "m", workload, transport=httpx.MockTransport(slow_stream)))
+    assert result["completed"] == 1
+    metrics = result["server_metrics"]
+    assert metrics["peak_running"] == 8 and metrics["peak_waiting"] == 7
+    assert metrics["peak_kv_cache_usage"] == 0.97
+    assert metrics["preemptions"] == 4  # 5 when the load began, 9 after it
+
+
+def test_serve_without_a_metrics_endpoint_reports_none():
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(404, text="not here")
+        chunks = _token_chunks(json.loads(request.content)["max_tokens"], "x", closing_chunk=False)
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    workload = Workload("fake", [[1, 2]], output_len=3)
+    result = asyncio.run(serve.run_load("http://fake", "m", workload, transport=httpx.MockTransport(handler)))
+    assert result["completed"] == 1 and result["server_metrics"] is None
+    assert "peak running -" in serve.format_result({**result, "workload": "fake", "base_url": "http://fake"})
 
 
 @pytest.mark.slow

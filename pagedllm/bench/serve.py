@@ -11,6 +11,12 @@ streamed chunks), TPOT ((E2E - TTFT) / (output tokens - 1)), E2E. Output
 tokens come from the final ``usage`` chunk when the server sends one, else
 from the number of streamed chunks.
 
+While the load runs, the server's Prometheus ``/metrics`` is read every
+``METRICS_INTERVAL_S`` (vLLM's names, under any prefix: ``pagedllm:`` or
+``vllm:``): the most requests running and waiting at once, the highest KV
+cache usage, and the preemptions during the load. A server without the
+endpoint gets no such figures.
+
 ``--compare pagedllm,vllm`` starts each server in turn as a subprocess on a
 free port (``pagedllm serve``, then vLLM's OpenAI server from its own
 virtualenv), both with the same settings (:class:`ServerSettings`), waits
@@ -46,6 +52,10 @@ from pagedllm.bench.workloads import (
 from pagedllm.errors import ConfigError
 
 SERVERS = ("pagedllm", "vllm")
+
+METRICS_INTERVAL_S = 0.25
+# Prometheus sample names, after the server's prefix, that the sampler follows.
+_SAMPLED_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total")
 
 
 @dataclass
@@ -148,7 +158,7 @@ async def run_load(
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[:-3]
-    pool = max_concurrency or workload.num_requests
+    pool = (max_concurrency or workload.num_requests) + 1  # one more for the metrics sampler
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(timeout_s, connect=60.0)
@@ -175,11 +185,87 @@ async def run_load(
                 return await send_request(client, f"{base}/v1/completions", payload, record)
 
         start = time.perf_counter()
+        sampler = MetricsSampler(client, f"{base}/metrics")
+        sampling = asyncio.create_task(sampler.run())
         arrivals = arrival_times(workload.num_requests, request_rate, seed)
         tasks = [asyncio.create_task(one(i)) async for i in arrivals]
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(records, duration, model, workload, request_rate, max_concurrency)
+        await sampler.stop(sampling)
+    return {
+        **summarize(records, duration, model, workload, request_rate, max_concurrency),
+        "server_metrics": sampler.summary(),
+    }
+
+
+class MetricsSampler:
+    """Reads a server's Prometheus ``/metrics`` at an interval while the load runs.
+
+    Keeps the peaks of the running/waiting gauges and KV usage, and the first
+    and last preemption counts. The first failed read (no endpoint, or not
+    Prometheus text) ends the sampling: such a server reports no metrics.
+    """
+
+    def __init__(self, client, url: str, interval_s: float | None = None) -> None:
+        self.client = client
+        self.url = url
+        self.interval_s = METRICS_INTERVAL_S if interval_s is None else interval_s
+        self.samples: list[dict[str, float]] = []
+        self._done = asyncio.Event()
+
+    async def run(self) -> None:
+        while not self._done.is_set():
+            values = await self._read()
+            if values is None:
+                return
+            self.samples.append(values)
+            try:
+                await asyncio.wait_for(self._done.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def stop(self, task: asyncio.Task) -> None:
+        """One last reading (for the preemption count at the end), then stop."""
+        self._done.set()
+        await task
+        if self.samples:
+            values = await self._read()
+            if values is not None:
+                self.samples.append(values)
+
+    async def _read(self) -> dict[str, float] | None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            response = await self.client.get(self.url)
+            if response.status_code != 200:
+                return None
+            values: dict[str, float] = {}
+            for family in text_string_to_metric_families(response.text):
+                for sample in family.samples:
+                    name = sample.name.rsplit(":", 1)[-1]
+                    if name in _SAMPLED_METRICS:
+                        values[name] = values.get(name, 0.0) + sample.value
+            return values or None
+        except Exception:  # noqa: BLE001 - any unreadable answer means the server has no usable metrics
+            return None
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+
+        def peak(name: str) -> float | None:
+            seen = [s[name] for s in self.samples if name in s]
+            return max(seen) if seen else None
+
+        preemptions = [s["num_preemptions_total"] for s in self.samples if "num_preemptions_total" in s]
+        return {
+            "num_samples": len(self.samples),
+            "peak_running": peak("num_requests_running"),
+            "peak_waiting": peak("num_requests_waiting"),
+            "peak_kv_cache_usage": peak("kv_cache_usage_perc"),
+            "preemptions": preemptions[-1] - preemptions[0] if preemptions else None,
+        }
 
 
 async def _first_model(client, base: str) -> str:
@@ -656,8 +742,9 @@ def format_result(result: dict) -> str:
         f"duration {result['duration_s']:.2f} s; {result['request_throughput']:.2f} req/s; "
         f"output {result['output_tokens_per_s']:.1f} tok/s; total {result['total_tokens_per_s']:.1f} tok/s"
     )
+    metrics = ", ".join(f"{h} {c}" for h, c in zip(METRIC_HEADERS, _metric_cells(result.get("server_metrics"))))
     errors = "".join(f"\n  error: {e}" for e in result["error_samples"])
-    return f"{summary}\n{table}{errors}"
+    return f"{summary}\nserver /metrics during the load: {metrics}\n{table}{errors}"
 
 
 def format_comparison(results: list[dict], workload: Workload) -> str:
@@ -668,10 +755,14 @@ def format_comparison(results: list[dict], workload: Workload) -> str:
             r["backend"], r["dtype"], f"{r['completed']}/{r['num_requests']}", r["startup_s"], r["duration_s"],
             r["request_throughput"], r["output_tokens_per_s"], r["total_tokens_per_s"],
             r["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None,
+            *_metric_cells(r.get("server_metrics")),
         ]
         for r in results
     ]
-    headers = ["server", "dtype", "ok", "start-up s", "wall s", "req/s", "output tok/s", "total tok/s", "x pagedllm"]
+    headers = [
+        "server", "dtype", "ok", "start-up s", "wall s", "req/s", "output tok/s", "total tok/s", "x pagedllm",
+        *METRIC_HEADERS,
+    ]
     throughput = report.format_table(headers, rows, title=f"Serving: {workload.describe()}")
     latency_rows = [
         [r["backend"], label, *(r[key][k] if r[key] else None for k in STATS)]
@@ -683,6 +774,24 @@ def format_comparison(results: list[dict], workload: Workload) -> str:
     return f"{throughput}\n\n{latency}{errors}"
 
 
+METRIC_HEADERS = ("peak running", "peak waiting", "peak KV use", "preemptions")
+
+
+def _metric_cells(metrics: dict | None) -> list:
+    """The sampled /metrics figures as table cells; '-' where the server gave none."""
+    if not metrics:
+        return ["-"] * len(METRIC_HEADERS)
+
+    def count(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    usage = metrics["peak_kv_cache_usage"]
+    return [
+        count(metrics["peak_running"]), count(metrics["peak_waiting"]),
+        "-" if usage is None else f"{100 * usage:.1f}%", count(metrics["preemptions"]),
+    ]
+
+
 def format_markdown(results: list[dict]) -> str:
     """One row per server: throughput, start-up, and TTFT / TPOT / ITL mean, p50, p99 in ms."""
 
@@ -691,15 +800,16 @@ def format_markdown(results: list[dict]) -> str:
 
     lines = [
         "| server | dtype | requests ok | start-up s | output tok/s | total tok/s | requests/s "
-        "| TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms | ITL mean / p50 / p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms | ITL mean / p50 / p99 ms | "
+        + " | ".join(METRIC_HEADERS) + " |",
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(METRIC_HEADERS),
     ]
     for r in results:
         startup = f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "-"
         cells = [
             r.get("backend") or r["base_url"], r.get("dtype", "-"), f"{r['completed']} / {r['num_requests']}", startup,
             f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}", f"{r['request_throughput']:.2f}",
-            stats(r["ttft_ms"]), stats(r["tpot_ms"]), stats(r["itl_ms"]),
+            stats(r["ttft_ms"]), stats(r["tpot_ms"]), stats(r["itl_ms"]), *_metric_cells(r.get("server_metrics")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
