@@ -12,7 +12,7 @@ tokens come from the final ``usage`` chunk when the server sends one, else
 from the number of streamed chunks.
 
 While the load runs, the server's Prometheus ``/metrics`` is read every
-``METRICS_INTERVAL_S`` (vLLM's names, under any prefix: ``pagedllm:`` or
+``--metrics-interval`` seconds (vLLM's names, under any prefix: ``pagedllm:`` or
 ``vllm:``): the most requests running and waiting at once, the highest KV
 cache usage, and the preemptions during the load. A server without the
 endpoint gets no such figures.
@@ -53,7 +53,7 @@ from pagedllm.errors import ConfigError
 
 SERVERS = ("pagedllm", "vllm")
 
-METRICS_INTERVAL_S = 0.25
+METRICS_INTERVAL_S = 0.5
 # Prometheus sample names, after the server's prefix, that the sampler follows.
 _SAMPLED_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total")
 
@@ -151,6 +151,7 @@ async def run_load(
     seed: int = 0,
     timeout_s: float = 3600.0,
     transport=None,
+    metrics_interval_s: float | None = None,
 ) -> dict:
     """Send the workload; ``transport`` replaces the network (an ``httpx.AsyncBaseTransport``, for tests)."""
     import httpx
@@ -185,7 +186,7 @@ async def run_load(
                 return await send_request(client, f"{base}/v1/completions", payload, record)
 
         start = time.perf_counter()
-        sampler = MetricsSampler(client, f"{base}/metrics")
+        sampler = MetricsSampler(client, f"{base}/metrics", metrics_interval_s)
         sampling = asyncio.create_task(sampler.run())
         arrivals = arrival_times(workload.num_requests, request_rate, seed)
         tasks = [asyncio.create_task(one(i)) async for i in arrivals]
@@ -214,6 +215,8 @@ class MetricsSampler:
         self._done = asyncio.Event()
 
     async def run(self) -> None:
+        if self.interval_s <= 0:
+            return  # sampling turned off
         while not self._done.is_set():
             values = await self._read()
             if values is None:
@@ -590,7 +593,7 @@ def bench_server(
         result = asyncio.run(
             run_load(
                 base_url, settings.served_model_name, workload, args.request_rate, args.max_concurrency,
-                seed=args.seed, timeout_s=args.timeout,
+                seed=args.seed, timeout_s=args.timeout, metrics_interval_s=args.metrics_interval,
             )
         )
         loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -663,6 +666,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     g.add_argument("--timeout", type=float, default=3600.0, help="seconds a request may take")
+    g.add_argument("--metrics-interval", type=float, default=METRICS_INTERVAL_S,
+                   help="seconds between reads of the server's /metrics during the load (0: none)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     g.add_argument("--markdown", default=None, metavar="FILE", help="write the results as a Markdown table")
     _add_compare_arguments(parser)
@@ -713,7 +718,7 @@ def run(args: argparse.Namespace) -> int:
     result = asyncio.run(
         run_load(
             args.base_url, args.model, workload, args.request_rate, args.max_concurrency,
-            args.api_key, args.seed, args.timeout,
+            args.api_key, args.seed, args.timeout, metrics_interval_s=args.metrics_interval,
         )
     )
     result["workload"] = workload.describe()
