@@ -36,8 +36,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, choices=list(SUPPORTED_BLOCK_SIZES))
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-    g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache size, e.g. 2GiB or 500MB")
-    g.add_argument("--swap-space", type=_bytes, default=0, help="CPU swap pool size, e.g. 1GiB")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size, e.g. 2GiB or 500MB")
+    g.add_argument("--swap-space", type=parse_size, default=0, help="CPU swap pool size, e.g. 1GiB")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -79,7 +79,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def _bytes(text: str) -> int:
+def parse_size(text: str) -> int:
     """Parse '2GiB', '500MB', '1048576' into bytes."""
     raw = text.strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")

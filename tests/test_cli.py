@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedllm.cli import _bytes, build_parser, engine_config_from_args
+from pagedllm.cli import build_parser, engine_config_from_args, parse_size
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -18,11 +18,11 @@ def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subproc
 
 
 def test_size_parsing():
-    assert _bytes("1048576") == 2**20
-    assert _bytes("2GiB") == 2 * 2**30
-    assert _bytes("500MB") == 500 * 10**6
+    assert parse_size("1048576") == 2**20
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("500MB") == 500 * 10**6
     with pytest.raises(Exception, match="not a size"):
-        _bytes("lots")
+        parse_size("lots")
 
 
 def test_every_subcommand_is_registered():

@@ -677,7 +677,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.cli import _bytes
+    from pagedllm.cli import parse_size
 
     c = parser.add_argument_group("servers started by --compare, each with the same settings")
     c.add_argument(
@@ -690,7 +690,7 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: float32")
     c.add_argument("--max-model-len", type=int, default=None, help="default: the longest request, rounded up to 256")
     c.add_argument(
-        "--kv-cache-memory", type=_bytes, default=None, help="KV cache size, e.g. 2GiB (default: pagedllm's, 4GiB on CPU)"
+        "--kv-cache-memory", type=parse_size, default=None, help="KV cache size, e.g. 2GiB (default: pagedllm's, 4GiB on CPU)"
     )
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument(
