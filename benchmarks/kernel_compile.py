@@ -174,7 +174,8 @@ def compile_one(launch: str, jit_function, spec: dict, target, ptxas: str) -> Ke
         source = ASTSource(jit_function, spec["signature"], spec["constants"], spec["configs"][0])
         compiled = triton.compile(source, target=target, options=options)
     except Exception as exc:  # noqa: BLE001 - a compile failure is the result being reported
-        report.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        last_line = (str(exc).strip().splitlines() or [""])[-1]
+        report.error = f"{type(exc).__name__}: {last_line}"
         report.problems.append("does not compile")
         return report
     report.seconds = round(time.perf_counter() - start, 2)

@@ -22,7 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.common import LOG2E, check_attention_inputs, dot_operands
+from pagedllm.attention.kernels.common import (
+    LOG2E,
+    check_attention_inputs,
+    dot_operands,
+    load_kv_tile,
+    online_softmax_step,
+)
 
 
 @triton.jit
@@ -96,22 +102,14 @@ def _decode_split_kernel(
     for start in range(ctx_start, ctx_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
         pos_ok = pos < ctx_end
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head_off  # [BLOCK_N]
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        kv_off = slot_off[:, None] + dims[None, :] * stride_cd  # [BLOCK_N, D]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        # Every tile holds at least one valid position, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head_off,
+            stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
+        )  # [BLOCK_N, D] each
+        # Every tile holds at least one valid position, so the running max stays finite.
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
+        )
 
     if SPLIT:
         part_row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [GROUP_PAD]

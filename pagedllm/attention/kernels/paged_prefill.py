@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.kernels.common import LOG2E, check_attention_inputs, dot_operands
+from pagedllm.attention.kernels.common import (
+    LOG2E,
+    check_attention_inputs,
+    dot_operands,
+    load_kv_tile,
+    online_softmax_step,
+)
 
 
 @triton.jit
@@ -93,24 +99,14 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_ok = pos < kv_end
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head_off
-        kv_off = slot_off[:, None] + dims[None, :] * stride_cd  # [BLOCK_N, D]
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        s = tl.where(causal, s, float("-inf"))
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head_off,
+            stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
+        )  # [BLOCK_N, D] each
+        causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]  # [BLOCK_M, BLOCK_N]
         # Position 0 is in the first tile and visible to every row, so after
         # the first step m_i is finite and fully masked later tiles add nothing.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
