@@ -363,6 +363,8 @@ class Scheduler:
         return num_needed <= bm.get_num_free_blocks() - bm.watermark_blocks
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        if not self.waiting:
+            return  # the common decode step: skip summing the running sequences' headroom
         num_headroom = self._running_headroom_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
