@@ -14,7 +14,8 @@ Parts (each guarded: a failure is recorded in the JSON and the others still run)
 
 Usage: ``python benchmarks/gpu_check.py --out gpu_check.json`` on a CUDA machine.
 ``--interpret`` runs everything small on the CPU under Triton's interpreter
-(timings are then meaningless); ``--skip-engine`` skips the last two parts.
+(timings are then meaningless); ``--skip-engine`` skips the last two parts and
+``--parts`` names the parts to run, so a run can be split over two machines' calls.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ WORKLOAD_CANDIDATES = [
 # Short splits and a high program target so tiny shapes still take the split-K path.
 SMALL_SPLITS = {"min_split_tokens": 32, "target_programs": 64}
 
+PARTS = ("kernel_check", "decode_bandwidth", "engine_greedy", "w64_throughput")
+
 GREEDY_PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -61,8 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="model path for the engine parts (default: the default model's package)")
     parser.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     parser.add_argument("--skip-engine", action="store_true", help="skip the end-to-end engine parts")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--time-budget", type=float, default=280.0, help="seconds; later parts are skipped past it")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    return args
 
 
 class Clock:
@@ -562,7 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, run, needs_engine in parts:
         elapsed = time.perf_counter() - started
-        if needs_engine and args.skip_engine:
+        if name not in args.parts:
+            report[name] = {"skipped": True, "reason": "not in --parts"}
+        elif needs_engine and args.skip_engine:
             report[name] = {"skipped": True, "reason": "--skip-engine"}
         elif elapsed > args.time_budget:
             report[name] = {"skipped": True, "reason": f"time budget spent ({elapsed:.0f} s)"}

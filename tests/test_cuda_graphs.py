@@ -24,6 +24,7 @@ from pagedllm.runner.cuda_graphs import DecodeGraphs, batch_buckets  # noqa: E40
 from pagedllm.runner.inputs import build_model_inputs  # noqa: E402
 
 BS = 8
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -38,7 +39,7 @@ def tiny_model() -> LlamaForCausalLM:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 def test_buckets_cover_every_batch_size():
@@ -51,7 +52,7 @@ def test_static_padded_decode_equals_eager_forward(num_seqs):
     model = tiny_model()
     mc = model.config
     cache = KVCache(num_layers=mc.num_layers, num_blocks=40, block_size=BS, num_kv_heads=mc.num_kv_heads,
-                    head_dim=mc.head_dim, dtype=torch.float32, device="cpu")
+                    head_dim=mc.head_dim, dtype=torch.float32, device=DEVICE)
     rng = random.Random(num_seqs)
     free = list(range(40))
     rng.shuffle(free)
@@ -63,12 +64,12 @@ def test_static_padded_decode_equals_eager_forward(num_seqs):
         tokens = [rng.randrange(96) for _ in range(length + 1)]
         prefill = SimpleNamespace(token_ids=tokens[:-1], start_pos=0, block_table=table,
                                   needs_logits=True, all_logits=False)
-        inputs = build_model_inputs([prefill], BS, torch.device("cpu"))
+        inputs = build_model_inputs([prefill], BS, DEVICE)
         with torch.inference_mode():
             model(inputs.input_ids, inputs.positions, cache.layers, inputs.metadata, inputs.logits_indices)
         chunks.append(SimpleNamespace(token_ids=tokens[-1:], start_pos=length, block_table=table,
                                       needs_logits=True, all_logits=False))
-    decode = build_model_inputs(chunks, BS, torch.device("cpu"))
+    decode = build_model_inputs(chunks, BS, DEVICE)
     before = [(k.clone(), v.clone()) for k, v in cache.layers]
     with torch.inference_mode():
         want = model(decode.input_ids, decode.positions, cache.layers, decode.metadata, decode.logits_indices)
@@ -77,8 +78,11 @@ def test_static_padded_decode_equals_eager_forward(num_seqs):
         k.copy_(k0)
         v.copy_(v0)
     graphs = DecodeGraphs(model, cache.layers, block_size=BS, max_num_seqs=8, max_model_len=64,
-                          device=torch.device("cpu"), use_graphs=False)
-    assert graphs.can_run(decode) and graphs.bucket_for(num_seqs) >= num_seqs
+                          device=DEVICE, use_graphs=DEVICE.type == "cuda")
+    graphs.capture_all()
+    bucket = graphs.bucket_for(num_seqs)
+    assert graphs.can_run(decode) and bucket >= num_seqs
+    assert (bucket in graphs.captured_sizes) == (DEVICE.type == "cuda")
     got = graphs.run(decode)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # the real rows wrote their K/V and the padding rows wrote nothing
@@ -90,7 +94,7 @@ def test_static_padded_decode_equals_eager_forward(num_seqs):
 def test_prefill_steps_are_not_eligible():
     model = tiny_model()
     graphs = DecodeGraphs(model, [], block_size=BS, max_num_seqs=4, max_model_len=64,
-                          device=torch.device("cpu"), use_graphs=False)
+                          device=DEVICE, use_graphs=False)
     prefill = SimpleNamespace(token_ids=[1, 2, 3], start_pos=0, block_table=[0], needs_logits=True,
                               all_logits=False)
-    assert not graphs.can_run(build_model_inputs([prefill], BS, torch.device("cpu")))
+    assert not graphs.can_run(build_model_inputs([prefill], BS, DEVICE))

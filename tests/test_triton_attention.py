@@ -206,3 +206,18 @@ def test_gpu_check_script_interpret_mode(tmp_path):
     assert kernel_check["cases"] and all(case["ok"] for case in kernel_check["cases"])
     assert report["decode_bandwidth"]["ok"], report["decode_bandwidth"]
     assert report["engine_greedy"]["skipped"] and report["w64_throughput"]["skipped"]
+
+
+def test_gpu_check_script_runs_only_the_named_parts(tmp_path):
+    out_path = tmp_path / "gpu_check.json"
+    script = [sys.executable, "benchmarks/gpu_check.py", "--interpret", "--out", str(out_path)]
+    proc = subprocess.run(script + ["--parts", "decode_bandwidth"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out_path.read_text())
+    assert report["decode_bandwidth"]["ok"] and report["decode_bandwidth"]["runs"]
+    for part in ("kernel_check", "engine_greedy", "w64_throughput"):
+        assert report[part] == {"skipped": True, "reason": "not in --parts"}
+    bad = subprocess.run(script + ["--parts", "kernel_check,bandwidth"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown part(s) bandwidth" in bad.stderr

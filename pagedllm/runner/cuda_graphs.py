@@ -79,6 +79,11 @@ class DecodeGraphs:
             and md.block_tables.shape[1] <= self.max_blocks
         )
 
+    @property
+    def captured_sizes(self) -> list[int]:
+        """Batch sizes with a captured graph (none when graphs are off)."""
+        return sorted(self._graphs)
+
     def bucket_for(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
