@@ -11,10 +11,11 @@ Parts (each guarded: a failure is recorded in the JSON and the others still run)
   engine_greedy     the default model through ``pagedllm.LLM`` on CUDA (bf16, and
                     fp32) against a CPU fp32 run: greedy token agreement.
   w64_throughput    workload W64 with CUDA graphs on and off: output tokens/s.
+  w64_profile       W64 with CUDA graphs under cProfile: host time per engine step.
 
 Usage: ``python benchmarks/gpu_check.py --out gpu_check.json`` on a CUDA machine.
 ``--interpret`` runs everything small on the CPU under Triton's interpreter
-(timings are then meaningless); ``--skip-engine`` skips the last two parts and
+(timings are then meaningless); ``--skip-engine`` skips the engine parts and
 ``--parts`` names the parts to run, so a run can be split over two machines' calls.
 """
 
@@ -42,7 +43,10 @@ WORKLOAD_CANDIDATES = [
 # Short splits and a high program target so tiny shapes still take the split-K path.
 SMALL_SPLITS = {"min_split_tokens": 32, "target_programs": 64}
 
-PARTS = ("kernel_check", "decode_bandwidth", "engine_greedy", "w64_throughput")
+PARTS = ("kernel_check", "decode_bandwidth", "engine_greedy", "w64_throughput", "w64_profile")
+
+# Top logprobs kept from the CPU reference, to size the gap where a CUDA run diverges.
+GAP_TOP_K = 5
 
 GREEDY_PROMPTS = [
     "The capital of France is",
@@ -247,7 +251,43 @@ def decode_bandwidth(ctx: dict) -> dict:
         result["runs"].append(run)
     result["ok"] = all(r["max_abs_err_vs_sdpa"] < 3e-2 for r in result["runs"])
     result["tiling_sweep"] = _tiling_sweep(ctx, dense, expected, timing, kv_bytes)
+    result["split_sweep"] = _split_sweep(ctx, timing)
     return result
+
+
+def _split_sweep(ctx: dict, timing: dict) -> list[dict]:
+    """Decode GB/s per forced split count at several batch sizes, against the planned count.
+
+    Smaller batches get longer contexts so the K/V read stays well above the L2
+    size; the point is where splitting starts to pay, to tune the split plan.
+    """
+    from pagedllm.attention.kernels.paged_decode import paged_decode
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    torch = ctx["torch"]
+    if ctx["interpret"]:
+        cases, split_counts = [(2, 128)], [1, 2]
+        dims = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+    else:
+        cases, split_counts = [(4, 16384), (16, 8192), (32, 4096), (64, 4096), (128, 2048)], [1, 2, 4, 8, 16]
+        dims = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    planner = TritonAttentionBackend()
+    sweep = []
+    for batch, context in cases:
+        shape = {"batch": batch, "context": context, **dims}
+        kv_bytes = 2 * batch * context * dims["num_kv_heads"] * dims["head_dim"] * 2
+        query, k_cache, v_cache, md = _paged_decode_inputs(ctx, _dense_decode_inputs(ctx, shape), 16)
+        out = torch.empty_like(query)
+        scale = 1.0 / math.sqrt(dims["head_dim"])
+        entry = {"batch": batch, "context": context, "kv_bytes": kv_bytes,
+                 "planned_splits": planner.num_decode_splits(md, dims["num_kv_heads"], query.device), "gbs": {}}
+        for splits in split_counts:
+            args = (query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, splits, out)
+            ms = ctx["clock"].median_ms(lambda args=args: paged_decode(*args), **timing)
+            entry["gbs"][splits] = round(kv_bytes / ms / 1e6, 1)
+        entry["best_splits"] = max(entry["gbs"], key=entry["gbs"].get)
+        sweep.append(entry)
+    return sweep
 
 
 def _tiling_sweep(ctx: dict, dense: dict, expected, timing: dict, kv_bytes: int) -> list[dict]:
@@ -358,7 +398,9 @@ def _paged_decode_inputs(ctx: dict, dense: dict, block_size: int):
 # ------------------------------------------------------------ (c) and (d)
 
 
-def _generate_tokens(ctx: dict, prompts, max_tokens: int, **llm_kwargs) -> tuple[list[list[int]], dict]:
+def _generate_tokens(ctx: dict, prompts, max_tokens: int, logprobs: int | None = None,
+                     **llm_kwargs) -> tuple[list[list[int]], dict]:
+    """Greedy tokens per prompt, and run info (with per-position top logprobs if asked)."""
     from pagedllm import LLM, SamplingParams
 
     torch = ctx["torch"]
@@ -366,10 +408,14 @@ def _generate_tokens(ctx: dict, prompts, max_tokens: int, **llm_kwargs) -> tuple
     llm = LLM(model=ctx["model"], **llm_kwargs)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     info = {"load_s": round(load_s, 2), "generate_s": round(gen_s, 2), "attention_backend": _backend_name(llm)}
+    if logprobs:
+        info["logprobs"] = [[{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                            for o in outputs]
     del llm, outputs
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -381,7 +427,9 @@ def engine_greedy(ctx: dict) -> dict:
     prompts = GREEDY_PROMPTS[:2] if tiny else GREEDY_PROMPTS
     max_tokens = 4 if tiny else 32
     device = ctx["device"]
-    reference, ref_info = _generate_tokens(ctx, prompts, max_tokens, dtype="float32", device="cpu")
+    reference, ref_info = _generate_tokens(ctx, prompts, max_tokens, logprobs=GAP_TOP_K, dtype="float32",
+                                           device="cpu")
+    ref_logprobs = ref_info.pop("logprobs")
     result: dict = {"prompts": len(prompts), "max_tokens": max_tokens, "cpu_fp32": ref_info, "runs": []}
     # On the CPU the default backend would be the torch one; ask for the kernels.
     backend = {"attention_backend": "triton"} if tiny else {}
@@ -393,7 +441,8 @@ def engine_greedy(ctx: dict) -> dict:
             continue
         divergences = [_first_divergence(a, b) for a, b in zip(tokens, reference, strict=True)]
         mismatched = [
-            {"prompt": i, "first_divergence": d, "cpu": reference[i][d: d + 3], "cuda": tokens[i][d: d + 3]}
+            {"prompt": i, "first_divergence": d, "cpu": reference[i][d: d + 3], "cuda": tokens[i][d: d + 3],
+             "cpu_fp32_logprob_gap": _logprob_gap(ref_logprobs[i], d, reference[i], tokens[i])}
             for i, d in enumerate(divergences) if d is not None
         ]
         result["runs"].append({
@@ -407,16 +456,26 @@ def engine_greedy(ctx: dict) -> dict:
     return result
 
 
+def _logprob_gap(positions: list[dict], at: int, cpu: list[int], cuda: list[int]) -> float | None:
+    """How much likelier the CPU fp32 run found its token than the CUDA run's, at the divergence.
+
+    A small gap is a near tie that reduced precision may flip; None when the
+    CUDA token is outside the CPU's top ``GAP_TOP_K`` (or one run had ended).
+    """
+    if at >= min(len(cpu), len(cuda), len(positions)):
+        return None
+    top = positions[at]
+    if cuda[at] not in top:
+        return None
+    return round(top[cpu[at]] - top[cuda[at]], 4)
+
+
 def w64_throughput(ctx: dict, workload_path: str | None) -> dict:
     from pagedllm import SamplingParams
 
     tiny = ctx["interpret"]
-    if workload_path is None:
-        found = [p for p in WORKLOAD_CANDIDATES if p.is_file()]
-        if not found:
-            raise FileNotFoundError(f"no W64 workload at {[str(p) for p in WORKLOAD_CANDIDATES]}; pass --workload")
-        workload_path = found[0]
-    workload = json.loads(Path(workload_path).read_text())
+    workload = _load_workload(workload_path)
+    workload_path = workload["path"]
     prompt_ids = workload["prompt_token_ids"]
     max_tokens = workload.get("output_len", 128)
     if tiny:
@@ -461,7 +520,52 @@ def _w64_run(ctx: dict, prompts: list[dict], params, enforce_eager: bool) -> dic
     return {**info, "seconds": round(elapsed, 3), "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed}
 
 
+def w64_profile(ctx: dict, workload_path: str | None) -> dict:
+    """W64 with CUDA graphs once more under cProfile: where a step's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    from pagedllm import LLM, SamplingParams
+
+    prompt_ids = _load_workload(workload_path)["prompt_token_ids"]
+    max_tokens = 2 if ctx["interpret"] else 128
+    if ctx["interpret"]:
+        prompt_ids = [p[:16] for p in prompt_ids[:2]]
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    llm = LLM(model=ctx["model"], dtype="bfloat16", device=ctx["device"])
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm: same shapes as the profiled run
+    ctx["clock"].sync()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    ctx["clock"].sync()
+    profiler.disable()
+    elapsed = time.perf_counter() - t0
+    stats = pstats.Stats(profiler)
+    steps = next((v[1] for k, v in stats.stats.items() if k[2] == "execute" and "model_runner" in k[0]), None)
+    tables = {}
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(35)
+        tables[order] = text.getvalue().splitlines()
+    del llm
+    return {"ok": True, "seconds_profiled": round(elapsed, 3), "steps": steps,
+            "ms_per_step": round(1e3 * elapsed / steps, 3) if steps else None, "top": tables}
+
+
 # ------------------------------------------------------------------- helpers
+
+
+def _load_workload(workload_path: str | None) -> dict:
+    if workload_path is None:
+        found = [p for p in WORKLOAD_CANDIDATES if p.is_file()]
+        if not found:
+            raise FileNotFoundError(f"no W64 workload at {[str(p) for p in WORKLOAD_CANDIDATES]}; pass --workload")
+        workload_path = found[0]
+    return {"path": str(workload_path), **json.loads(Path(workload_path).read_text())}
 
 
 def _backend_name(llm) -> str | None:
@@ -530,7 +634,7 @@ def _summary_lines(report: dict) -> list[str]:
     eg = report["engine_greedy"]
     runs = eg.get("runs", [])
     figures = "; ".join(
-        f"{r['dtype']}: {r['exact_matches']}/{eg['prompts']} exact" if r["ok"] else f"{r['dtype']}: error"
+        (f"{r['dtype']}: {r['exact_matches']}/{eg['prompts']} exact" + _gaps(r)) if r["ok"] else f"{r['dtype']}: error"
         for r in runs
     )
     lines.append(f"{'engine_greedy':<18} {status(eg):<8} {figures}")
@@ -542,7 +646,20 @@ def _summary_lines(report: dict) -> list[str]:
         for r in w64.get("runs", [])
     )
     lines.append(f"{'w64_throughput':<18} {status(w64):<8} {figures}")
+    prof = report["w64_profile"]
+    figures = f"{prof['ms_per_step']} ms per step over {prof['steps']} steps (profiled)" if prof.get("steps") else ""
+    lines.append(f"{'w64_profile':<18} {status(prof):<8} {figures}")
+    for entry in bw.get("split_sweep", []):
+        lines.append(f"{'decode_splits':<18} {'':<8} batch {entry['batch']} x {entry['context']}: planned "
+                     f"{entry['planned_splits']}, best {entry['best_splits']}; GB/s by splits {entry['gbs']}")
     return lines
+
+
+def _gaps(run: dict) -> str:
+    gaps = [m["cpu_fp32_logprob_gap"] for m in run["mismatches"]]
+    if not gaps:
+        return ""
+    return " (fp32 logprob gaps at divergence: " + ", ".join("n/a" if g is None else f"{g:.3f}" for g in gaps) + ")"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -569,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         ("decode_bandwidth", lambda: decode_bandwidth(ctx), False),
         ("engine_greedy", lambda: engine_greedy(ctx), True),
         ("w64_throughput", lambda: w64_throughput(ctx, args.workload), True),
+        ("w64_profile", lambda: w64_profile(ctx, args.workload), True),
     ]
     for name, run, needs_engine in parts:
         elapsed = time.perf_counter() - started

@@ -45,8 +45,8 @@ def naive_attention(query: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

@@ -221,3 +221,13 @@ def test_gpu_check_script_runs_only_the_named_parts(tmp_path):
     bad = subprocess.run(script + ["--parts", "kernel_check,bandwidth"], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "unknown part(s) bandwidth" in bad.stderr
+
+
+def test_gpu_check_logprob_gap_sizes_a_divergence():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import gpu_check
+
+    positions = [{5: -0.1, 6: -2.0}, {7: -0.60, 8: -0.75, 9: -3.0}]
+    assert gpu_check._logprob_gap(positions, 1, [5, 7], [5, 8]) == 0.15
+    assert gpu_check._logprob_gap(positions, 1, [5, 7], [5, 4]) is None  # outside the CPU's top-k
+    assert gpu_check._logprob_gap(positions, 2, [5, 7], [5, 7, 1]) is None  # the CPU run had ended
