@@ -231,3 +231,15 @@ def test_gpu_check_logprob_gap_sizes_a_divergence():
     assert gpu_check._logprob_gap(positions, 1, [5, 7], [5, 8]) == 0.15
     assert gpu_check._logprob_gap(positions, 1, [5, 7], [5, 4]) is None  # outside the CPU's top-k
     assert gpu_check._logprob_gap(positions, 2, [5, 7], [5, 7, 1]) is None  # the CPU run had ended
+
+
+def test_split_plan_matches_the_h200_sweep():
+    """The split counts that gave the most bandwidth on an H200 (132 SMs, 8 KV heads)."""
+    from pagedllm.attention.kernels.paged_decode import plan_num_splits
+
+    target = 4 * 132  # the backend's default target on that device
+    best = {(4, 16384): 16, (16, 8192): 4, (32, 4096): 2, (64, 4096): 1, (128, 2048): 1}
+    for (batch, context), splits in best.items():
+        assert plan_num_splits(batch, 8, context, target_programs=target) == splits, (batch, context)
+    # short contexts are not cut below min_split_tokens
+    assert plan_num_splits(4, 8, 600, target_programs=target, min_split_tokens=256) == 3

@@ -29,9 +29,11 @@ from pagedllm.attention.kernels.paged_decode import DecodeTiling, paged_decode, 
 from pagedllm.attention.kernels.paged_prefill import paged_prefill
 from pagedllm.attention.kernels.write_kv import write_kv as _write_kv
 
-# Programs per streaming multiprocessor the decode split plan aims for: enough
-# resident programs to keep many K/V loads in flight.
-_PROGRAMS_PER_SM = 8
+# Programs per streaming multiprocessor the decode split plan aims for. Measured
+# on an H200 (132 SMs, head dim 128, 8 KV heads; docs/benchmarks.md, "GPU"):
+# bandwidth peaks at about 512 programs, so batches of 64+ run unsplit, 32 in
+# 2 splits and 16 in 4; every extra split past that only adds partial writes.
+_PROGRAMS_PER_SM = 4
 # Without a GPU (the interpreter) there are no SMs to fill; a few splits still
 # exercise the split-K path on long contexts.
 _CPU_TARGET_PROGRAMS = 16
@@ -41,7 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton kernels; the cache layout of ``base.py``.
 
     Decode split-K plan: enough splits that about ``target_programs`` programs
-    run (default: 8 per SM on CUDA, 16 on the CPU interpreter), at most
+    run (default: 4 per SM on CUDA, 16 on the CPU interpreter), at most
     ``max_num_splits``, and none shorter than ``min_split_tokens`` tokens.
     ``decode_tiling`` overrides the decode kernel's launch shape (for tuning).
     """

@@ -184,12 +184,13 @@ def plan_num_splits(
 ) -> int:
     """How many chunks to cut each context into.
 
-    Enough splits that about ``target_programs`` programs run (to fill the
-    device when the batch is small), but no split shorter than
-    ``min_split_tokens`` (the merge and partial writes would dominate).
+    As many splits as keep the program count at or under ``target_programs``
+    (to fill the device when the batch is small; a batch that alone reaches
+    the target runs unsplit), but no split shorter than ``min_split_tokens``
+    (the merge and partial writes would dominate).
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = triton.cdiv(target_programs, programs)
+    wanted = target_programs // programs
     by_length = triton.cdiv(max(max_seq_len, 1), min_split_tokens)
     return max(1, min(wanted, by_length, max_num_splits))
 
