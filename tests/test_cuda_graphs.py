@@ -13,8 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import skip_if_interpreter_too_old
 
 triton = pytest.importorskip("triton", reason="the graph path uses the Triton decode kernel")
+skip_if_interpreter_too_old(triton)
 
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.kv.kv_cache import KVCache  # noqa: E402

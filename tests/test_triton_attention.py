@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import skip_if_interpreter_too_old
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -24,6 +25,7 @@ if not torch.cuda.is_available():
     sys.modules.pop("pagedllm.attention.triton_backend", None)
 
 triton = pytest.importorskip("triton", reason="triton is not installed; the Triton backend cannot run")
+skip_if_interpreter_too_old(triton)
 
 from attention_reference import make_paged_batch, naive_attention  # noqa: E402
 
