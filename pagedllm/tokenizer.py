@@ -45,6 +45,7 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_token_ids]))
         self._backend = hf.backend_tokenizer  # the Rust tokenizer: decoding without Python overhead
         self._pieces: dict[int, str] = {}
+        self._single_texts: dict[tuple[int, bool], str] = {}  # (id, skip_special_tokens) -> text
 
     @classmethod
     def load(cls, model_path: Path) -> Tokenizer:
@@ -73,6 +74,15 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``, exactly what IncrementalDetokenizer produces for them."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id], skip_special_tokens)``, memoised: the text of one id never changes."""
+        key = (token_id, skip_special_tokens)
+        text = self._single_texts.get(key)
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+            self._single_texts[key] = text
+        return text
 
     def id_to_piece(self, token_id: int) -> str:
         """Decoded text of one token (``" hello"``, not ``"Ġhello"``), for logprob dicts.
@@ -273,10 +283,14 @@ class IncrementalDetokenizer:
         """Emits the text of ids past the read offset once it ends in a whole character."""
         if self._read_offset == len(self._ids):
             return
-        decode = self._tokenizer.decode
+        tokenizer = self._tokenizer
         skip = self._skip_special_tokens
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip)
-        full_text = decode(self._ids[self._prefix_offset :], skip)
+        if self._read_offset - self._prefix_offset == 1:
+            # The usual step: the context is the single id emitted last step.
+            prefix_text = tokenizer.decode_one(self._ids[self._prefix_offset], skip)
+        else:
+            prefix_text = tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], skip)
+        full_text = tokenizer.decode(self._ids[self._prefix_offset :], skip)
         if not final and (
             len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)
         ):
@@ -287,6 +301,9 @@ class IncrementalDetokenizer:
 
     def _after_new_text(self, start: int) -> str | None:
         """Looks for a stop string in text added from ``start``; updates what is safe to show."""
+        if not self._stop:  # nothing to find and nothing to hold back
+            self._num_safe_chars = len(self._output_text)
+            return None
         match = self._find_stop(start)
         if match is not None:
             position, stop = match

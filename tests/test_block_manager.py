@@ -183,6 +183,34 @@ def test_append_to_a_forked_branch_copies_only_the_partial_block():
     manager.check_invariants()
 
 
+def test_one_slot_appends_write_in_place_only_into_private_blocks():
+    manager = make()
+    manager.allocate(0, tokens(BS), num_reserved_tokens=3 * BS)  # block 1 reserved, empty
+    manager.fork(0, 1)
+    manager.reset_peak_stats()
+    # Position 8 lands in block 1, which both hold: replaced, nothing to copy.
+    assert manager.can_append_slots(1)
+    assert manager.append_slots(1) == []
+    assert manager.get_block_table(1) == [0, 3, 2]
+    assert refs(manager, 0, 1, 2, 3) == [2, 1, 2, 1]
+    # Now each owns its block 1 alone and fills it in place, one slot at a time.
+    for _ in range(BS - 1):
+        assert manager.append_slots(1) == []
+        assert manager.append_slots(0) == []
+    assert manager.append_slots(0) == []
+    assert manager.get_block_table(0) == [0, 1, 2]
+    assert manager.get_block_table(1) == [0, 3, 2]
+    assert (manager.get_num_slots(0), manager.get_num_slots(1)) == (2 * BS, 2 * BS)
+    assert refs(manager, 0, 1, 2, 3) == [2, 1, 2, 1]
+    assert free_queue(manager) == [4, 5, 6, 7, 8, 9]
+    assert manager.stats().peak_used_blocks == 4
+    # Block 2 is still shared, so sequence 1's next slots replace it (nothing to copy).
+    assert manager.append_slots(1, 2) == []
+    assert manager.get_block_table(1) == [0, 3, 4]
+    assert refs(manager, 0, 1, 2, 3, 4) == [2, 1, 1, 1, 1]
+    manager.check_invariants()
+
+
 def test_fork_at_a_block_boundary_needs_no_copy():
     manager = make()
     manager.allocate(0, tokens(16))

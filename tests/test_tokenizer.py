@@ -71,6 +71,14 @@ def test_id_to_piece_is_decoded_text(tok):
     assert tok.id_to_piece(2) == "<|im_end|>"
 
 
+def test_decode_one_is_decode_of_one_id_for_each_skip_setting(tok):
+    (token,) = tok.encode(" hello", add_special_tokens=False)
+    for token_id in (token, 2, 2, token):  # twice each: the memoised answer is the same
+        for skip in (True, False):
+            assert tok.decode_one(token_id, skip) == tok.decode([token_id], skip)
+    assert (tok.decode_one(2, True), tok.decode_one(2, False)) == ("", "<|im_end|>")
+
+
 def test_chat_template_renders_chatml(tok):
     messages = [
         {"role": "system", "content": "Be brief."},

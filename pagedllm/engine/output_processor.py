@@ -102,11 +102,12 @@ class OutputProcessor:
 
     def _fan_out(self, request: Request, seq: Sequence, row: int) -> list[tuple[Request, Sequence, int]]:
         """The first token of an n>1 request: fork the prompt's sequence into its samples."""
-        if request.forked or request.num_samples == 1:
+        num_samples = request.params.num_samples  # a sampling request: beams never come here
+        if request.forked or num_samples == 1:
             return [(request, seq, row)]
         request.forked = True
         jobs = [(request, seq, row)]
-        for index in range(1, request.num_samples):
+        for index in range(1, num_samples):
             child = seq.fork(index)
             self._init_seq_state(request, child)
             self.scheduler.fork_seq(seq, child)
@@ -161,14 +162,15 @@ class OutputProcessor:
 
     def _check_stop(self, request: Request, seq: Sequence, token: int, stop_str: str | None) -> None:
         params = request.params
-        past_min = seq.num_output_tokens >= params.min_tokens
+        num_output_tokens = seq.num_output_tokens
+        past_min = num_output_tokens >= params.min_tokens
         if stop_str is not None:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str
         elif past_min and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif past_min and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
-        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        elif params.max_tokens is not None and num_output_tokens >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
         elif seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
@@ -209,9 +211,11 @@ class OutputProcessor:
             return beam_output(self, request)
         finished = request.status == SeqStatus.FINISHED
         params = request.params
-        if request.num_samples > 1 and (params.best_of or 0) > params.n and not finished:
+        if params.num_samples > 1 and (params.best_of or 0) > params.n and not finished:  # not beam search
             return None  # best_of picks the winners at the end
-        seqs = sorted(request.seqs, key=lambda s: s.sample_index)
+        seqs = request.seqs
+        if len(seqs) > 1:
+            seqs = sorted(seqs, key=lambda s: s.sample_index)
         if finished and params.best_of and params.best_of > params.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
         outputs = [self._completion(seq, index, finished) for index, seq in enumerate(seqs)]

@@ -179,25 +179,27 @@ class Scheduler:
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
         """The forward pass ran: advance computed counts and publish full blocks to the prefix cache."""
+        bm = self.block_manager
         for chunk, (_, seq) in zip(out.chunks, out.entries):
             seq.num_computed_tokens += len(chunk.token_ids)
-            if self.block_manager.has_seq(seq.seq_id):
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if bm.has_seq(seq.seq_id):
+                bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     # ---- running ----------------------------------------------------------
 
-    def _plan_tokens(self, request: Request, budget: int) -> dict[int, int] | None:
-        """Tokens to compute per live sequence this step, or None when nothing fits.
+    def _plan_tokens(
+        self, request: Request, seqs: list[Sequence], budget: int
+    ) -> dict[int, int] | None:
+        """Tokens to compute per live sequence (``seqs``) this step, or None when nothing fits.
 
         A single sequence may take any chunk. Sequences of a multi-sequence
         request (samples, beams) advance in lockstep: they all produce logits in
         the same step, or none does (each keeps at least one token uncomputed).
         """
-        seqs = request.live_seqs()
-        needed = {s.seq_id: s.num_uncomputed_tokens for s in seqs}
         if len(seqs) == 1:
-            n = min(next(iter(needed.values())), budget)
+            n = min(seqs[0].num_uncomputed_tokens, budget)
             return {seqs[0].seq_id: n} if n > 0 else None
+        needed = {s.seq_id: s.num_uncomputed_tokens for s in seqs}
         if sum(needed.values()) <= budget:
             return needed  # one pass: within each layer seqs[0] writes the shared prefix before anyone reads it
         if seqs[0].num_computed_tokens < request.shared_prefix_len:
@@ -220,25 +222,28 @@ class Scheduler:
         partial_last = num_slots % bm.block_size != 0 and target > num_slots
         return blocks + (1 if shared and partial_last else 0)
 
-    def _can_append(self, request: Request, plan: dict[int, int]) -> bool:
+    def _can_append(self, seqs: list[Sequence], plan: dict[int, int]) -> bool:
+        """Whether the planned sequences (of the live ``seqs``) can all get their new slots."""
         bm = self.block_manager
-        seqs = [s for s in request.live_seqs() if s.seq_id in plan]
-        if len(seqs) == 1:
-            seq = seqs[0]
+        planned = seqs if len(seqs) == 1 else [s for s in seqs if s.seq_id in plan]
+        if len(planned) == 1:
+            seq = planned[0]
             extra = seq.num_computed_tokens + plan[seq.seq_id] - bm.get_num_slots(seq.seq_id)
             return extra <= 0 or bm.can_append_slots(seq.seq_id, extra)
-        shared = len(request.live_seqs()) > 1
-        need = sum(self._blocks_to_append(s, plan[s.seq_id], shared) for s in seqs)
+        shared = len(seqs) > 1
+        need = sum(self._blocks_to_append(s, plan[s.seq_id], shared) for s in planned)
         return need <= bm.get_num_free_blocks()
 
     def _schedule_running(
         self, request: Request, budget: int, out: SchedulerOutput
     ) -> tuple[bool, int, bool]:
-        plan = self._plan_tokens(request, budget)
+        # Preempting other requests below leaves this one's live sequences as they are.
+        seqs = request.live_seqs()
+        plan = self._plan_tokens(request, seqs, budget)
         if plan is None:
             return False, budget, False
         preempted = False
-        while not self._can_append(request, plan):
+        while not self._can_append(seqs, plan):
             victim = self.running[-1]
             preempted = True
             if victim is request:
@@ -248,12 +253,14 @@ class Scheduler:
                     self._preempt(request, out)
                 return False, budget, True
             self._preempt(victim, out)
-        self._emit(request, plan, out)
+        self._emit(request, seqs, plan, out)
         return True, budget - sum(plan.values()), preempted
 
-    def _emit(self, request: Request, plan: dict[int, int], out: SchedulerOutput) -> None:
+    def _emit(
+        self, request: Request, seqs: list[Sequence], plan: dict[int, int], out: SchedulerOutput
+    ) -> None:
         bm = self.block_manager
-        for seq in request.live_seqs():
+        for seq in seqs:
             num_new = plan.get(seq.seq_id, 0)
             if num_new == 0:
                 continue
@@ -263,9 +270,9 @@ class Scheduler:
             start = seq.num_computed_tokens
             complete = start + num_new == seq.num_tokens
             want_prompt_logprobs = (
-                not request.is_beam_search
+                start < seq.prompt_len  # first: a decode step needs no further checks
+                and not request.is_beam_search
                 and request.params.prompt_logprobs is not None
-                and start < seq.prompt_len
             )
             out.chunks.append(
                 ScheduledChunk(

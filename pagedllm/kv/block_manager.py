@@ -211,8 +211,13 @@ class BlockManager:
         if num_new_tokens <= 0:
             return [], 0
         first = seq.num_slots // self.block_size
-        end = _cdiv(seq.num_slots + num_new_tokens, self.block_size)
         table = seq.block_table
+        last = (seq.num_slots + num_new_tokens - 1) // self.block_size
+        # The common decode step: every new slot lands in one block already in
+        # the table that this sequence alone holds, so no block changes.
+        if first == last and last < len(table) and self._pool.blocks[table[last]].ref_count == 1:
+            return [], 0
+        end = _cdiv(seq.num_slots + num_new_tokens, self.block_size)
         shared = [
             i
             for i in range(first, min(end, len(table)))
@@ -242,6 +247,9 @@ class BlockManager:
             raise BlockManagerError(
                 f"not enough free KV blocks to grow sequence {seq_id}; check can_append_slots"
             )
+        if not shared and not num_grow:
+            seq.num_slots += num_new_tokens  # no block changed: usage and peaks stay as they are
+            return []
         copies = [self._copy_on_write(seq, index) for index in shared]
         seq.block_table += [self._pool.allocate() for _ in range(num_grow)]
         seq.num_slots += num_new_tokens
@@ -277,6 +285,8 @@ class BlockManager:
             return
         num_tokens = min(num_computed_tokens, len(token_ids), seq.num_slots)
         num_full = min(num_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks:
+            return  # no block became full since the last call (most decode steps)
         extra_keys = extra_keys_for(seq.cache_salt)
         for i in range(seq.num_registered_blocks, num_full):
             parent_hash = seq.block_hashes[i - 1] if i > 0 else None

@@ -28,30 +28,37 @@ def build_model_inputs(chunks: Sequence, block_size: int, device: torch.device) 
     ``table[p // block_size] * block_size + p % block_size``.
     """
     query_lens = [len(c.token_ids) for c in chunks]
-    seq_lens = [c.start_pos + n for c, n in zip(chunks, query_lens)]
+    start_positions = [c.start_pos for c in chunks]
+    seq_lens = [start + n for start, n in zip(start_positions, query_lens)]
     query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
 
-    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(query_start[-1]))
-    positions = np.concatenate([np.arange(c.start_pos, c.start_pos + n) for c, n in zip(chunks, query_lens)])
-    max_blocks = max(len(c.block_table) for c in chunks)
-    tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-    for i, c in enumerate(chunks):
-        tables[i, : len(c.block_table)] = c.block_table
+    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens)
+    # Token j of the flat batch belongs to chunk seq_index[j]; its position is
+    # j + (start_pos - query_start) of that chunk: no arange per chunk.
     seq_index = np.repeat(np.arange(len(chunks)), query_lens)
+    offsets = np.array(start_positions, dtype=np.int64) - query_start[:-1]  # position - flat index, per chunk
+    positions = np.arange(num_tokens) + np.repeat(offsets, query_lens)
+    max_blocks = max(len(c.block_table) for c in chunks)
+    # [num_chunks, max_blocks], zero padded; one conversion of padded lists beats a row copy per chunk
+    tables = np.array(
+        [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=np.int64
+    )
     slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
 
-    logits_rows, row_counts = [], []
-    for c, start, n in zip(chunks, query_start[:-1], query_lens):
+    logits_rows: list[int] = []
+    row_counts: list[int] = []
+    for c, start, n in zip(chunks, query_start[:-1].tolist(), query_lens):
         if c.all_logits:
-            logits_rows.append(np.arange(start, start + n))
+            logits_rows.extend(range(start, start + n))
             row_counts.append(n)
         elif c.needs_logits:
-            logits_rows.append(np.array([start + n - 1]))
+            logits_rows.append(start + n - 1)
             row_counts.append(1)
         else:
             row_counts.append(0)
-    logits_indices = np.concatenate(logits_rows) if logits_rows else np.zeros(0, dtype=np.int64)
+    logits_indices = np.array(logits_rows, dtype=np.int64)
 
     def to_dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
