@@ -484,27 +484,39 @@ def w64_throughput(ctx: dict, workload_path: str | None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     result: dict = {"workload": str(workload_path), "num_requests": len(prompts),
                     "prompt_tokens": sum(map(len, prompt_ids)), "max_tokens": max_tokens, "runs": []}
-    for enforce_eager in (False, True):  # CUDA graphs on, then off
-        run: dict = {"enforce_eager": enforce_eager}
+    # CUDA graphs with overlapped steps (the default), graphs alone, neither. On the CPU
+    # (--interpret) overlap is off by default; turn it on so its path runs there too.
+    tokens_by_run = []
+    for enforce_eager, async_scheduling in ((False, True if tiny else None), (False, False), (True, None)):
+        run: dict = {"enforce_eager": enforce_eager, "async_scheduling": async_scheduling}
         try:
-            run.update(_w64_run(ctx, prompts, params, enforce_eager))
+            info, tokens = _w64_run(ctx, prompts, params, enforce_eager, async_scheduling)
+            run.update(info)
             run["ok"] = run["output_tokens"] == len(prompts) * max_tokens
             run["total_tok_s"] = (run["output_tokens"] + result["prompt_tokens"]) / run["seconds"]
+            tokens_by_run.append(tokens)
         except Exception as exc:  # noqa: BLE001
             run.update({"ok": False, "error": _describe(exc)})
+            tokens_by_run.append(None)
         result["runs"].append(run)
-    result["ok"] = all(r["ok"] for r in result["runs"])
+    # Overlapping steps changes when tokens are read, never which: same kernels, same tokens.
+    first, second = tokens_by_run[0], tokens_by_run[1]
+    result["overlap_same_tokens"] = first is not None and first == second
+    result["ok"] = all(r["ok"] for r in result["runs"]) and result["overlap_same_tokens"]
     return result
 
 
-def _w64_run(ctx: dict, prompts: list[dict], params, enforce_eager: bool) -> dict:
-    """Load the model, warm up, and time one full generate over ``prompts``."""
+def _w64_run(ctx: dict, prompts: list[dict], params, enforce_eager: bool,
+             async_scheduling: bool | None) -> tuple[dict, list[list[int]]]:
+    """Load the model, warm up, and time one full generate over ``prompts``: (figures, tokens)."""
     from pagedllm import LLM, SamplingParams
 
     torch, clock, tiny = ctx["torch"], ctx["clock"], ctx["interpret"]
     t0 = time.perf_counter()
-    llm = LLM(model=ctx["model"], dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager)
-    info = {"load_s": round(time.perf_counter() - t0, 2), "attention_backend": _backend_name(llm)}
+    llm = LLM(model=ctx["model"], dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager,
+              async_scheduling=async_scheduling)
+    info = {"load_s": round(time.perf_counter() - t0, 2), "attention_backend": _backend_name(llm),
+            "overlapped": llm.llm_engine.async_scheduling}
     # Warm-up: compile kernels and capture graphs outside the timed run.
     warm = SamplingParams(temperature=0, max_tokens=2 if tiny else 8, ignore_eos=True)
     llm.generate(prompts[: 1 if tiny else 8], warm, use_tqdm=False)
@@ -513,11 +525,14 @@ def _w64_run(ctx: dict, prompts: list[dict], params, enforce_eager: bool) -> dic
     outputs = llm.generate(prompts, params, use_tqdm=False)
     clock.sync()
     elapsed = time.perf_counter() - t0
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    out_tokens = sum(map(len, tokens))
+    info["overlapped_steps"] = llm.llm_engine.num_overlapped_steps
     del llm, outputs
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {**info, "seconds": round(elapsed, 3), "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed}
+    return {**info, "seconds": round(elapsed, 3), "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / elapsed}, tokens
 
 
 def w64_profile(ctx: dict, workload_path: str | None) -> dict:
@@ -640,11 +655,17 @@ def _summary_lines(report: dict) -> list[str]:
     lines.append(f"{'engine_greedy':<18} {status(eg):<8} {figures}")
 
     w64 = report["w64_throughput"]
+    def w64_name(run: dict) -> str:
+        if run["enforce_eager"]:
+            return "eager"
+        return "graphs" + (" + overlap" if run.get("overlapped") else "")
+
     figures = "; ".join(
-        f"{'eager' if r['enforce_eager'] else 'graphs'}: "
-        + (f"{r['output_tok_s']:.0f} out tok/s" if "output_tok_s" in r else "error")
+        f"{w64_name(r)}: " + (f"{r['output_tok_s']:.0f} out tok/s" if "output_tok_s" in r else "error")
         for r in w64.get("runs", [])
     )
+    if "overlap_same_tokens" in w64:
+        figures += f"; overlap gives the same tokens: {w64['overlap_same_tokens']}"
     lines.append(f"{'w64_throughput':<18} {status(w64):<8} {figures}")
     prof = report["w64_profile"]
     figures = f"{prof['ms_per_step']} ms per step over {prof['steps']} steps (profiled)" if prof.get("steps") else ""

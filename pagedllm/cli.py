@@ -49,6 +49,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-policy", default="paged", choices=list(KV_POLICIES))
     g.add_argument("--attention-backend", default=None)
     g.add_argument("--enforce-eager", action="store_true", help="disable graph capture / compilation")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each decode step before the previous step's tokens are read "
+                   "(default: on with CUDA graphs)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
 
@@ -71,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_policy=args.kv_policy,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
         seed=args.seed,
     )

@@ -47,6 +47,9 @@ class EngineConfig:
     left afterwards still cover that many more tokens of every running sequence
     (none past its max_tokens, and never more than a tenth of the cache in all);
     0 admits whenever the prompt fits.
+    ``async_scheduling``: schedule and launch each decode step before reading
+    the previous step's tokens (stop conditions are then seen one step late);
+    ``None`` turns it on where CUDA graphs run.
     """
 
     model: str | None = None
@@ -65,6 +68,7 @@ class EngineConfig:
     num_headroom_tokens: int = DEFAULT_NUM_HEADROOM_TOKENS
     attention_backend: str | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     num_threads: int | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
@@ -87,6 +91,8 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_threads", self.num_threads)
         _non_negative("num_headroom_tokens", self.num_headroom_tokens)
+        if self.async_scheduling not in (None, True, False):
+            raise ConfigError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
         if not isinstance(self.swap_space, int) or self.swap_space < 0:
             raise ConfigError(f"swap_space must be a byte count >= 0, got {self.swap_space!r}")
         if self.preemption_mode in ("swap", "auto") and self.swap_space == 0:

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.attention.base import get_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import OutputProcessor, PendingSample
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.errors import ConfigError, RequestError
@@ -28,7 +28,14 @@ from pagedllm.tokenizer import Tokenizer
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_CPU_KV_MEMORY = 4 * 2**30
+# Stands in for a token still being drawn on the device; never read as input
+# (the runner feeds the real token from the device) and replaced once read.
+_PLACEHOLDER_TOKEN = 0
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _has_live_job(sample: PendingSample) -> bool:
+    return any(not seq.is_finished and not request.is_finished for request, seq in sample.jobs)
 
 
 @dataclass
@@ -97,6 +104,12 @@ class LLMEngine:
         if self._use_cuda_graphs():
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.device)
+        # Default: on where it pays, with CUDA graphs (the device runs while the host schedules).
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self._use_cuda_graphs()
+        )
+        self._in_flight: PendingSample | None = None
+        self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -244,6 +257,8 @@ class LLMEngine:
             request = self.requests.pop(rid, None)
             if request is not None and not request.is_finished:
                 self.scheduler.finish_request(request, FinishReason.ABORT)
+        if self._in_flight is not None and not _has_live_job(self._in_flight):
+            self._in_flight = None  # nothing left to read from it
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -255,6 +270,8 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_overlapped()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {r.request_id: r for r in out.failed}
         if not out.is_empty:
@@ -262,6 +279,98 @@ class LLMEngine:
             self.scheduler.on_step_computed(out)
             for request in self.processor.process(out, logits, inputs.row_counts):
                 touched[request.request_id] = request
+        return self._outputs(touched)
+
+    # ---- overlapped steps (async scheduling) -------------------------------
+    #
+    # The host schedules and launches step N+1 before it reads step N's
+    # tokens, so building inputs and launching kernels overlap the device's
+    # work and the wait for N's tokens is (mostly) over by the time they are
+    # read. Each sequence that draws a token in N gets a placeholder at the
+    # end of its token_ids; N+1 reads the real token from N's output tensor
+    # on the device, and the placeholder is filled when N's tokens are read,
+    # in the same step() call: between calls token_ids hold no placeholder.
+    # Stop conditions are seen one step late; a sequence that stopped in N has
+    # computed one position in N+1 that nobody reads.
+    #
+    # Only the steady decode state runs ahead: every running sequence drew a
+    # token in N, none needs the host between steps (can_sample_ahead), and
+    # enough blocks are free that N+1 cannot preempt. Anything else (prefill
+    # chunks, swaps, forks, logprobs, penalties) takes the ordinary step.
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        current, self._in_flight = self._in_flight, None
+        if current is None:
+            out = self.scheduler.schedule()
+            touched.update((r.request_id, r) for r in out.failed)
+            if out.is_empty:
+                return self._outputs(touched)
+            logits, inputs = self.runner.execute(out)
+            self.scheduler.on_step_computed(out)
+            current = self.processor.start_sampling(out, logits, inputs.row_counts)
+            if current is None:
+                touched.update((r.request_id, r) for r in self.processor.process(out, logits, inputs.row_counts))
+                return self._outputs(touched)
+        ahead = self._launch_ahead(current, touched)
+        touched.update((r.request_id, r) for r in self.processor.finish_sampling(current))
+        for _, seq in current.jobs:  # a request the scheduler failed above still holds its placeholder
+            if seq.awaits_token:
+                seq.token_ids.pop()
+                seq.awaits_token = False
+        if ahead is not None:
+            out, logits, inputs, sample = ahead
+            self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are real now
+            if sample is None:
+                touched.update((r.request_id, r) for r in self.processor.process(out, logits, inputs.row_counts))
+            elif _has_live_job(sample):
+                self._in_flight = sample
+        return self._outputs(touched)
+
+    def _launch_ahead(self, current: PendingSample, touched: dict[str, Request]):
+        """Schedule and launch the step after ``current`` before its tokens are read, if safe.
+
+        Returns (scheduler output, logits, inputs, device-side sample or None), or None.
+        """
+        scheduler = self.scheduler
+        live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
+        if not live or scheduler.swapped:
+            return None
+        num_running = sum(len(request.live_seqs()) for request in scheduler.running)
+        # Every running sequence decodes one token (at most one new block each),
+        # so the step below neither preempts nor fails a running request.
+        if num_running != len(live) or self.block_manager.get_num_free_blocks() < len(live):
+            return None
+        # A sequence whose token being drawn is its last by length gets no next step.
+        growing = [seq for request, seq in live if not self._last_by_length(request, seq)]
+        if not growing:
+            return None
+        for seq in growing:
+            seq.token_ids.append(_PLACEHOLDER_TOKEN)
+            seq.awaits_token = True
+        out = scheduler.schedule()
+        touched.update((r.request_id, r) for r in out.failed)
+        if out.is_empty:
+            return None
+        source_row = current.row_of()
+        dst, src, row = [], [], 0
+        for chunk, (_, seq) in zip(out.chunks, out.entries):
+            row += len(chunk.token_ids)
+            if seq.awaits_token and chunk.start_pos + len(chunk.token_ids) == seq.num_tokens:
+                dst.append(row - 1)
+                src.append(source_row[seq.seq_id])
+        logits, inputs = self.runner.execute(out, (dst, src, current.token_ids))
+        self.num_overlapped_steps += 1
+        return out, logits, inputs, self.processor.start_sampling(out, logits, inputs.row_counts)
+
+    def _last_by_length(self, request: Request, seq: Sequence) -> bool:
+        """Whether the token now being drawn for ``seq`` ends it at max_tokens or max_model_len."""
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens:
+            return True
+        return seq.num_tokens + 1 >= self.max_model_len
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             output = self.processor.make_output(request)

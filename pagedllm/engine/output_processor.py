@@ -7,6 +7,7 @@ per-sequence Python here is bookkeeping (append, stop checks, detokenize).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,63 @@ from pagedllm.sampling.sampler import (
     top_k_logprobs,
 )
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class PendingSample:
+    """A step's tokens drawn on the device and not read yet (see ``OutputProcessor.start_sampling``)."""
+
+    jobs: list[tuple[Request, Sequence]]  # row i of the tensors belongs to jobs[i]
+    token_ids: torch.Tensor  # [rows] int64, on the device: the next step's inputs come from here
+    logprobs: torch.Tensor  # [rows] fp32: each chosen token's logprob
+    ready: torch.cuda.Event | None = None  # on CUDA: recorded after the copies to the host below
+    host_token_ids: torch.Tensor | None = None  # pinned host copies, read once ``ready``
+    host_logprobs: torch.Tensor | None = None
+
+    def start_copy_to_host(self) -> None:
+        """Queue the copies to pinned host memory now, right behind the sampling kernels.
+
+        Reading a CUDA tensor later with .tolist() would wait for everything
+        queued on the stream by then, the next step's forward pass included.
+        """
+        if not self.token_ids.is_cuda:
+            return
+        self.host_token_ids = torch.empty(self.token_ids.shape, dtype=self.token_ids.dtype, pin_memory=True)
+        self.host_logprobs = torch.empty(self.logprobs.shape, dtype=self.logprobs.dtype, pin_memory=True)
+        self.host_token_ids.copy_(self.token_ids, non_blocking=True)
+        self.host_logprobs.copy_(self.logprobs, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """(tokens, logprobs) on the host; waits only for this step's own work."""
+        if self.ready is None:
+            return self.token_ids.tolist(), self.logprobs.tolist()
+        self.ready.synchronize()
+        return self.host_token_ids.tolist(), self.host_logprobs.tolist()
+
+    def row_of(self) -> dict[int, int]:
+        """seq_id -> row, for the sequences that get a token from this step."""
+        return {seq.seq_id: i for i, (_, seq) in enumerate(self.jobs)}
+
+
+def can_sample_ahead(request: Request) -> bool:
+    """Whether the request's next step may be scheduled before this step's token is read.
+
+    Its sampling must not depend on the token still being drawn (no penalties
+    over the outputs), and a token must not fan out into forks or beams or
+    carry top logprobs, whose bookkeeping needs the host to see every step.
+    """
+    params = request.params
+    return (
+        not request.is_beam_search
+        and params.num_samples == 1
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+    )
 
 
 def sample_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
@@ -100,6 +158,58 @@ class OutputProcessor:
             beam_step(self, touched[rid], rows, logits)
         return list(touched.values())
 
+    def start_sampling(self, out: SchedulerOutput, logits: torch.Tensor, row_counts: list[int]) -> PendingSample | None:
+        """Draw the step's tokens without reading them back, when every row allows it.
+
+        None when some row needs the host now (see ``can_sample_ahead``); then
+        ``process`` handles the step as usual. Otherwise ``finish_sampling``
+        reads the tokens later, so the host can schedule and launch the next
+        step while this one still runs on the device.
+        """
+        jobs: list[tuple[Request, Sequence]] = []
+        rows: list[int] = []
+        row = 0
+        for chunk, (request, seq), count in zip(out.chunks, out.entries, row_counts):
+            if chunk.all_logits or not can_sample_ahead(request):
+                return None
+            if chunk.needs_logits and not seq.is_finished and not request.is_finished:
+                jobs.append((request, seq))
+                rows.append(row + count - 1)
+            row += count
+        if not jobs:
+            return None
+        sampling_rows = [
+            SamplingRow(
+                params=req.params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                generator=seq.generator,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for req, seq in jobs
+        ]
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        token_ids, logprobs = self.sampler.sample_tensors(logits, sampling_rows)
+        pending = PendingSample(jobs, token_ids, logprobs)
+        pending.start_copy_to_host()
+        return pending
+
+    def finish_sampling(self, pending: PendingSample) -> list[Request]:
+        """Read the drawn tokens and append them; returns the requests that changed.
+
+        A sequence that finished or was aborted since the step was launched
+        gets nothing: the step computed a position it will never use.
+        """
+        tokens, logprobs = pending.read()  # waits for the device
+        touched: dict[str, Request] = {}
+        for (request, seq), token, logprob in zip(pending.jobs, tokens, logprobs):
+            if seq.is_finished or request.is_finished:
+                continue
+            self._accept(request, seq, token, logprob, None)
+            touched[request.request_id] = request
+        return list(touched.values())
+
     def _fan_out(self, request: Request, seq: Sequence, row: int) -> list[tuple[Request, Sequence, int]]:
         """The first token of an n>1 request: fork the prompt's sequence into its samples."""
         num_samples = request.params.num_samples  # a sampling request: beams never come here
@@ -143,11 +253,23 @@ class OutputProcessor:
 
     def _append(self, request: Request, seq: Sequence, result: SamplerOutput, i: int) -> None:
         token = result.token_ids[i]
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += result.logprobs[i]
+        position = self._position_logprobs(token, result, i) if seq.logprobs is not None else None
+        self._accept(request, seq, token, result.logprobs[i], position)
+
+    def _accept(
+        self, request: Request, seq: Sequence, token: int, logprob: float, position: dict[int, Logprob] | None
+    ) -> None:
+        if seq.awaits_token:
+            # The next step was scheduled before this token was read; it holds
+            # the token's place (LLMEngine's overlapped steps).
+            seq.token_ids[-1] = token
+            seq.awaits_token = False
+        else:
+            seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
         self.count_new_tokens(request, 1)
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._position_logprobs(token, result, i))
+        if position is not None:
+            seq.logprobs.append(position)
         stop_str = seq.detokenizer.add_tokens([token]) if seq.detokenizer is not None else None
         self._check_stop(request, seq, token, stop_str)
 

@@ -50,6 +50,9 @@ class Sequence:
     detokenizer: object | None = None  # IncrementalDetokenizer when detokenizing
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # The last entry of token_ids holds the place of a token still being drawn
+    # on the device (only inside an overlapped engine step).
+    awaits_token: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -40,10 +40,24 @@ class ModelRunner:
             apply[op.kind](op.pairs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
-        """Run one forward pass; returns logits [num_rows, vocab] float32 and the inputs used."""
+    def execute(
+        self, out: SchedulerOutput, fed_tokens: tuple[list[int], list[int], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ModelInputs]:
+        """Run one forward pass; returns logits [num_rows, vocab] float32 and the inputs used.
+
+        ``fed_tokens`` = (input rows, source rows, tokens on the device): input
+        token ``rows[i]`` is taken from ``tokens[source[i]]``, the previous
+        step's draw that the host has not read yet. No device sync.
+        """
         self.apply_memory_ops(out)
         inputs = build_model_inputs(out.chunks, self.block_size, self.device)
+        if fed_tokens is not None:
+            dst, src, tokens = fed_tokens
+            if dst == src and len(dst) == inputs.input_ids.shape[0] == tokens.shape[0]:
+                inputs.input_ids.copy_(tokens)  # the usual decode step: same rows, same order
+            else:
+                index = torch.tensor([dst, src], device=self.device)
+                inputs.input_ids[index[0]] = tokens[index[1]].to(inputs.input_ids.dtype)
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
             return self.decode_graphs.run(inputs), inputs
         logits = self.model(

@@ -72,6 +72,18 @@ class Sampler:
             raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
             token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)  # [rows]
             return _gather_logprobs(raw_logprobs, token_ids, rows)
+        token_ids, chosen = self.sample_tensors(logits, rows)
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), None, None)
+
+    def sample_tensors(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [rows] int64, their logprobs [rows] fp32), left on the logits' device.
+
+        For rows that ask for no top logprobs. Nothing here waits for the device,
+        so a caller can launch more work before reading the results.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        logits = logits.float()
         # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
         # materialising the whole log-softmax.
         argmax = None
@@ -85,7 +97,7 @@ class Sampler:
         else:
             token_ids = _choose_tokens(processed, rows)
         chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - normaliser
-        return SamplerOutput(token_ids.tolist(), chosen.tolist(), None, None)
+        return token_ids, chosen
 
 
 # ---------------------------------------------------------------- logit processors
