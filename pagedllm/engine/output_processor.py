@@ -20,6 +20,7 @@ from pagedllm.sampling.sampler import (
     SamplerOutput,
     SamplingRow,
     compute_logprobs,
+    on_device,
     top_k_logprobs,
 )
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -189,7 +190,7 @@ class OutputProcessor:
             for req, seq in jobs
         ]
         if rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, on_device(rows, logits.device))
         token_ids, logprobs = self.sampler.sample_tensors(logits, sampling_rows)
         pending = PendingSample(jobs, token_ids, logprobs)
         pending.start_copy_to_host()
@@ -238,7 +239,7 @@ class OutputProcessor:
         ]
         row_ids = [r for _, _, r in jobs]
         if row_ids != list(range(logits.shape[0])):  # otherwise every row, in order: no copy
-            logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+            logits = logits.index_select(0, on_device(row_ids, logits.device))
         result = self.sampler(logits, rows)
         for i, (request, seq, _) in enumerate(jobs):
             self._append(request, seq, result, i)

@@ -60,23 +60,42 @@ def build_model_inputs(chunks: Sequence, block_size: int, device: torch.device) 
             row_counts.append(0)
     logits_indices = np.array(logits_rows, dtype=np.int64)
 
-    def to_dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
-
+    slot_mapping, tables, seq_lens_dev, query_start_loc, input_ids, positions, logits_indices = to_device(
+        [slots, tables, np.asarray(seq_lens, dtype=np.int64), query_start, input_ids,
+         positions.astype(np.int64, copy=False), logits_indices],
+        device,
+    )
     metadata = AttentionMetadata(
-        slot_mapping=to_dev(slots, torch.int64),
-        block_tables=to_dev(tables, torch.int32),
-        seq_lens=to_dev(np.asarray(seq_lens, dtype=np.int64), torch.int32),
-        query_start_loc=to_dev(query_start, torch.int32),
+        slot_mapping=slot_mapping,
+        block_tables=tables.to(torch.int32),
+        seq_lens=seq_lens_dev.to(torch.int32),
+        query_start_loc=query_start_loc.to(torch.int32),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         seq_lens_host=seq_lens,
         query_lens_host=query_lens,
     )
     return ModelInputs(
-        input_ids=to_dev(input_ids, torch.int64),
-        positions=to_dev(positions.astype(np.int64), torch.int64),
+        input_ids=input_ids,
+        positions=positions,
         metadata=metadata,
-        logits_indices=to_dev(logits_indices.astype(np.int64), torch.int64),
+        logits_indices=logits_indices,
         row_counts=row_counts,
     )
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays as int64 tensors on ``device``.
+
+    On CUDA they travel in one copy from pinned memory, which does not wait
+    for the device: a copy from pageable memory waits for all work queued
+    before it, and would stall the host behind the previous step's forward
+    pass when steps overlap (LLMEngine's async scheduling).
+    """
+    if device.type != "cuda":
+        return [torch.from_numpy(a) for a in arrays]
+    sizes = [a.size for a in arrays]
+    staging = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    np.concatenate([a.ravel() for a in arrays], out=staging.numpy())
+    flat = staging.to(device, non_blocking=True)
+    return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays)]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.engine.scheduler import MemoryOpKind, SchedulerOutput
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.runner.cuda_graphs import DecodeGraphs
-from pagedllm.runner.inputs import ModelInputs, build_model_inputs
+from pagedllm.runner.inputs import ModelInputs, build_model_inputs, to_device
 
 
 class ModelRunner:
@@ -56,8 +57,8 @@ class ModelRunner:
             if dst == src and len(dst) == inputs.input_ids.shape[0] == tokens.shape[0]:
                 inputs.input_ids.copy_(tokens)  # the usual decode step: same rows, same order
             else:
-                index = torch.tensor([dst, src], device=self.device)
-                inputs.input_ids[index[0]] = tokens[index[1]].to(inputs.input_ids.dtype)
+                rows, source = to_device([np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64)], self.device)
+                inputs.input_ids[rows] = tokens[source].to(inputs.input_ids.dtype)
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
             return self.decode_graphs.run(inputs), inputs
         logits = self.model(

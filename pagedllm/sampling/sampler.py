@@ -100,6 +100,22 @@ class Sampler:
         return token_ids, chosen
 
 
+def on_device(values: list, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``; on CUDA through pinned memory.
+
+    A copy from pageable memory waits for all work queued before it, which
+    would stall the host behind a forward pass it means to overlap.
+    """
+    return _move(torch.tensor(values), device)
+
+
+def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto ``device`` without waiting for the device's queue (see on_device)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 # ---------------------------------------------------------------- logit processors
 
 
@@ -116,10 +132,10 @@ def _apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -
         return logits
     logits = logits.clone()
     if bias is not None:
-        row_idx, tok_idx, values = (t.to(logits.device) for t in bias)
+        row_idx, tok_idx, values = (_move(t, logits.device) for t in bias)
         logits.index_put_((row_idx, tok_idx), values, accumulate=True)
     if banned is not None:
-        row_idx, tok_idx, _ = (t.to(logits.device) for t in banned)
+        row_idx, tok_idx, _ = (_move(t, logits.device) for t in banned)
         logits[row_idx, tok_idx] = float("-inf")
     if uses_repetition:
         _apply_repetition_penalty(logits, rows)
@@ -192,7 +208,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow])
         )
         > 0
     )
-    penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=logits.device)
+    penalty = on_device([r.params.repetition_penalty for r in rows], logits.device)
     penalty = penalty.unsqueeze(1).expand_as(logits)  # [rows, vocab]
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     torch.where(seen, penalised, logits, out=logits)
@@ -201,8 +217,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow])
 def _apply_output_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """OpenAI: logit -= frequency * count + presence * (count > 0), over output tokens (in place)."""
     counts = _token_counts([r.output_token_ids for r in rows], logits.shape[1], logits.device)
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=logits.device)
-    presence = torch.tensor([r.params.presence_penalty for r in rows], device=logits.device)
+    frequency = on_device([r.params.frequency_penalty for r in rows], logits.device)
+    presence = on_device([r.params.presence_penalty for r in rows], logits.device)
     logits -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0).float()
 
 
@@ -216,11 +232,11 @@ def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         return logits.argmax(dim=-1)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy:
-        greedy_idx = torch.tensor(greedy, device=logits.device)
+        greedy_idx = on_device(greedy, logits.device)
         tokens[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
     random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     random_rows = [rows[i] for i in random]
-    random_idx = torch.tensor(random, device=logits.device)
+    random_idx = on_device(random, logits.device)
     tokens[random_idx] = _sample(logits[random_idx], random_rows)
     return tokens
 
@@ -228,7 +244,7 @@ def _choose_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one draw per row; ``logits`` is ``[rows, vocab]``."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    temperature = on_device([r.params.temperature for r in rows], device)
     logits = logits / temperature.unsqueeze(1)
     top_k = [r.params.effective_top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -239,14 +255,14 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)  # [rows, vocab]
     min_p = [r.params.min_p for r in rows]
     if any(p > 0.0 for p in min_p):
-        probs = _min_p(probs, torch.tensor(min_p, device=device))
+        probs = _min_p(probs, on_device(min_p, device))
     noise = _exponential_noise(rows, logits.shape[1], device)
     return (probs / noise).argmax(dim=-1)
 
 
 def _k_per_row(top_k: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     """top_k as a ``[rows, 1]`` tensor with 'disabled' (0) and k > vocab meaning all of it."""
-    return torch.tensor([vocab if k <= 0 else min(k, vocab) for k in top_k], device=device)[:, None]
+    return on_device([vocab if k <= 0 else min(k, vocab) for k in top_k], device)[:, None]
 
 
 def _top_k_only(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
@@ -276,7 +292,7 @@ def _top_k_top_p(
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
     # top_p = 1 keeps everything, even where rounding lets the prefix sum pass 1.
-    p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], device=logits.device)
+    p = on_device([q if q < 1.0 else float("inf") for q in top_p], logits.device)
     # The best token always survives: its mass_before is 0 and p > 0.
     sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
@@ -298,7 +314,7 @@ def _exponential_noise(
     if len(unseeded) == len(rows):
         uniform.uniform_()
     elif unseeded:
-        idx = torch.tensor(unseeded, device=device)
+        idx = on_device(unseeded, device)
         uniform[idx] = torch.rand(len(unseeded), vocab, device=device)
     for i, row in enumerate(rows):
         if row.generator is not None:
