@@ -135,3 +135,5 @@ def test_requests_arriving_mid_run_and_memory_pressure():
 def test_async_scheduling_option():
     with pytest.raises(ConfigError, match="async_scheduling"):
         LLM(dtype="float32", device="cpu", async_scheduling="yes")
+    # On the CPU nothing runs while the host schedules, so the default is off.
+    assert LLM(dtype="float32", device="cpu", kv_cache_memory=16 * 2**20).llm_engine.async_scheduling is False

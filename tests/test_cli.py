@@ -39,6 +39,9 @@ def test_engine_flags_reach_the_engine_config():
     assert config.num_headroom_tokens == 0 and config.max_num_seqs == 8
     default = engine_config_from_args(build_parser().parse_args(["generate", "hi"]))
     assert default.num_headroom_tokens == 16
+    assert default.async_scheduling is None  # decided by the engine: on where CUDA graphs run
+    for flag, value in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        assert engine_config_from_args(build_parser().parse_args(["serve", flag])).async_scheduling is value
 
 
 def test_bad_flags_fail_fast_with_a_clear_message():

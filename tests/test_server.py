@@ -18,8 +18,11 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]
-# Small KV pools keep start-up quick; they are ample for these tests.
-ENGINE_ARGS = ("--num-kv-blocks", "1024", "--max-num-seqs", "64")
+# Small KV pools keep start-up quick; they are ample for these tests. The main
+# server overlaps its steps (the CUDA default, off by default on the CPU), so
+# streaming, aborts and disconnects are checked on that path too; the second
+# server takes the ordinary one.
+ENGINE_ARGS = ("--num-kv-blocks", "1024", "--max-num-seqs", "64", "--async-scheduling")
 
 
 @pytest.fixture(scope="module")
