@@ -83,6 +83,13 @@ def can_sample_ahead(request: Request) -> bool:
     )
 
 
+def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``; no copy when that is every row in order."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, on_device(rows, logits.device))
+
+
 def sample_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
     """Per-sequence generator: sample i of a seeded request draws from its own stream."""
     if seed is None:
@@ -179,19 +186,7 @@ class OutputProcessor:
             row += count
         if not jobs:
             return None
-        sampling_rows = [
-            SamplingRow(
-                params=req.params,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                generator=seq.generator,
-                eos_token_ids=self.eos_token_ids,
-            )
-            for req, seq in jobs
-        ]
-        if rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, on_device(rows, logits.device))
-        token_ids, logprobs = self.sampler.sample_tensors(logits, sampling_rows)
+        token_ids, logprobs = self.sampler.sample_tensors(_select_rows(logits, rows), self._sampling_rows(jobs))
         pending = PendingSample(jobs, token_ids, logprobs)
         pending.start_copy_to_host()
         return pending
@@ -226,21 +221,22 @@ class OutputProcessor:
             jobs.append((request, child, row))
         return jobs
 
-    def _sample(self, jobs: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> None:
-        rows = [
+    def _sampling_rows(self, jobs) -> list[SamplingRow]:
+        """What the sampler needs of each (request, seq, ...) job."""
+        return [
             SamplingRow(
-                params=req.params,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                generator=seq.generator,
+                params=job[0].params,
+                prompt_token_ids=job[0].prompt_token_ids,
+                output_token_ids=job[1].output_token_ids,
+                generator=job[1].generator,
                 eos_token_ids=self.eos_token_ids,
             )
-            for req, seq, _ in jobs
+            for job in jobs
         ]
-        row_ids = [r for _, _, r in jobs]
-        if row_ids != list(range(logits.shape[0])):  # otherwise every row, in order: no copy
-            logits = logits.index_select(0, on_device(row_ids, logits.device))
-        result = self.sampler(logits, rows)
+
+    def _sample(self, jobs: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> None:
+        logits = _select_rows(logits, [row for _, _, row in jobs])
+        result = self.sampler(logits, self._sampling_rows(jobs))
         for i, (request, seq, _) in enumerate(jobs):
             self._append(request, seq, result, i)
 
