@@ -46,6 +46,11 @@ class Tokenizer:
         self._backend = hf.backend_tokenizer  # the Rust tokenizer: decoding without Python overhead
         self._pieces: dict[int, str] = {}
         self._single_texts: dict[tuple[int, bool], str] = {}  # (id, skip_special_tokens) -> text
+        # A byte-level decoder turns each token into its bytes and decodes their
+        # concatenation, so two texts that are whole characters decode joined.
+        self._byte_level = type(self._backend.decoder).__name__ == "ByteLevel"
+        self._added_ids = frozenset(hf.added_tokens_decoder)  # special or user-added: never joined
+        self._joinable_texts: dict[int, str | None] = {}  # id -> text when joining it is exact, else None
 
     @classmethod
     def load(cls, model_path: Path) -> Tokenizer:
@@ -83,6 +88,34 @@ class Tokenizer:
             text = self._backend.decode([token_id], skip_special_tokens=skip_special_tokens)
             self._single_texts[key] = text
         return text
+
+    def decode_pair(self, first: int, second: int, skip_special_tokens: bool = True) -> str:
+        """``decode([first, second], skip_special_tokens)``, the usual detokenizer step.
+
+        Under a byte-level decoder it is the two ids' texts joined, when both are
+        whole characters (no U+FFFD) of ordinary vocabulary (not added tokens, the
+        only ones skip_special_tokens can drop): no call into the tokenizer then.
+        """
+        if self._byte_level:
+            texts = self._joinable_texts
+            try:
+                first_text, second_text = texts[first], texts[second]
+            except KeyError:
+                first_text, second_text = self._joinable_text(first), self._joinable_text(second)
+            if first_text is not None and second_text is not None:
+                return first_text + second_text
+        return self._backend.decode([first, second], skip_special_tokens=skip_special_tokens)
+
+    def _joinable_text(self, token_id: int) -> str | None:
+        """The text of ``token_id`` when decode_pair may join it to a neighbour's, else None (memoised)."""
+        if token_id not in self._joinable_texts:
+            text = None
+            if token_id not in self._added_ids:
+                text = self._backend.decode([token_id], skip_special_tokens=False)
+                if _REPLACEMENT_CHAR in text:
+                    text = None
+            self._joinable_texts[token_id] = text
+        return self._joinable_texts[token_id]
 
     def id_to_piece(self, token_id: int) -> str:
         """Decoded text of one token (``" hello"``, not ``"Ġhello"``), for logprob dicts.
@@ -281,23 +314,25 @@ class IncrementalDetokenizer:
 
     def _decode_pending(self, *, final: bool) -> None:
         """Emits the text of ids past the read offset once it ends in a whole character."""
-        if self._read_offset == len(self._ids):
+        ids, prefix, read = self._ids, self._prefix_offset, self._read_offset
+        if read == len(ids):
             return
         tokenizer = self._tokenizer
         skip = self._skip_special_tokens
-        if self._read_offset - self._prefix_offset == 1:
-            # The usual step: the context is the single id emitted last step.
-            prefix_text = tokenizer.decode_one(self._ids[self._prefix_offset], skip)
+        if read - prefix == 1 and len(ids) - read == 1:
+            # The usual step: the context is the single id emitted last step, and one id is new.
+            prefix_text = tokenizer.decode_one(ids[prefix], skip)
+            full_text = tokenizer.decode_pair(ids[prefix], ids[read], skip)
         else:
-            prefix_text = tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], skip)
-        full_text = tokenizer.decode(self._ids[self._prefix_offset :], skip)
+            prefix_text = tokenizer.decode(ids[prefix:read], skip)
+            full_text = tokenizer.decode(ids[prefix:], skip)
         if not final and (
             len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)
         ):
             return  # nothing visible yet, or an incomplete character at the end
         self._output_text += full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._prefix_offset = read
+        self._read_offset = len(ids)
 
     def _after_new_text(self, start: int) -> str | None:
         """Looks for a stop string in text added from ``start``; updates what is safe to show."""

@@ -211,6 +211,34 @@ def test_one_slot_appends_write_in_place_only_into_private_blocks():
     manager.check_invariants()
 
 
+def test_append_slot_in_place_only_where_no_block_changes():
+    manager = make(num_cpu_blocks=4)
+    manager.allocate(0, tokens(BS - 2))
+    manager.allocate(1, tokens(3, 100))
+    # The next position of a private, partial last block: taken, the table comes back.
+    assert manager.append_slot_in_place(0, BS - 2) == [0]
+    assert manager.get_num_slots(0) == BS - 1
+    assert manager.append_slot_in_place(0, BS - 2) is None  # not the next position any more
+    assert manager.append_slot_in_place(0, BS) is None
+    assert manager.append_slot_in_place(0, BS - 1) == [0]  # the block's last slot
+    # Position 8 needs a new block: refused, nothing changed.
+    assert manager.append_slot_in_place(0, BS) is None
+    assert (manager.get_block_table(0), manager.get_num_slots(0)) == ([0], BS)
+    # A shared last block needs a copy-on-write: refused for both owners.
+    manager.fork(1, 2)
+    assert manager.append_slot_in_place(1, 3) is None
+    assert manager.append_slot_in_place(2, 3) is None
+    assert (manager.get_num_slots(1), manager.get_num_slots(2)) == (3, 3)
+    assert refs(manager, 0, 1) == [1, 2]
+    assert free_queue(manager) == [2, 3, 4, 5, 6, 7, 8, 9]
+    manager.swap_out([0])
+    with pytest.raises(BlockManagerError, match="swapped out"):
+        manager.append_slot_in_place(0, BS)
+    with pytest.raises(BlockManagerError, match="has no blocks"):
+        manager.append_slot_in_place(7, 0)
+    manager.check_invariants()
+
+
 def test_fork_at_a_block_boundary_needs_no_copy():
     manager = make()
     manager.allocate(0, tokens(16))

@@ -17,8 +17,8 @@ VOCAB = 8
 def row(params=None, prompt=(), output=(), seed_gen=None, eos=()):
     return SamplingRow(
         params=params or SamplingParams(temperature=0.0),
-        prompt_token_ids=list(prompt),
-        output_token_ids=list(output),
+        token_ids=[*prompt, *output],
+        prompt_len=len(prompt),
         generator=seed_gen,
         eos_token_ids=tuple(eos),
     )
@@ -173,6 +173,17 @@ def test_min_tokens_bans_eos_and_stop_tokens_then_allows_them(sampler):
     assert sampler(logits, [row(params, output=[], eos=[1])]).token_ids == [3]
     assert sampler(logits, [row(params, output=[3], eos=[1])]).token_ids == [3]
     assert sampler(logits, [row(params, output=[3, 3], eos=[1])]).token_ids == [1]
+
+
+def test_a_row_reads_the_sequences_own_token_list(sampler):
+    token_ids = [5, 6, 3]  # a prompt of two, one output so far
+    r = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), token_ids, 2, None, (1,))
+    assert (r.prompt_token_ids, r.output_token_ids, r.num_output_tokens) == ([5, 6], [3], 1)
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])  # eos=1 is the best
+    assert sampler(logits, [r]).token_ids == [2]
+    token_ids.append(2)  # the sequence grows: the same row sees it, nothing was copied
+    assert (r.output_token_ids, r.num_output_tokens) == ([3, 2], 2)
+    assert sampler(logits, [r]).token_ids == [1]
 
 
 def test_out_of_vocab_ids_are_ignored(sampler):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine import sequence as sequence_module
 from pagedllm.engine.scheduler import MemoryOpKind, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.errors import ConfigError
@@ -352,3 +356,81 @@ def test_the_reserve_never_holds_back_more_than_its_fraction_of_the_cache(fracti
     # Capped at 2 blocks (a tenth of 20), each needs 2 + 2: 9 fit, leaving 2.
     assert ids(sched.running) == [f"r{i}" for i in range(num_admitted)]
     assert sched.block_manager.get_num_free_blocks() == 20 - 2 * num_admitted
+
+
+# ---- the steady decode fast path ----------------------------------------------------
+
+
+def _random_run(seed: int, *, mode: str, caching: bool, num_steps: int = 120) -> tuple[list, int]:
+    """A random mix of requests (samples, shared prefixes, prompt logprobs) on a small cache.
+
+    Returns every step's output with sequence ids replaced by (request, sample) and the
+    block ids kept, plus how often the steady decode fast path was taken.
+    """
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=24, budget=20, max_seqs=6, mode=mode, swap_blocks=24, caching=caching)
+    requests: list[Request] = []
+    names: dict[int, tuple[str, int]] = {}
+    num_fast = 0
+    real_fast_path = sched._schedule_decode
+
+    def counted(request, out):
+        nonlocal num_fast
+        taken = real_fast_path(request, out)
+        num_fast += taken
+        return taken
+
+    sched._schedule_decode = counted
+    steps = []
+    for step in range(num_steps):
+        if rng.random() < 0.3:
+            prompt = [1 + rng.randrange(3) for _ in range(8)] + [rng.randrange(100) for _ in range(rng.randrange(1, 40))]
+            n = rng.choice([1, 1, 1, 2, 3])
+            params = SamplingParams(n=n, max_tokens=rng.randrange(1, 40),
+                                    prompt_logprobs=1 if rng.random() < 0.2 else None)
+            req = Request(f"r{step}", None, prompt, params, RequestMetrics(0.0))
+            req.seqs.append(Sequence(prompt_len=len(prompt), token_ids=list(prompt)))
+            sched.add_request(req)
+            requests.append(req)
+        out = sched.schedule()
+        sched.on_step_computed(out)
+        for req in requests:
+            for index, seq in enumerate(req.seqs):
+                names.setdefault(seq.seq_id, (req.request_id, index))
+        steps.append((
+            [(names[c.seq_id], c.token_ids, c.start_pos, c.block_table, c.needs_logits, c.all_logits)
+             for c in out.chunks],
+            [(op.kind, op.pairs) for op in out.memory_ops],
+            [r.request_id for r in out.failed],
+            out.num_batched_tokens,
+        ))
+        for chunk, (req, seq) in zip(out.chunks, out.entries):
+            if not chunk.needs_logits or seq.is_finished or req.is_finished:
+                continue
+            if req.params.n > 1 and not req.forked:  # fan out as the output processor does
+                req.forked = True
+                for index in range(1, req.params.n):
+                    child = seq.fork(index)
+                    sched.fork_seq(seq, child)
+                    req.seqs.append(child)
+            for target in [s for s in req.seqs if s is seq or not chunk.all_logits]:
+                if target.num_tokens == target.num_computed_tokens:
+                    target.token_ids.append(rng.randrange(100))
+            for target in req.live_seqs():
+                if target.num_output_tokens >= req.params.max_tokens or rng.random() < 0.02:
+                    target.finish_reason = FinishReason.LENGTH
+                    sched.finish_seq(req, target)
+        sched.block_manager.check_invariants()
+    return steps, num_fast
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("mode", "caching"), [("recompute", True), ("swap", False), ("auto", True)])
+def test_steady_decode_fast_path_emits_what_the_general_path_does(seed, mode, caching, monkeypatch):
+    monkeypatch.setattr(sequence_module, "_seq_ids", itertools.count())
+    fast, num_fast = _random_run(seed, mode=mode, caching=caching)
+    monkeypatch.setattr(sequence_module, "_seq_ids", itertools.count())
+    monkeypatch.setattr(Scheduler, "_schedule_decode", lambda self, request, out: False)
+    general, _ = _random_run(seed, mode=mode, caching=caching)
+    assert num_fast > 50
+    assert fast == general

@@ -288,3 +288,16 @@ def test_no_stop_strings_hold_nothing_back(tok):
     ids = tok.encode("abc #", add_special_tokens=False)
     detok, _ = stream(tok, ids)
     assert detok.text == "abc #"
+
+
+def test_decode_pair_is_decode_of_the_two_ids(tok):
+    rng = random.Random(0)
+    ids = tok.encode(" ".join(TEXTS), add_special_tokens=False)
+    partial = [i for i in ids if "\ufffd" in tok.id_to_piece(i)]
+    added = sorted(tok.hf.added_tokens_decoder)  # the special tokens: skipped or not
+    assert partial and added
+    pool = ids + partial + added + [rng.randrange(tok.vocab_size) for _ in range(300)]
+    pairs = list(zip(ids, ids[1:])) + [(rng.choice(pool), rng.choice(pool)) for _ in range(3000)]
+    for first, second in pairs:
+        for skip in (True, False):
+            assert tok.decode_pair(first, second, skip) == tok.decode([first, second], skip), (first, second)

@@ -222,15 +222,10 @@ class OutputProcessor:
         return jobs
 
     def _sampling_rows(self, jobs) -> list[SamplingRow]:
-        """What the sampler needs of each (request, seq, ...) job."""
+        """What the sampler needs of each (request, seq, ...) job: the sequence's own token list, not a copy."""
+        eos_token_ids = self.eos_token_ids
         return [
-            SamplingRow(
-                params=job[0].params,
-                prompt_token_ids=job[0].prompt_token_ids,
-                output_token_ids=job[1].output_token_ids,
-                generator=job[1].generator,
-                eos_token_ids=self.eos_token_ids,
-            )
+            SamplingRow(job[0].params, job[1].token_ids, job[1].prompt_len, job[1].generator, eos_token_ids)
             for job in jobs
         ]
 
@@ -333,6 +328,11 @@ class OutputProcessor:
         if params.num_samples > 1 and (params.best_of or 0) > params.n and not finished:  # not beam search
             return None  # best_of picks the winners at the end
         seqs = request.seqs
+        if len(seqs) == 1:  # the usual request: nothing to order or pick
+            output = self._completion(seqs[0], 0, finished)
+            if not finished and not output.token_ids and request.error is None:
+                return None
+            return request.to_output([output], finished)
         if len(seqs) > 1:
             seqs = sorted(seqs, key=lambda s: s.sample_index)
         if finished and params.best_of and params.best_of > params.n:

@@ -257,6 +257,26 @@ class BlockManager:
         self._update_peaks()
         return [copy for copy in copies if copy is not None]
 
+    def append_slot_in_place(self, seq_id: int, position: int) -> list[int] | None:
+        """The steady decode step in one lookup: cover ``position`` and return a copy of the table.
+
+        Only when ``position`` is the next one (``== num_slots``) and its slot
+        lies in a block of the table that this sequence alone holds, so that no
+        block changes (what ``append_slots(seq_id, 1)`` does then). None, with
+        nothing changed, otherwise: then ``can_append_slots`` and ``append_slots``.
+        """
+        seq = self._device_seq(seq_id)
+        table = seq.block_table
+        index = position // self.block_size
+        if (
+            position != seq.num_slots
+            or index >= len(table)
+            or self._pool.blocks[table[index]].ref_count != 1
+        ):
+            return None
+        seq.num_slots = position + 1
+        return list(table)
+
     def _copy_on_write(self, seq: _SeqBlocks, index: int) -> BlockCopy | None:
         """Give ``seq`` a private block at table ``index``; a BlockCopy if the old one held tokens."""
         old = seq.block_table[index]
@@ -283,6 +303,8 @@ class BlockManager:
         seq = self._get_seq(seq_id)
         if not self.enable_prefix_caching or seq.swapped:
             return
+        if num_computed_tokens // self.block_size <= seq.num_registered_blocks:
+            return  # num_full below is at most this: the cheap test for most decode steps
         num_tokens = min(num_computed_tokens, len(token_ids), seq.num_slots)
         num_full = min(num_tokens // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:

@@ -28,15 +28,34 @@ from pagedllm.native import cpu_ops
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
-    """One row of logits: the sequence sampled from it and what sampling needs to know."""
+    """One row of logits: the sequence sampled from it and what sampling needs to know.
+
+    ``token_ids`` is the sequence's own list (prompt, then outputs), read and
+    never copied: most steps need only the number of outputs (min_tokens), so
+    a row costs nothing per generated token. The sampler reads it during the
+    call only.
+    """
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far (penalties, min_tokens)
+    token_ids: Sequence[int]  # the prompt's prompt_len tokens, then those generated so far
+    prompt_len: int
     generator: torch.Generator | None  # the sequence's own generator when params.seed is set
     eos_token_ids: Sequence[int] = ()  # banned with params.stop_token_ids until min_tokens outputs
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        """Generated so far (penalties); a copy, so only when a penalty needs the tokens."""
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
 
 @dataclass
@@ -150,7 +169,7 @@ def _bias_entries(row: SamplingRow) -> dict[int, float]:
 
 def _min_tokens_ban_entries(row: SamplingRow) -> dict[int, float]:
     params = row.params
-    if len(row.output_token_ids) >= params.min_tokens:
+    if not params.min_tokens or row.num_output_tokens >= params.min_tokens:
         return {}
     banned = set(params.stop_token_ids or ())
     if not params.ignore_eos:
@@ -202,7 +221,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow])
     vocab = logits.shape[1]
     seen = (
         _token_counts(
-            [list(r.prompt_token_ids) + list(r.output_token_ids) for r in rows],
+            [r.token_ids for r in rows],  # prompt and outputs alike
             vocab,
             logits.device,
         )
