@@ -44,7 +44,6 @@ class Tokenizer:
         eos = [self.eos_token_id] if self.eos_token_id is not None else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_token_ids]))
         self._backend = hf.backend_tokenizer  # the Rust tokenizer: decoding without Python overhead
-        self._pieces: dict[int, str] = {}
         self._single_texts: dict[tuple[int, bool], str] = {}  # (id, skip_special_tokens) -> text
         # A byte-level decoder turns each token into its bytes and decodes their
         # concatenation, so two texts that are whole characters decode joined.
@@ -111,7 +110,7 @@ class Tokenizer:
         if token_id not in self._joinable_texts:
             text = None
             if token_id not in self._added_ids:
-                text = self._backend.decode([token_id], skip_special_tokens=False)
+                text = self.decode_one(token_id, skip_special_tokens=False)
                 if _REPLACEMENT_CHAR in text:
                     text = None
             self._joinable_texts[token_id] = text
@@ -122,11 +121,7 @@ class Tokenizer:
 
         A token holding part of a multi-byte character decodes to U+FFFD, as in vLLM.
         """
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._backend.decode([token_id], skip_special_tokens=False)
-            self._pieces[token_id] = piece
-        return piece
+        return self.decode_one(token_id, skip_special_tokens=False)
 
     def convert_ids_to_tokens(self, token_ids: int | Sequence[int]) -> str | list[str]:
         """The vocabulary's raw token strings (``"Ġhello"``), as in transformers."""

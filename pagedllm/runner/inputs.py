@@ -47,18 +47,7 @@ def build_model_inputs(chunks: Sequence, block_size: int, device: torch.device) 
     )
     slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
 
-    logits_rows: list[int] = []
-    row_counts: list[int] = []
-    for c, start, n in zip(chunks, query_start[:-1].tolist(), query_lens):
-        if c.all_logits:
-            logits_rows.extend(range(start, start + n))
-            row_counts.append(n)
-        elif c.needs_logits:
-            logits_rows.append(start + n - 1)
-            row_counts.append(1)
-        else:
-            row_counts.append(0)
-    logits_indices = np.array(logits_rows, dtype=np.int64)
+    logits_indices, row_counts = _logits_rows(chunks, query_start[:-1].tolist(), query_lens)
 
     slot_mapping, tables, seq_lens_dev, query_start_loc, input_ids, positions, logits_indices = to_device(
         [slots, tables, np.asarray(seq_lens, dtype=np.int64), query_start, input_ids,
@@ -82,6 +71,22 @@ def build_model_inputs(chunks: Sequence, block_size: int, device: torch.device) 
         logits_indices=logits_indices,
         row_counts=row_counts,
     )
+
+
+def _logits_rows(chunks: Sequence, starts: list[int], query_lens: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Flat token rows whose logits are returned, and how many each chunk contributes (0, 1 or all)."""
+    rows: list[int] = []
+    row_counts: list[int] = []
+    for c, start, n in zip(chunks, starts, query_lens):
+        if c.all_logits:
+            rows.extend(range(start, start + n))
+            row_counts.append(n)
+        elif c.needs_logits:
+            rows.append(start + n - 1)
+            row_counts.append(1)
+        else:
+            row_counts.append(0)
+    return np.array(rows, dtype=np.int64), row_counts
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
