@@ -52,7 +52,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each decode step before the previous step's tokens are read "
                    "(default: on with CUDA graphs)")
-    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="intra-op threads (per rank with tensor parallelism)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many worker processes (torch.distributed)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -76,6 +78,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
     )
 

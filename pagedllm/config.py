@@ -50,6 +50,9 @@ class EngineConfig:
     ``async_scheduling``: schedule and launch each decode step before reading
     the previous step's tokens (stop conditions are then seen one step late);
     ``None`` turns it on where CUDA graphs run.
+    ``tensor_parallel_size``: ranks the model is split over (heads, MLP,
+    vocabulary), one process each, over torch.distributed (gloo on CPU, NCCL
+    on CUDA); each rank takes its share of the CPU cores.
     """
 
     model: str | None = None
@@ -70,6 +73,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -90,6 +94,9 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_threads", self.num_threads)
+        _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1; leave it unset")
         _non_negative("num_headroom_tokens", self.num_headroom_tokens)
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")

@@ -110,16 +110,23 @@ class TensorParallelGroup:
 
 
 SINGLE_PROCESS = TensorParallelGroup()
+STARTUP_TIMEOUT_S = 300.0
 
 
 def init_tensor_parallel(
     rank: int, size: int, init_method: str, device: torch.device, timeout_s: float
 ) -> TensorParallelGroup:
-    """Join the default process group (NCCL on CUDA, gloo on CPU) plus a gloo control group."""
+    """Join the default process group (NCCL on CUDA, gloo on CPU; its collectives fail after
+    ``timeout_s``) plus a gloo group for the step messages."""
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    return TensorParallelGroup(rank=rank, size=size, group=dist.group.WORLD, control_group=control)
+    # Joining waits for every rank's process to start (imports, on a busy machine: minutes).
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
+    )
+    model_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # Ranks other than 0 wait here between steps for as long as the engine idles.
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+    return TensorParallelGroup(rank=rank, size=size, group=model_group, control_group=control)

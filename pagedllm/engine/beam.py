@@ -22,6 +22,7 @@ import torch
 
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.step import BeamCandidates
 
 _NEG = -1.0e9
 
@@ -48,22 +49,25 @@ class BeamState:
         )
 
 
-def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandidates]]) -> None:
+    """One step of the request's beams from each beam's best 2W continuations (the worker's).
+
+    The 2W best continuations over all beams are among the union of each
+    beam's 2W best, so ranking the candidates equals ranking the whole
+    ``[num_beams, vocab]`` score matrix.
+    """
     params = request.params
     state: BeamState = request.beam or BeamState.start(params.beam_width)
     request.beam = state
     width = state.width
     beams = [seq for seq, _ in rows]
-    index = torch.tensor([r for _, r in rows], device=logits.device)
-    step_logits = logits.index_select(0, index).float()
-    if params.temperature > 0:
-        step_logits = step_logits / params.temperature
-    log_probs = torch.log_softmax(step_logits, dim=-1).cpu()  # [num_beams, vocab]
-    vocab = log_probs.shape[1]
+    num_candidates = min(len(c.token_ids) for _, c in rows)
+    candidate_ids = [c.token_ids[:num_candidates] for _, c in rows]
+    log_probs = torch.tensor([c.logprobs[:num_candidates] for _, c in rows])  # [num_beams, 2W]
     accumulated = (log_probs + state.running_scores[:, None]).view(-1)
     top_scores, top_index = torch.topk(accumulated, k=min(2 * width, accumulated.numel()))
-    parents = (top_index // vocab).tolist()
-    tokens = (top_index % vocab).tolist()
+    parents = (top_index // num_candidates).tolist()
+    tokens = [candidate_ids[p][i % num_candidates] for p, i in zip(parents, top_index.tolist())]
 
     gen_len = beams[0].num_output_tokens + 1  # length of every candidate
     ends = _candidate_ends(processor, request, beams[0], tokens, gen_len)
@@ -89,7 +93,7 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], log
 
 def _candidate_ends(processor, request: Request, beam: Sequence, tokens: list[int], gen_len: int) -> torch.Tensor:
     params = request.params
-    at_limit = gen_len >= params.max_tokens or beam.num_tokens + 1 >= processor.max_model_len
+    at_limit = beam.num_tokens + 1 >= request.final_num_tokens(processor.max_model_len)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(processor.eos_token_ids))
     return torch.tensor([at_limit or t in stop_ids for t in tokens], dtype=torch.bool)
 
