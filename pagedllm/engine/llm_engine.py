@@ -79,7 +79,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        loaded = load_model(
+            config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
+            rope_scaling=config.rope_scaling,
+        )
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.model_name = model_display_name(loaded.path)
@@ -167,12 +170,12 @@ class LLMEngine:
         A sliding-window model also bounds it: attention here is full causal, which
         equals windowed attention only while no sequence is longer than the window.
         """
-        model_limit = self.model_config.max_position_embeddings
+        model_limit = self.model_config.max_context_len
         window = self.model_config.sliding_window
         capacity = self.kv_cache.num_blocks * self.config.block_size
         wanted = self.config.max_model_len
-        if wanted is not None and wanted > model_limit:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's context ({model_limit} tokens)")
+        if wanted is not None:
+            self.model_config.check_max_model_len(wanted)
         if wanted is not None and window is not None and wanted > window:
             raise ConfigError(
                 f"max_model_len={wanted} exceeds the model's sliding attention window ({window} tokens), "
