@@ -174,3 +174,15 @@ class BeamSearchParams:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
         if self.early_stopping not in (True, False, "never"):
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+
+
+def check_max_logprobs(params: SamplingParams | BeamSearchParams, max_logprobs: int | None) -> None:
+    """RequestError when ``logprobs`` or ``prompt_logprobs`` asks for more than the
+    engine's ``max_logprobs`` (``None``: no cap), as vLLM refuses them."""
+    if max_logprobs is None or not isinstance(params, SamplingParams):
+        return
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            _fail(name, f"asks for {value} logprobs, more than this engine's max_logprobs ({max_logprobs}); "
+                  "ask for fewer or start the engine with a larger max_logprobs")

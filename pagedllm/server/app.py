@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -68,6 +69,20 @@ def _error_for(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
 
 
+# Request fields a model's generation config may default (SamplingParams names).
+_REQUEST_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """CORS as vLLM's --allowed-origins/--allowed-methods/--allowed-headers/--allow-credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 @dataclass
 class _Prompt:
     """One prompt as submitted: its text (for echo) and token ids."""
@@ -79,12 +94,34 @@ class _Prompt:
 class OpenAIServer:
     """The request handlers; holds the engine and the per-app configuration."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        chat_template: str | None = None,
+        default_sampling: dict | None = None,
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
+        self.chat_template = chat_template  # Jinja text that replaces the model's, or None
+        # SamplingParams defaults for fields a request leaves unset (--generation-config).
+        self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k in _REQUEST_DEFAULTS}
+
+    def parse_sampling_request(self, model: type[p._SamplingRequest], body) -> p._SamplingRequest:
+        """The request, with the model's default sampling parameters where it sets none."""
+        req = p.parse_request(model, body)
+        for name, value in self.default_sampling.items():
+            if name not in req.model_fields_set:
+                setattr(req, name, value)
+        return req
+
+    @property
+    def max_logprobs(self) -> int | None:
+        return self.engine.config.max_logprobs
 
     # -- helpers -----------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -110,7 +147,8 @@ class OpenAIServer:
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> _Prompt:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        override = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **override)
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     async def submit(
@@ -138,10 +176,12 @@ class OpenAIServer:
 
     # -- /v1/completions -----------------------------------------------------------
     async def create_completion(self, request: Request) -> Response:
-        req = p.parse_request(p.CompletionRequest, await _read_json(request))
+        req = self.parse_sampling_request(p.CompletionRequest, await _read_json(request))
         self.check_model(req.model)
         prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts()]
-        params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
+        params = [
+            req.to_params(len(prompt.token_ids), self.engine.max_model_len, self.max_logprobs) for prompt in prompts
+        ]
         response_id = p.random_id("cmpl")
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
@@ -246,10 +286,10 @@ class OpenAIServer:
 
     # -- /v1/chat/completions ------------------------------------------------------------
     async def create_chat_completion(self, request: Request) -> Response:
-        req = p.parse_request(p.ChatCompletionRequest, await _read_json(request))
+        req = self.parse_sampling_request(p.ChatCompletionRequest, await _read_json(request))
         self.check_model(req.model)
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt)
-        params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
+        params = req.to_params(len(prompt.token_ids), self.engine.max_model_len, self.max_logprobs)
         response_id = p.random_id("chatcmpl")
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
         if req.stream:
@@ -359,17 +399,33 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_waiting: int | None = None,
+    chat_template: str | None = None,
+    default_sampling: dict | None = None,
+    cors: CorsSettings | None = None,
 ) -> FastAPI:
-    """The FastAPI app; ``api_key`` guards /v1/* (health, metrics and version stay open)."""
+    """The FastAPI app; ``api_key`` guards /v1/* (health, metrics and version stay open).
+
+    ``chat_template`` (Jinja text) replaces the model's; ``default_sampling``
+    holds SamplingParams defaults for fields a request leaves unset; ``cors``
+    turns on CORS headers (none are sent without it).
+    """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
     metrics = ServerMetrics(engine.get_stats, engine.model_name)
     engine.set_observer(metrics)
-    server = OpenAIServer(engine, served_model_name or engine.model_name, metrics)
+    server = OpenAIServer(engine, served_model_name or engine.model_name, metrics, chat_template, default_sampling)
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.server = server
     _install_error_handlers(app)
+    if cors is not None:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:

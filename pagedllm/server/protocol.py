@@ -196,11 +196,14 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("prompt must not be empty", param="prompt")
         return prompts
 
-    def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
+    def to_params(
+        self, num_prompt_tokens: int, max_model_len: int, max_logprobs: int | None = MAX_TOP_LOGPROBS
+    ) -> SamplingParams | BeamSearchParams:
+        """``max_logprobs``: the engine's cap on ``logprobs`` (None: no cap)."""
         if self.suffix is not None:
             raise RequestError("suffix is not supported", param="suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        if self.logprobs is not None:
+            check_logprobs_count(self.logprobs, max_logprobs, "logprobs")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         check_max_tokens(max_tokens)
         check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param="prompt")
@@ -229,15 +232,14 @@ class ChatCompletionRequest(_SamplingRequest):
             raise RequestError("messages must be a non-empty list", param="messages")
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
-    def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
+    def to_params(
+        self, num_prompt_tokens: int, max_model_len: int, max_logprobs: int | None = MAX_TOP_LOGPROBS
+    ) -> SamplingParams | BeamSearchParams:
+        """``max_logprobs``: the engine's cap on ``top_logprobs`` (None: no cap)."""
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise RequestError(
-                    f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
-                    param="top_logprobs",
-                )
+            check_logprobs_count(self.top_logprobs, max_logprobs, "top_logprobs")
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         if requested is None:
@@ -264,6 +266,12 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+def check_logprobs_count(value: int, max_logprobs: int | None, param: str) -> None:
+    if value < 0 or (max_logprobs is not None and value > max_logprobs):
+        bound = f"in [0, {max_logprobs}]" if max_logprobs is not None else ">= 0"
+        raise RequestError(f"{param}: must be {bound}, got {value}", param=param)
 
 
 def check_max_tokens(max_tokens: int, param: str = "max_tokens") -> None:
