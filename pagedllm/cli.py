@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 from pagedllm.config import (
@@ -63,8 +64,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: on with CUDA graphs)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
-                   help="most logprobs / prompt_logprobs a request may ask for (-1: no cap)")
+    g.add_argument("--rope-scaling", type=parse_json_object, default=None,
+                   help='HF rope_scaling JSON replacing the model\'s, e.g. \'{"rope_type":"yarn","factor":4.0}\' '
+                   "(linear | dynamic | yarn | llama3); lets --max-model-len pass the trained context")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--quantization", "-q", default=None, help="not supported yet (the weights' own format is used)")
     g.add_argument("--kv-cache-dtype", default="auto", help="only 'auto' (the model dtype) for now")
@@ -140,13 +142,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
         seed=args.seed,
-        max_logprobs=args.max_logprobs,
+        rope_scaling=args.rope_scaling,
+        # `pagedllm serve --max-logprobs` (a request limit) also sets the engine's cap
+        max_logprobs=getattr(args, "max_logprobs", DEFAULT_MAX_LOGPROBS),
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         generation_config=args.generation_config,
         **_vllm_only_args(args),
     )
+
+
+def parse_json_object(text: str) -> dict:
+    """Parse a JSON object given on the command line (e.g. ``--rope-scaling``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
+    return value
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -87,6 +87,9 @@ class EngineConfig:
     ``generation_config``: where default sampling parameters come from:
     ``auto`` (the model's generation_config.json or GGUF metadata), ``vllm``
     (SamplingParams' own defaults) or a folder with a generation_config.json.
+    ``rope_scaling``: an HF ``rope_scaling`` dict (``rope_type`` or ``type``:
+    linear | dynamic | yarn | llama3, plus its parameters) that replaces the
+    model's; it lets ``max_model_len`` go past the trained context.
     """
 
     model: str | None = None
@@ -114,6 +117,7 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     generation_config: str = "auto"
+    rope_scaling: dict | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -134,10 +138,14 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_threads", self.num_threads)
         _non_negative("num_headroom_tokens", self.num_headroom_tokens)
-        if self.max_logprobs is not None:
-            _non_negative("max_logprobs", self.max_logprobs)
+        _positive("max_logprobs", self.max_logprobs)
         self._check_memory()
         self._check_not_yet_supported()
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(
+                f"rope_scaling must be a dict such as {{'rope_type': 'yarn', 'factor': 4.0}}, "
+                f"got {self.rope_scaling!r}"
+            )
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
         if self.preemption_mode == "swap" and self.swap_space_bytes == 0:

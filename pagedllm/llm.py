@@ -13,6 +13,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import RequestError
 from pagedllm.generation_config import default_sampling_fields
 from pagedllm.kv.stats import KVCacheStats
+from pagedllm.limits import RequestLimits
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer
@@ -25,14 +26,18 @@ class LLM:
 
     ``model`` is an HF directory or a GGUF file; ``None`` is the default model
     (SmolLM2-135M-Instruct). ``num_kv_blocks`` (exact), ``kv_cache_memory``
-    (bytes) or ``gpu_memory_utilization`` size the KV cache. Every other keyword
-    is an :class:`EngineConfig` field or one of vLLM's EngineArgs names
-    (``swap_space`` in GiB, ``kv_cache_memory_bytes``, ``trust_remote_code``, ...):
-    code written for ``vllm.LLM`` runs unchanged.
+    (bytes) or ``gpu_memory_utilization`` size the KV cache. ``request_limits``
+    bounds what one request may ask for (``n``, stop strings, logit_bias entries,
+    ...; see :class:`RequestLimits`). Every other keyword is an
+    :class:`EngineConfig` field or one of vLLM's EngineArgs names (``swap_space``
+    in GiB, ``kv_cache_memory_bytes``, ``trust_remote_code``, ...): code written
+    for ``vllm.LLM`` runs unchanged.
     """
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+    def __init__(
+        self, model: str | None = None, *, request_limits: RequestLimits | None = None, **engine_options
+    ) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options), request_limits)
         self._request_ids = itertools.count()
         self._default_sampling: dict | None = None
 

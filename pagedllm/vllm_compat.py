@@ -100,7 +100,7 @@ ENGINE_NOTES = {
     "num_gpu_blocks_override": "the number of KV blocks (also spelled num_kv_blocks), CPU or GPU",
     "block_size": "8, 16 or 32",
     "max_num_batched_tokens": "default max(2048, max_num_seqs)",
-    "max_logprobs": SAME_NOTE + "default 20; -1 (or None) is no cap; enforced on logprobs and prompt_logprobs",
+    "max_logprobs": "default 20; -1 (or None) is no cap; 0 is refused; enforced on logprobs and prompt_logprobs",
     "enforce_eager": SAME_NOTE + "turns CUDA graphs off; nothing else is compiled",
     "preemption_mode": SAME_NOTE + "vLLM 0.x's recompute | swap, plus auto",
     "tensor_parallel_size": "1 only for now; other values raise ConfigError",
@@ -115,7 +115,8 @@ SERVE_NOTES = {
                            "(not max_new_tokens) to requests that leave them unset",
     "--allowed-origins": "CORS is off unless given (vLLM always adds it, allowing every origin); "
                          "a JSON list or comma-separated",
-    "--max-logprobs": SAME_NOTE + "caps logprobs / top_logprobs / prompt_logprobs (default 20)",
+    "--max-logprobs": "caps logprobs / top_logprobs / prompt_logprobs (default 20); over HTTP at most 20 "
+                      "(OpenAI's range); -1 is refused",
     "--swap-space": SAME_NOTE + "GiB as vLLM, or a size with a unit (512MiB)",
     "--kv-cache-memory-bytes": SAME_NOTE + "bytes, or a size with a unit (2GiB)",
     "--dtype": "auto is float32 on the CPU",

@@ -30,7 +30,7 @@ from pagedllm.errors import ConfigError, RequestError
 from pagedllm.generation_config import default_sampling_fields
 from pagedllm.kv.memory_budget import MemorySnapshot, kv_bytes_for_utilization
 from pagedllm.models.paths import default_model_path
-from pagedllm.sampling_params import SamplingParams, check_max_logprobs
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.server import launcher
 from pagedllm.server.app import CorsSettings, build_app
 
@@ -158,13 +158,18 @@ def test_kv_budget_is_the_share_left_after_weights_and_activations():
         kv_bytes_for_utilization(0.9, crowded, activation_reserve=GIB)
 
 
-def test_max_logprobs_caps_logprobs_and_prompt_logprobs():
-    check_max_logprobs(SamplingParams(logprobs=5, prompt_logprobs=5), 5)
-    check_max_logprobs(SamplingParams(logprobs=500), None)
-    for field in ("logprobs", "prompt_logprobs"):
-        with pytest.raises(RequestError, match="max_logprobs \\(5\\)") as info:
-            check_max_logprobs(SamplingParams(**{field: 6}), 5)
-        assert info.value.param == field
+def test_max_logprobs_becomes_the_engines_request_limit():
+    # LLMEngine's default limits come from the config; checked without a model here
+    from pagedllm.limits import RequestLimits
+
+    params = SamplingParams(logprobs=6)
+    params.check_limits(RequestLimits(max_logprobs=6), vocab_size=100)
+    with pytest.raises(RequestError, match="must be <= 5") as info:
+        params.check_limits(RequestLimits(max_logprobs=EngineConfig(max_logprobs=5).max_logprobs), vocab_size=100)
+    assert info.value.param == "logprobs"
+    assert EngineConfig(max_logprobs=-1).max_logprobs is None
+    with pytest.raises(ConfigError, match="max_logprobs"):
+        EngineConfig(max_logprobs=0)
 
 
 # ---------------------------------------------------------------------------
@@ -178,12 +183,13 @@ def _serve_args(*argv: str):
 
 def test_serve_takes_the_model_positionally_and_vllm_flags():
     args = _serve_args("model.gguf", "--gpu-memory-utilization", "0.8", "--swap-space", "4",
-                       "--kv-cache-memory-bytes", "1GiB", "--max-logprobs", "-1", "--trust-remote-code",
+                       "--kv-cache-memory-bytes", "1GiB", "--max-logprobs", "7", "--trust-remote-code",
                        "--tensor-parallel-size", "1", "--num-gpu-blocks-override", "64", "--dtype", "half")
     assert launcher._model_argument(args) == "model.gguf"
     config = engine_config_from_args(args)
     assert (config.gpu_memory_utilization, config.swap_space_bytes, config.kv_cache_memory) == (0.8, 4 * GIB, GIB)
-    assert (config.max_logprobs, config.num_kv_blocks, config.dtype) == (None, 64, "float16")
+    assert (config.max_logprobs, config.num_kv_blocks, config.dtype) == (7, 64, "float16")
+    assert launcher.limits_from_args(args)[0].max_logprobs == 7  # the server's request limit agrees
     assert engine_config_from_args(_serve_args("--swap-space", "512MiB")).swap_space_bytes == 512 * 2**20
     assert launcher._model_argument(_serve_args("--model", "a.gguf")) == "a.gguf"
     assert launcher._model_argument(_serve_args("a.gguf", "--model", "a.gguf")) == "a.gguf"
@@ -327,22 +333,6 @@ def test_chat_template_override_and_generation_defaults_reach_requests():
     assert (completion_params.temperature, completion_params.top_k) == (0.9, 5)
 
 
-def test_http_logprobs_follow_the_engines_max_logprobs():
-    fake = FakeEngine()
-    fake.config = EngineConfig(max_logprobs=2)
-
-    async def check(client):
-        ok = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logprobs": 2})
-        assert ok.status_code == 200
-        bad = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logprobs": 3})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
-        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True}
-        bad = await client.post("/v1/chat/completions", json={**chat, "top_logprobs": 3})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
-
-    _with_app(check, fake)
-
-
 # ---------------------------------------------------------------------------
 # docs/vllm-compat.md
 # ---------------------------------------------------------------------------
@@ -433,7 +423,7 @@ def test_vllm_quickstart_runs_with_the_import_changed():
     assert kv_bytes != 4 * GIB and abs(kv_bytes - expected) < 0.1 * now.memory_for_engine
 
     # max_logprobs is enforced; up to it, logprobs come back
-    with pytest.raises(RequestError, match="max_logprobs"):
+    with pytest.raises(RequestError, match="must be <= 5"):
         llm.generate("Hi", SamplingParams(logprobs=6, max_tokens=2))
     (out,) = llm.generate("Hi", SamplingParams(logprobs=5, max_tokens=2))
     assert all(len(position) >= 5 for position in out.outputs[0].logprobs)
