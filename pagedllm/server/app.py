@@ -359,8 +359,9 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_waiting: int | None = None,
+    dashboard: bool = True,
 ) -> FastAPI:
-    """The FastAPI app; ``api_key`` guards /v1/* (health, metrics and version stay open)."""
+    """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open)."""
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
     metrics = ServerMetrics(engine.get_stats, engine.model_name)
@@ -406,6 +407,13 @@ def build_app(
 
     app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
     app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
+    if dashboard:
+        from pagedllm.server.dashboard import install_dashboard
+
+        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
+            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
+            "invalid_request_error", code="invalid_api_key",
+        ))
     return app
 
 

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="seconds in-flight requests may run on after SIGTERM/SIGINT before they are aborted",
     )
     g.add_argument("--log-level", default="info", choices=list(LOG_LEVELS))
+    g.add_argument(
+        "--dashboard", action=argparse.BooleanOptionalAction, default=True,
+        help="serve the live KV-cache map at /dashboard (same API-key rule as /v1)",
+    )
 
 
 def _non_negative_int(text: str) -> int:
@@ -94,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting)
     served_name = args.served_model_name or engine.model_name
-    app = build_app(engine, served_model_name=served_name, api_key=args.api_key, max_waiting=args.max_waiting)
+    app = build_app(
+        engine, served_model_name=served_name, api_key=args.api_key, max_waiting=args.max_waiting,
+        dashboard=args.dashboard,
+    )
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -107,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         logger.info("serving %s at http://%s:%d/v1 (OpenAI API)", served_name, _display_host(args.host), args.port)
+        if args.dashboard:
+            logger.info("KV-cache dashboard at http://%s:%d/dashboard", _display_host(args.host), args.port)
         try:
             await server.serve()
         finally:
