@@ -160,8 +160,9 @@ class Charts {
 
   drawOne(s, points, xKey, cursor) {
     const c = s.canvas, dpr = window.devicePixelRatio || 1;
-    const w = c.parentElement.clientWidth, h = 70;
-    c.width = w * dpr; c.height = h * dpr; c.style.width = `${w}px`; c.style.height = `${h}px`;
+    c.style.width = "100%"; c.style.height = "70px";
+    const w = Math.max(c.clientWidth, 100), h = 70;
+    c.width = w * dpr; c.height = h * dpr;
     const ctx = c.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.fillStyle = "#f8fafc"; ctx.fillRect(0, 0, w, h);
