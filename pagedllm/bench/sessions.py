@@ -387,19 +387,21 @@ def run(args: argparse.Namespace) -> int:
     load = SessionLoad(args.sessions, args.turns, args.user_words, args.max_tokens, args.think_time,
                        args.disconnect_share, args.seed)
     load.check()
+    policies = [p.strip() for p in args.kv_policies.split(",") if p.strip()]
+    results: list[dict] = []
     try:
-        if args.base_url:
-            results = [asyncio.run(run_sessions(args.base_url.rstrip("/"), load, None, args.num_kv_blocks))]
-        else:
-            policies = [p.strip() for p in args.kv_policies.split(",") if p.strip()]
-            results = [run_launched(args, load, policy) for policy in policies]
+        for policy in [None] if args.base_url else policies:
+            if policy is None:
+                result = asyncio.run(run_sessions(args.base_url.rstrip("/"), load, None, args.num_kv_blocks))
+            else:
+                result = run_launched(args, load, policy)
+            results.append(result)
+            print(format_result(result), flush=True)  # each run as it ends: a later one may take long
+            if args.json:
+                report.write_json(args.json, {"environment": report.environment(), "runs": results})
     except ConfigError as exc:
         print(f"pagedllm bench sessions: error: {exc}", file=sys.stderr)
         return 1
-    for result in results:
-        print(format_result(result))
-    if args.json:
-        report.write_json(args.json, {"environment": report.environment(), "runs": results})
     failed = any(r["sessions"]["errored"] or r["leaked_blocks"] or not r["idle_after_load"] for r in results)
     return 1 if failed else 0
 
