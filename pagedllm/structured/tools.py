@@ -186,3 +186,41 @@ def tools_system_prompt(tools: list[ToolSpec]) -> str:
         "call, return a JSON object with the function name and arguments within <tool_call></tool_call> "
         'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
+
+
+def render_tools_into_messages(messages: list[dict], tools: list[ToolSpec]) -> list[dict]:
+    """Messages for a chat template that does not render tools: the tools go into the system
+    message, earlier calls and results into Hermes-style text."""
+    prompt = tools_system_prompt(tools)
+    rendered: list[dict] = []
+    for message in messages:
+        message = dict(message)
+        calls = message.pop("tool_calls", None)
+        if calls:
+            blocks = [
+                TOOL_CALL_OPEN + "\n" + json.dumps(
+                    {"name": call["function"]["name"], "arguments": _arguments_value(call["function"].get("arguments"))},
+                    ensure_ascii=False,
+                ) + "\n" + TOOL_CALL_CLOSE
+                for call in calls
+                if isinstance(call, dict) and isinstance(call.get("function"), dict)
+            ]
+            message["content"] = "\n".join(filter(None, [message.get("content") or "", *blocks]))
+        if message.get("role") == "tool":
+            message.pop("tool_call_id", None)
+            message["content"] = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+        rendered.append(message)
+    if rendered and rendered[0].get("role") == "system":
+        rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}".strip()}
+    else:
+        rendered.insert(0, {"role": "system", "content": prompt})
+    return rendered
+
+
+def _arguments_value(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments if arguments is not None else {}
