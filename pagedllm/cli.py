@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 from pagedllm.config import (
@@ -54,6 +55,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: on with CUDA graphs)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--rope-scaling", type=parse_json_object, default=None,
+                   help='HF rope_scaling JSON replacing the model\'s, e.g. \'{"rope_type":"yarn","factor":4.0}\' '
+                   "(linear | dynamic | yarn | llama3); lets --max-model-len pass the trained context")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -77,7 +81,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
         seed=args.seed,
+        rope_scaling=args.rope_scaling,
     )
+
+
+def parse_json_object(text: str) -> dict:
+    """Parse a JSON object given on the command line (e.g. ``--rope-scaling``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
+    return value
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

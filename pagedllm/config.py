@@ -50,6 +50,9 @@ class EngineConfig:
     ``async_scheduling``: schedule and launch each decode step before reading
     the previous step's tokens (stop conditions are then seen one step late);
     ``None`` turns it on where CUDA graphs run.
+    ``rope_scaling``: an HF ``rope_scaling`` dict (``rope_type`` or ``type``:
+    linear | dynamic | yarn | llama3, plus its parameters) that replaces the
+    model's; it lets ``max_model_len`` go past the trained context.
     """
 
     model: str | None = None
@@ -71,6 +74,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     num_threads: int | None = None
     seed: int = 0
+    rope_scaling: dict | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +95,11 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("num_threads", self.num_threads)
         _non_negative("num_headroom_tokens", self.num_headroom_tokens)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(
+                f"rope_scaling must be a dict such as {{'rope_type': 'yarn', 'factor': 4.0}}, "
+                f"got {self.rope_scaling!r}"
+            )
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
         if not isinstance(self.swap_space, int) or self.swap_space < 0:

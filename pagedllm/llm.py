@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import RequestError
 from pagedllm.kv.stats import KVCacheStats
+from pagedllm.limits import RequestLimits
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer
@@ -24,11 +25,15 @@ class LLM:
 
     ``model`` is an HF directory or a GGUF file; ``None`` is the default model
     (SmolLM2-135M-Instruct). ``num_kv_blocks`` (exact) or ``kv_cache_memory``
-    (bytes) size the KV cache. Every other keyword is an :class:`EngineConfig` field.
+    (bytes) size the KV cache. ``request_limits`` bounds what one request may ask
+    for (``n``, stop strings, logit_bias entries, ...; see :class:`RequestLimits`).
+    Every other keyword is an :class:`EngineConfig` field.
     """
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+    def __init__(
+        self, model: str | None = None, *, request_limits: RequestLimits | None = None, **engine_options
+    ) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options), request_limits)
         self._request_ids = itertools.count()
 
     @classmethod

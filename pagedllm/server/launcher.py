@@ -18,6 +18,7 @@ import threading
 import uvicorn
 
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
+from pagedllm.limits import RequestLimits, ServerLimits
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -46,6 +47,72 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="seconds in-flight requests may run on after SIGTERM/SIGINT before they are aborted",
     )
     g.add_argument("--log-level", default="info", choices=list(LOG_LEVELS))
+    _add_limit_arguments(parser)
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of RequestLimits and ServerLimits, defaulting to the dataclass's value."""
+    r, s = RequestLimits(), ServerLimits()
+    g = parser.add_argument_group("limits (per request / per client; past them: HTTP 400, 413 or 503)")
+    g.add_argument("--max-n", type=_positive_int, default=r.max_n, help="most samples per prompt (n, best_of)")
+    g.add_argument("--max-beam-width", type=_positive_int, default=r.max_beam_width, help="most beams of a beam search")
+    g.add_argument("--max-stop", type=_positive_int, default=r.max_stop, help="most stop strings per request")
+    g.add_argument("--max-stop-chars", type=_positive_int, default=r.max_stop_chars, help="longest stop string")
+    g.add_argument("--max-stop-token-ids", type=_positive_int, default=r.max_stop_token_ids)
+    g.add_argument("--max-logit-bias", type=_positive_int, default=r.max_logit_bias, help="most logit_bias entries")
+    g.add_argument("--max-logprobs", type=_positive_int, default=r.max_logprobs, help="most top logprobs per token")
+    g.add_argument("--max-body-bytes", type=_size, default=s.max_body_bytes,
+                   help="largest request body, e.g. 4MiB (HTTP 413 past it)")
+    g.add_argument("--max-prompts", type=_positive_int, default=s.max_prompts, help="most prompts per completion request")
+    g.add_argument("--max-json-depth", type=_positive_int, default=s.max_json_depth, help="deepest nesting in a body")
+    g.add_argument("--max-connections", type=_positive_int, default=s.max_connections,
+                   help="most open HTTP connections; new ones past it get HTTP 503")
+    g.add_argument("--stream-stall-timeout", type=_positive_float, default=s.stream_stall_timeout_s,
+                   help="seconds a streaming client may take no data before its request is aborted")
+    g.add_argument("--request-timeout", type=_positive_float, default=s.request_timeout_s,
+                   help="seconds a request may run before it is aborted (default: no limit)")
+    g.add_argument("--keep-alive-timeout", type=_positive_float, default=s.keep_alive_timeout_s,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--body-read-timeout", type=_positive_float, default=s.body_read_timeout_s,
+                   help="seconds a client may take to send its request body")
+
+
+def limits_from_args(args: argparse.Namespace) -> tuple[RequestLimits, ServerLimits]:
+    request = RequestLimits(
+        max_n=args.max_n, max_beam_width=args.max_beam_width, max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars, max_stop_token_ids=args.max_stop_token_ids,
+        max_logit_bias=args.max_logit_bias, max_logprobs=args.max_logprobs,
+    )
+    server = ServerLimits(
+        max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_json_depth=args.max_json_depth,
+        max_connections=args.max_connections, stream_stall_timeout_s=args.stream_stall_timeout,
+        request_timeout_s=args.request_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        body_read_timeout_s=args.body_read_timeout,
+    )
+    return request, server
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    from pagedllm.cli import parse_size
+
+    value = parse_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -92,9 +159,13 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
     config = engine_config_from_args(args)
-    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting)
+    request_limits, server_limits = limits_from_args(args)
+    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting, limits=request_limits)
     served_name = args.served_model_name or engine.model_name
-    app = build_app(engine, served_model_name=served_name, api_key=args.api_key, max_waiting=args.max_waiting)
+    app = build_app(
+        engine, served_model_name=served_name, api_key=args.api_key, max_waiting=args.max_waiting,
+        limits=server_limits,
+    )
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -102,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=max(0.0, args.drain_timeout),
         access_log=args.log_level == "debug",
+        # Past this many open connections (idle keep-alive ones included) uvicorn answers 503.
+        limit_concurrency=server_limits.max_connections,
+        timeout_keep_alive=server_limits.keep_alive_timeout_s,
     )
     server = _Server(uv_config)
 
