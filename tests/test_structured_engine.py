@@ -172,6 +172,7 @@ def test_ebnf_grammar_and_json_object(llm):
     assert text.startswith("{")
 
 
+@pytest.mark.slow  # two engines per mode
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_matcher_state_survives_forced_preemption(tiny_model_dir, mode):
     prompts = [f"{PROMPT} {i} " + "word " * (20 + 7 * i) for i in range(6)]
@@ -188,6 +189,7 @@ def test_matcher_state_survives_forced_preemption(tiny_model_dir, mode):
     _assert_all_free(tight)
 
 
+@pytest.mark.slow  # two engines
 def test_overlapped_steps_keep_matcher_state(tiny_model_dir):
     prompts = [PROMPT, "second", "third prompt here", "4"]
     params = [

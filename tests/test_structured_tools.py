@@ -135,3 +135,16 @@ def test_conflicting_or_malformed_constraints_name_the_field(body, param):
     with pytest.raises(RequestError) as info:
         _chat(**body).to_params(5, 100)
     assert info.value.param == param
+
+
+def test_the_default_chat_template_receives_the_tools():
+    from pagedllm.models.paths import default_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(default_model_path())
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = tokenizer.apply_chat_template(messages)
+    with_tools = tokenizer.apply_chat_template(messages, tools=TOOLS)
+    assert "get_weather" not in plain
+    assert with_tools.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert '"name": "get_weather"' in with_tools and with_tools.endswith("<|im_start|>assistant\n")

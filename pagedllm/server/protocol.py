@@ -28,7 +28,13 @@ from pagedllm.limits import (
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured import StructuredOutputsParams
-from pagedllm.structured.tools import ToolChoice, ToolSpec, parse_tools, resolve_tool_choice, tool_constraint
+from pagedllm.structured.tools import (
+    ToolChoice,
+    ToolSpec,
+    parse_tools,
+    resolve_tool_choice,
+    tool_constraint,
+)
 
 # OpenAI's default for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
