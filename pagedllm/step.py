@@ -68,6 +68,10 @@ class ScheduledSeq:
     its samples there. ``num_beam_candidates`` > 0 asks instead for the best
     continuations of a beam (token ids and logprobs). ``prompt_logprobs``
     asks for the logprobs of the prompt tokens after each of its positions.
+    ``allowed_token_bitmask`` (structured outputs): the tokens the sequence's
+    grammar allows next, bit ``j`` of word ``w`` allowing token ``32 w + j``
+    (int32 words, xgrammar's layout); the others get -inf before sampling,
+    or in a beam's log-softmax before its candidates are picked.
     """
 
     seq_id: int
@@ -79,6 +83,7 @@ class ScheduledSeq:
     sample_targets: list[tuple[int, int]] = field(default_factory=list)
     num_beam_candidates: int = 0
     prompt_logprobs: bool = False
+    allowed_token_bitmask: list[int] | None = None
 
 
 @dataclass

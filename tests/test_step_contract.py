@@ -34,7 +34,7 @@ def _engine_side(prompt_len: int, n: int = 1):
     request = Request("r", None, tokens, SamplingParams(n=n, max_tokens=200), RequestMetrics(0.0))
     request.seqs.append(Sequence(prompt_len=prompt_len, token_ids=list(tokens)))
     scheduler.add_request(request)
-    return scheduler, StepBuilder(scheduler, new_seq_id), request
+    return scheduler, StepBuilder(scheduler, new_seq_id, vocab_size=49152, max_model_len=4096), request
 
 
 def _step(scheduler: Scheduler, steps: StepBuilder, token: int = 9) -> StepInput:

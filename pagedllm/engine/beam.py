@@ -69,11 +69,19 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandid
     parents = (top_index // num_candidates).tolist()
     tokens = [candidate_ids[p][i % num_candidates] for p, i in zip(parents, top_index.tolist())]
 
+    # (with a grammar, the worker masked each beam's forbidden continuations to -inf first)
     gen_len = beams[0].num_output_tokens + 1  # length of every candidate
     ends = _candidate_ends(processor, request, beams[0], tokens, gen_len)
     _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len)
     run_scores = top_scores + ends.float() * _NEG
     keep_scores, keep = torch.topk(run_scores, k=min(width, run_scores.numel()))
+    if request.grammar is not None:  # a beam must be able to go on: allowed, and not ended
+        alive = torch.isfinite(keep_scores) & ~ends[keep]
+        keep_scores, keep = keep_scores[alive], keep[alive]
+    if keep.numel() == 0:
+        processor.scheduler.finish_request(request, FinishReason.STOP)
+        request.metrics.finished_time = time.monotonic()
+        return
     _update_improvement(state, params, keep_scores, gen_len)
 
     done = (
@@ -91,11 +99,19 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandid
     processor.count_new_tokens(request, len(request.seqs))
 
 
+def at_limit(request: Request, beam: Sequence, max_model_len: int) -> bool:
+    """Whether the beam's next token is its last by length (every beam has the same length)."""
+    return beam.num_tokens + 1 >= request.final_num_tokens(max_model_len)
+
+
+def stop_ids(params, eos_token_ids) -> set[int]:
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
 def _candidate_ends(processor, request: Request, beam: Sequence, tokens: list[int], gen_len: int) -> torch.Tensor:
-    params = request.params
-    at_limit = beam.num_tokens + 1 >= request.final_num_tokens(processor.max_model_len)
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(processor.eos_token_ids))
-    return torch.tensor([at_limit or t in stop_ids for t in tokens], dtype=torch.bool)
+    limit = at_limit(request, beam, processor.max_model_len)
+    stops = stop_ids(request.params, processor.eos_token_ids)
+    return torch.tensor([limit or t in stops for t in tokens], dtype=torch.bool)
 
 
 def _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len) -> None:
@@ -150,9 +166,13 @@ def _advance_beams(processor, request: Request, beams: list[Sequence], parents: 
     for i, beam in enumerate(beams):
         if i not in used:
             scheduler.free_seq(beam)
-    # Append only after every fork, so a fork copies its parent before the parent grows.
+            beam.grammar = None
+    # Append only after every fork, so a fork copies its parent (and its grammar state) before the parent grows.
     for seq, token in pending:
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            accepted = seq.grammar.accept(token)
+            assert accepted, "the beam's mask allowed a token its grammar rejects"
     request.seqs = new_seqs
 
 

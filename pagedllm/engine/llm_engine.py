@@ -19,10 +19,18 @@ from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
 from pagedllm.models.paths import model_display_name, resolve_model_path
+from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
-from pagedllm.worker.worker import DEFAULT_CPU_KV_MEMORY, Worker, resolve_device, resolve_dtype  # noqa: F401
+from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults and resolvers are imported from here)
+    DEFAULT_CPU_KV_MEMORY,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    Worker,
+    resolve_device,
+    resolve_dtype,
+)
 
 logger = logging.getLogger("pagedllm")
 
@@ -30,7 +38,6 @@ logger = logging.getLogger("pagedllm")
 # scheduler's counts; never sent to the worker (which feeds the real token
 # from the device) and replaced once read.
 _PLACEHOLDER_TOKEN = 0
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -60,12 +67,16 @@ class LLMEngine:
 
     The engine schedules, forks, checks stop conditions and detokenizes; the
     model, the KV tensors and the sampler belong to its :class:`Worker`,
-    which it drives with plain step messages (pagedllm.step).
+    which it drives with plain step messages (pagedllm.step). ``limits``
+    bounds what one request may ask for (``RequestLimits()`` with the
+    config's ``max_logprobs`` when None).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, limits: RequestLimits | None = None) -> None:
         start = time.monotonic()
         self.config = config
+        # Offline, EngineConfig.max_logprobs (vLLM's engine argument) is the cap; None: none.
+        self.limits = limits if limits is not None else RequestLimits(max_logprobs=config.max_logprobs or INT64_MAX)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
@@ -106,8 +117,14 @@ class LLMEngine:
         if self.executor.uses_cuda_graphs():
             self.worker.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         # Ranks other than 0 do not sample, so under tensor parallelism every token is sent.
-        self.steps = StepBuilder(self.scheduler, new_seq_id, send_sampled_tokens=config.tensor_parallel_size > 1)
+        self.steps = StepBuilder(
+            self.scheduler, new_seq_id, self.model_config.vocab_size, self.max_model_len,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids), send_sampled_tokens=config.tensor_parallel_size > 1,
+        )
         self.processor = OutputProcessor(self.scheduler, self.steps, self.tokenizer, self.max_model_len)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, list(self.tokenizer.eos_token_ids)
+        )
         # Default: on where it pays, with CUDA graphs (the device runs while the host schedules).
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.executor.uses_cuda_graphs()
@@ -134,8 +151,13 @@ class LLMEngine:
         return self.worker.kv_cache
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        return cls(config)
+    def from_config(cls, config: EngineConfig, limits: RequestLimits | None = None) -> LLMEngine:
+        return cls(config, limits)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may use are in [0, vocab_size)."""
+        return self.model_config.vocab_size
 
     # ---- start-up ---------------------------------------------------------
 
@@ -145,12 +167,12 @@ class LLMEngine:
         A sliding-window model also bounds it: attention here is full causal, which
         equals windowed attention only while no sequence is longer than the window.
         """
-        model_limit = self.model_config.max_position_embeddings
+        model_limit = self.model_config.max_context_len
         window = self.model_config.sliding_window
         capacity = self.kv_cache.num_blocks * self.config.block_size
         wanted = self.config.max_model_len
-        if wanted is not None and wanted > model_limit:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's context ({model_limit} tokens)")
+        if wanted is not None:
+            self.model_config.check_max_model_len(wanted)
         if wanted is not None and window is not None and wanted > window:
             raise ConfigError(
                 f"max_model_len={wanted} exceeds the model's sliding attention window ({window} tokens), "
@@ -186,8 +208,13 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise RequestError(f"params must be SamplingParams or BeamSearchParams, got {params!r}", param="params")
+        params.check_limits(self.limits, self.vocab_size)
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_lengths(token_ids, params)
+        self._check_kv_demand(len(token_ids), params)
+        grammar = self.grammar_compiler.compile(params.structured_outputs) if params.structured_outputs else None
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so this
             # request neither reads nor feeds the prefix cache.
@@ -199,6 +226,7 @@ class LLMEngine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         request.seqs.append(self.processor.new_sequence(request, sample_index=0))
         self.requests[request_id] = request
@@ -216,27 +244,60 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty", param="prompt")
+            check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise RequestError("the prompt must be a non-empty string or list of token ids", param="prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(prompt) >= self.max_model_len:  # before looking at each id
+            self._check_lengths(prompt, None)
+        check_token_ids(prompt, self.vocab_size, "prompt")
         return None, list(prompt)
 
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+    def _check_lengths(
+        self, token_ids: list[int] | tuple[int, ...], params: SamplingParams | BeamSearchParams | None
+    ) -> None:
         limit = self.max_model_len
         if len(token_ids) >= limit:
             raise RequestError(
                 f"the prompt has {len(token_ids)} tokens but this model's context is {limit} tokens; "
                 "shorten the prompt", param="prompt",
             )
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+        if params is not None and params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise RequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{len(token_ids) + params.max_tokens} exceeds the context of {limit} tokens; "
                 "lower max_tokens or shorten the prompt", param="max_tokens",
             )
+
+    def _check_kv_demand(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> None:
+        """Refuses a request whose sequences, all at their longest, need more KV blocks than the cache has.
+
+        Its sequences share the prompt's full blocks; each then needs its own
+        blocks up to prompt + max_tokens (max_model_len when max_tokens is None).
+        Such a request could only fail part-way, after taking the whole cache.
+        """
+        is_beam = isinstance(params, BeamSearchParams)
+        num_seqs = params.beam_width if is_beam else params.num_samples
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
+        bs = self.config.block_size
+        shared = num_prompt_tokens // bs if num_seqs > 1 else 0
+        own = -(-(num_prompt_tokens + max_tokens) // bs) - shared
+        needed = shared + num_seqs * own
+        capacity = self.kv_cache.num_blocks
+        if needed <= capacity:
+            return
+        if num_seqs == 1:
+            param = "max_tokens"
+        elif is_beam:
+            param = "beam_width"
+        else:
+            param = "best_of" if params.best_of is not None else "n"
+        raise RequestError(
+            f"{param}: {num_seqs} sequence(s) of up to {num_prompt_tokens + max_tokens} tokens "
+            f"({num_prompt_tokens} prompt + {max_tokens} max_tokens) need {needed} KV blocks of {bs} tokens, "
+            f"but the whole cache holds {capacity}; lower n/best_of or max_tokens",
+            param=param,
+        )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -326,6 +387,8 @@ class LLMEngine:
         live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
         if not live or scheduler.swapped:
             return None
+        if any(request.grammar is not None for request, _ in live):
+            return None  # a grammar's next mask needs the token still being drawn
         num_running = sum(len(request.live_seqs()) for request in scheduler.running)
         # Every running sequence decodes one token (at most one new block each),
         # so the step below neither preempts nor fails a running request.

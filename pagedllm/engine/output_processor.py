@@ -14,6 +14,7 @@ from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.engine.step_builder import StepBuilder
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.step import PromptLogprob, SampledToken, StepResult
+from pagedllm.structured.grammar import GrammarState
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -57,6 +58,8 @@ class OutputProcessor:
             token_ids=list(request.prompt_token_ids),
             sample_index=sample_index,
         )
+        if request.grammar is not None:
+            seq.grammar = GrammarState.start(request.grammar)
         self._init_seq_state(request, seq)
         return seq
 
@@ -105,6 +108,8 @@ class OutputProcessor:
         for chunk, (request, seq) in zip(out.chunks, out.entries):
             if chunk.all_logits or not can_sample_ahead(request):
                 return False
+            if seq.grammar is not None and seq.awaits_token:
+                return False  # its mask needs the token still being drawn
             has_job = has_job or (chunk.needs_logits and not seq.is_finished and not request.is_finished)
         return has_job
 
@@ -167,8 +172,18 @@ class OutputProcessor:
         self.count_new_tokens(request, 1)
         if seq.logprobs is not None:
             seq.logprobs.append(self._position_logprobs(sampled))
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            self._fail_grammar(request, seq, token)
+            return
         stop_str = seq.detokenizer.add_tokens([token]) if seq.detokenizer is not None else None
         self._check_stop(request, seq, token, stop_str)
+
+    def _fail_grammar(self, request: Request, seq: Sequence, token: int) -> None:
+        """A token the grammar forbids was drawn (e.g. min_tokens banned the only allowed stop)."""
+        request.error = f"token {token} is not allowed by the request's structured_outputs grammar"
+        seq.finish_reason = FinishReason.ERROR
+        seq.grammar = None
+        self.scheduler.finish_seq(request, seq)
 
     def _position_logprobs(self, sampled: SampledToken) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
@@ -188,10 +203,13 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif past_min and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
+        elif seq.grammar is not None and seq.grammar.is_terminated:
+            seq.finish_reason = FinishReason.STOP  # the grammar took its stop token: nothing may follow
         elif seq.num_tokens >= request.final_num_tokens(self.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
         else:
             return
+        seq.grammar = None
         self.scheduler.finish_seq(request, seq)
         if request.is_finished:
             request.metrics.finished_time = time.monotonic()

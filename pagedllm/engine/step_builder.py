@@ -12,9 +12,18 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
+from pagedllm.engine.beam import at_limit as beam_at_limit
+from pagedllm.engine.beam import stop_ids as beam_stop_ids
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Request, Sequence
 from pagedllm.step import NewSequence, ScheduledSeq, StepInput
+from pagedllm.structured.bitmask import grammar_mask
+
+
+def _signed_words(words: list[int]) -> list[int]:
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]
 
 
 def _table_change(sent: list[int], table: list[int]) -> tuple[int, list[int]]:
@@ -26,8 +35,14 @@ def _table_change(sent: list[int], table: list[int]) -> tuple[int, list[int]]:
 
 
 class StepBuilder:
-    def __init__(self, scheduler: Scheduler, new_seq_id, send_sampled_tokens: bool = False) -> None:
+    def __init__(
+        self, scheduler: Scheduler, new_seq_id, vocab_size: int, max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (), send_sampled_tokens: bool = False,
+    ) -> None:
         self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self.send_sampled_tokens = send_sampled_tokens
         self.new_seq_id = new_seq_id  # () -> a fresh sequence id (forks get theirs before the step)
         self._step_ids = itertools.count()
@@ -74,6 +89,8 @@ class StepBuilder:
         return scheduled
 
     def _plan_sampling(self, scheduled: ScheduledSeq, request: Request, seq: Sequence, position: int) -> None:
+        if seq.grammar is not None:
+            scheduled.allowed_token_bitmask = self._allowed_tokens(request, seq)
         if request.is_beam_search:
             scheduled.num_beam_candidates = 2 * request.params.beam_width
             return
@@ -85,3 +102,15 @@ class StepBuilder:
         scheduled.sample_targets = targets
         if not self.send_sampled_tokens:
             self._sampled_at[seq.seq_id] = position
+
+    def _allowed_tokens(self, request: Request, seq: Sequence) -> list[int]:
+        """The grammar's bitmask row for ``seq``'s next token; a beam at its length limit
+        may take only a stop token the grammar accepts (a complete match, not a cut one)."""
+        row = grammar_mask([seq.grammar], self.vocab_size).bitmask[0]  # [ceil(vocab / 32)] int32
+        if request.is_beam_search and beam_at_limit(request, seq, self.max_model_len):
+            words = [0] * row.shape[0]
+            for token in beam_stop_ids(request.params, self.eos_token_ids):
+                if 0 <= token < self.vocab_size:
+                    words[token // 32] |= 1 << (token % 32)
+            row = row & torch.tensor(_signed_words(words), dtype=torch.int32)
+        return row.tolist()

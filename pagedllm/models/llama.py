@@ -11,7 +11,6 @@ row-parallel projections of each layer end in an all-reduce.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 
 import torch
@@ -33,6 +32,7 @@ from pagedllm.layers import (
     rotate,  # noqa: F401  (re-exported: tests and callers import it from here)
 )
 from pagedllm.layers.linear import _copy_checked
+from pagedllm.models import rope_scaling
 from pagedllm.models.config import ModelConfig
 
 logger = logging.getLogger("pagedllm")
@@ -41,41 +41,19 @@ logger = logging.getLogger("pagedllm")
 def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
     """``[head_dim / 2]`` float32 angular frequencies, with the config's scaling
     applied, then divided by its per-pair frequency factors (as llama.cpp does)."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = _scaled_frequencies(1.0 / (config.rope_theta**exponents), config.rope_scaling)
+    inv_freq = rope_scaling.inverse_frequencies(
+        config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+    )
     if config.rope_frequency_factors is None:
         return inv_freq
     return inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
 
 
-def _scaled_frequencies(inv_freq: Tensor, scaling: dict | None) -> Tensor:
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / float(scaling["factor"])
-    return _llama3_frequencies(inv_freq, scaling)
-
-
-def _llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
-    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept,
-    and a linear blend between the two wavelength thresholds."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    original_len = float(scaling["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inv_freq
-    slowed = torch.where(wavelength > original_len / low, inv_freq / factor, inv_freq)
-    blend = (original_len / wavelength - low) / (high - low)
-    blended = (1 - blend) * slowed / factor + blend * slowed
-    in_between = (wavelength >= original_len / high) & (wavelength <= original_len / low)
-    return torch.where(in_between, blended, slowed)
-
-
 def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
     """The model's rotary tables: ``head_dim``, its positions, its (scaled) frequencies."""
     return RotaryEmbedding(
-        config.head_dim, config.max_position_embeddings, lambda: rope_inverse_frequencies(config)
+        config.head_dim, config.max_context_len, lambda: rope_inverse_frequencies(config),
+        magnitude=rope_scaling.attention_factor(config.rope_scaling),
     )
 
 

@@ -26,6 +26,7 @@ from pagedllm.attention.base import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ConfigError
+from pagedllm.kv import memory_budget
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.models.loader import load_model
 from pagedllm.runner.cuda_graphs import DecodeGraphs
@@ -47,11 +48,13 @@ from pagedllm.step import (
     StepInput,
     StepResult,
 )
+from pagedllm.structured.bitmask import GrammarMask
 from pagedllm.worker.input_batch import BatchChunk, InputBatch, SeqState
 
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_CPU_KV_MEMORY = 4 * 2**30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,6 +81,7 @@ class _Job:
     sample_index: int
     state: SeqState  # the sequence whose chunk produced the row (a fork's parent)
     row: int
+    allowed_token_bitmask: list[int] | None = None  # the grammar's, when constrained
 
 
 @dataclass
@@ -124,7 +128,8 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         loaded = load_model(
-            config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend, tp=tp
+            config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
+            rope_scaling=config.rope_scaling, tp=tp,
         )
         self.model = loaded.model
         self.model_config = loaded.config
@@ -158,14 +163,25 @@ class Worker:
             num_blocks = KVCache.num_blocks_for_memory(memory, **shape)
         if num_blocks < 1:
             raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
-        num_cpu_blocks = cfg.swap_space // KVCache.bytes_per_block(**shape) if cfg.swap_space else 0
+        num_cpu_blocks = cfg.swap_space_bytes // KVCache.bytes_per_block(**shape)
         return num_blocks, num_cpu_blocks
 
     def _default_kv_memory(self) -> int:
+        if self.config.gpu_memory_utilization is not None:
+            return self._kv_memory_for_utilization(self.config.gpu_memory_utilization) // self.tp.size
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.5)
         return DEFAULT_CPU_KV_MEMORY // self.tp.size
+
+    def _kv_memory_for_utilization(self, utilization: float) -> int:
+        mc, cfg = self.model_config, self.config
+        reserve = memory_budget.activation_reserve_bytes(
+            num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, cfg.max_num_seqs),
+            max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
+        )
+        return memory_budget.kv_bytes_for_utilization(utilization, memory_budget.measure(self.device), reserve)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate this rank's KV shard: every rank the same block count, its own heads."""
@@ -209,7 +225,9 @@ class Worker:
         jobs = self._jobs(step, inputs)
         assert not any(s.prompt_logprobs or s.num_beam_candidates for s in step.scheduled)
         rows = self._sampling_rows(jobs)
-        token_ids, logprobs = self.sampler.sample_tensors(_select_rows(logits, [j.row for j in jobs]), rows)
+        token_ids, logprobs = self.sampler.sample_tensors(
+            _select_rows(logits, [j.row for j in jobs]), rows, _grammar_mask(jobs, logits.shape[1])
+        )
         launched = _Launched(step.step_id, [j.seq_id for j in jobs], token_ids, logprobs)
         launched.start_copy_to_host()
         self._launched.append(launched)
@@ -274,7 +292,7 @@ class Worker:
         for sched, count in zip(step.scheduled, inputs.row_counts):
             state = self.batch.seqs[sched.seq_id]
             for seq_id, sample_index in sched.sample_targets:
-                jobs.append(_Job(seq_id, sample_index, state, row + count - 1))
+                jobs.append(_Job(seq_id, sample_index, state, row + count - 1, sched.allowed_token_bitmask))
             row += count
         return jobs
 
@@ -306,7 +324,10 @@ class Worker:
             row += count
         jobs = self._jobs(step, inputs)
         if jobs:
-            out = self.sampler(_select_rows(logits, [j.row for j in jobs]), self._sampling_rows(jobs))
+            out = self.sampler(
+                _select_rows(logits, [j.row for j in jobs]), self._sampling_rows(jobs),
+                _grammar_mask(jobs, logits.shape[1]),
+            )
             for i, job in enumerate(jobs):
                 wants = job.state.params.logprobs is not None
                 result.sampled.append(SampledToken(
@@ -324,6 +345,9 @@ class Worker:
         temperature = state.params.temperature
         row = logits.float() / temperature if temperature > 0 else logits.float()
         log_probs = torch.log_softmax(row, dim=-1)  # [vocab]
+        if sched.allowed_token_bitmask is not None:  # not renormalised: a hypothesis keeps the model's logprob
+            bitmask = torch.tensor([sched.allowed_token_bitmask], dtype=torch.int32)
+            log_probs = GrammarMask(bitmask, [0]).apply(log_probs.unsqueeze(0).contiguous())[0]
         values, ids = torch.topk(log_probs, min(sched.num_beam_candidates, log_probs.shape[0]))
         return BeamCandidates(sched.seq_id, ids.tolist(), values.tolist())
 
@@ -354,6 +378,17 @@ def apply_memory_ops(kv_cache: KVCache, ops: list[MemoryOp]) -> None:
     }
     for op in ops:
         apply[op.kind](op.pairs)
+
+
+def _grammar_mask(jobs: list[_Job], vocab_size: int) -> GrammarMask | None:
+    """One bitmask for the jobs' rows; None when no row is constrained."""
+    rows = [i for i, job in enumerate(jobs) if job.allowed_token_bitmask is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(jobs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for i in rows:
+        bitmask[i] = torch.tensor(jobs[i].allowed_token_bitmask, dtype=torch.int32)
+    return GrammarMask(bitmask, rows)
 
 
 def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
