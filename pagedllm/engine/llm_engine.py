@@ -20,6 +20,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
 from pagedllm.models.loader import load_model
 from pagedllm.models.paths import model_display_name
+from pagedllm.native.cpu_dtype import check_cpu_dtype
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -62,7 +63,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # CPU: float32 keeps greedy outputs equal to the reference; bf16 is opt-in.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    check_cpu_dtype(dtype, device)  # a 16-bit dtype this CPU emulates: say so, never a silent 20x
+    return dtype
 
 
 class LLMEngine:
