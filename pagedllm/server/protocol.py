@@ -12,11 +12,19 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from pagedllm.errors import RequestError
+from pagedllm.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_ABS_LOGIT_BIAS,
+    RequestLimits,
+    check_at_most,
+    check_token_ids,
+)
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -52,12 +60,31 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# What a union field accepts, said once instead of pydantic's one error per member.
+_UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids "
+    "(token ids are integers >= 0)",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names a union member in an error location: ``str``, ``list[int]``, ..."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part or "-" in part)
+
+
 def validation_error_to_request_error(exc: ValidationError) -> RequestError:
     """The first pydantic error as a RequestError whose param is the top-level field."""
     first = exc.errors(include_url=False)[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    param = loc[0] if loc else None
-    where = ".".join(loc) if loc else "body"
+    loc = list(first.get("loc", ()))
+    param = str(loc[0]) if loc else None
+    tag_at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag_at is not None:
+        field_loc = [str(part) for part in loc[:tag_at]]
+        hint = _UNION_HINTS.get(field_loc[-1] if field_loc else "", "one of the documented types")
+        return RequestError(f"{'.'.join(field_loc) or 'body'}: must be {hint}", param=param)
+    where = ".".join(str(part) for part in loc) if loc else "body"
     return RequestError(f"{where}: {first.get('msg', 'invalid value')}", param=param)
 
 
@@ -74,48 +101,98 @@ def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
 # ---------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------
+#
+# Types are strict (no "5" for 5, no true for 1) and ranged: every integer fits
+# the int64 it becomes, every float is finite. Ranges that depend on the
+# server (n's cap, the vocabulary) are checked by check_limits before any work.
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+# OpenAI's roles (function is its deprecated spelling of tool).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body: unknown fields are ignored, as OpenAI and vLLM do; types are strict."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Body):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    best_of: int | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[Finite, Field(ge=0.0)] | None = None
+    top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+    n: PositiveInt = 1
+    best_of: PositiveInt | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[Finite, Field(gt=0.0)] = 1.0
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: NonNegativeInt = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Finite = 1.0
     cache_salt: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
+        """The server's caps on counts, and token ids within the vocabulary, before any work."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.use_beam_search:
+            width = max(self.n, self.best_of or 0)
+            if width > limits.max_beam_width:
+                param = "best_of" if (self.best_of or 0) > self.n else "n"
+                raise RequestError(
+                    f"{param}: beam search with {width} beams exceeds the server's limit of "
+                    f"{limits.max_beam_width}", param=param,
+                )
+        else:
+            for name in ("n", "best_of"):
+                value = getattr(self, name)
+                if value is not None and value > limits.max_n:
+                    raise RequestError(
+                        f"{name}: must be <= {limits.max_n} (the server's limit on samples per prompt), "
+                        f"got {value}", param=name,
+                    )
+        check_at_most("stop", len(stop), limits.max_stop, "stop strings")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > limits.max_stop_chars:
+            raise RequestError(
+                f"stop: each stop string may have at most {limits.max_stop_chars} characters, got {longest}",
+                param="stop",
+            )
+        if self.stop_token_ids:
+            check_at_most("stop_token_ids", len(self.stop_token_ids), limits.max_stop_token_ids, "stop token ids")
+            check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        if self.logit_bias:
+            check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
+            check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -123,7 +200,9 @@ class _SamplingRequest(BaseModel):
         try:
             return {int(token): float(bias) for token, bias in self.logit_bias.items()}
         except ValueError:
-            raise RequestError("logit_bias keys must be token ids", param="logit_bias") from None
+            raise RequestError(
+                "logit_bias: keys must be token ids (decimal integers as strings)", param="logit_bias"
+            ) from None
 
     def _build_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
@@ -174,17 +253,17 @@ class _SamplingRequest(BaseModel):
         )
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     suffix: str | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt as a non-empty list of single prompts (text or token ids)."""
+    def prompts(self, max_prompts: int | None = None) -> list[str | list[int]]:
+        """The prompt as a non-empty list of single prompts (text or token ids), at most ``max_prompts``."""
         prompt = self.prompt
         if isinstance(prompt, str):
             prompts: list = [prompt]
@@ -194,6 +273,8 @@ class CompletionRequest(_SamplingRequest):
             prompts = list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise RequestError("prompt must not be empty", param="prompt")
+        if max_prompts is not None:
+            check_at_most("prompt", len(prompts), max_prompts, "prompts")
         return prompts
 
     def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
@@ -209,18 +290,20 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessageParam(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message; fields beyond these (tool calls, ...) are kept for the chat template."""
 
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageParam]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -253,7 +336,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._build_params(max_tokens, logprobs, None)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
@@ -261,9 +344,18 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+# The request bodies of each route, for the OpenAPI document.
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 
 
 def check_max_tokens(max_tokens: int, param: str = "max_tokens") -> None:
