@@ -9,8 +9,8 @@ from pagedllm.engine.sequence import Request, Sequence
 from pagedllm.kv.block_manager import BlockCopy, BlockManager
 from pagedllm.kv.snapshot import (
     CellState,
-    decode_field,
     cpu_cells,
+    decode_field,
     device_cells,
     kv_stats,
     pack_cells,
