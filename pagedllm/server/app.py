@@ -412,14 +412,16 @@ def build_app(
     default_sampling: dict | None = None,
     cors: CorsSettings | None = None,
     limits: ServerLimits | None = None,
+    dashboard: bool = True,
 ) -> FastAPI:
-    """The FastAPI app; ``api_key`` guards /v1/* (health, metrics and version stay open).
+    """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open).
 
     ``chat_template`` (Jinja text) replaces the model's; ``default_sampling``
     holds SamplingParams defaults for fields a request leaves unset; ``cors``
     turns on CORS headers (none are sent without it). ``limits`` bounds what one
     client may send and hold (``ServerLimits()`` when None); the limits on
-    request parameters are the engine's (``LLMEngine.limits``).
+    request parameters are the engine's (``LLMEngine.limits``). ``dashboard``
+    serves the live KV-cache map at /dashboard.
     """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
@@ -478,6 +480,13 @@ def build_app(
 
     app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
     app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
+    if dashboard:
+        from pagedllm.server.dashboard import install_dashboard
+
+        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
+            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
+            "invalid_request_error", code="invalid_api_key",
+        ))
     return app
 
 

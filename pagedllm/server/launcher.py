@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="seconds in-flight requests may run on after SIGTERM/SIGINT before they are aborted",
     )
     g.add_argument("--log-level", default="info", choices=list(LOG_LEVELS))
+    g.add_argument(
+        "--dashboard", action=argparse.BooleanOptionalAction, default=True,
+        help="serve the live KV-cache map at /dashboard (same API-key rule as /v1)",
+    )
     _add_vllm_server_arguments(parser.add_argument_group("server (vLLM's flags)"))
     _add_limit_arguments(parser)
 
@@ -210,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         default_sampling=_default_sampling(engine, config),
         cors=_cors_settings(args),
         limits=server_limits,
+        dashboard=args.dashboard,
     )
     uv_config = uvicorn.Config(
         app,
@@ -230,6 +235,9 @@ def run(args: argparse.Namespace) -> int:
     async def serve() -> None:
         logger.info("serving %s at %s://%s:%d%s/v1 (OpenAI API)", served_name, scheme,
                     _display_host(args.host), args.port, args.root_path or "")
+        if args.dashboard:
+            logger.info("KV-cache dashboard at %s://%s:%d%s/dashboard", scheme, _display_host(args.host),
+                        args.port, args.root_path or "")
         try:
             await server.serve()
         finally:
