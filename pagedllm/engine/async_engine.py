@@ -236,6 +236,11 @@ class AsyncLLMEngine:
         return self.engine.model_name
 
     @property
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (thread-safe: the server compiles on its own threads)."""
+        return self.engine.grammar_compiler
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -25,6 +25,7 @@ from pagedllm.models.paths import model_display_name
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -114,6 +115,9 @@ class LLMEngine:
         if self._use_cuda_graphs():
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.device)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, list(self.tokenizer.eos_token_ids)
+        )
         # Default: on where it pays, with CUDA graphs (the device runs while the host schedules).
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self._use_cuda_graphs()
@@ -238,6 +242,7 @@ class LLMEngine:
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_lengths(token_ids, params)
         self._check_kv_demand(len(token_ids), params)
+        grammar = self.grammar_compiler.compile(params.structured_outputs) if params.structured_outputs else None
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so this
             # request neither reads nor feeds the prefix cache.
@@ -249,6 +254,7 @@ class LLMEngine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         request.seqs.append(self.processor.new_sequence(request, sample_index=0))
         self.requests[request_id] = request

@@ -35,6 +35,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.server import protocol as p
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.structured.tools import ToolCall, held_back_len, parse_tool_calls
+from pagedllm.structured.tools import calls_from_constrained as _calls_from_constrained
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -157,10 +159,22 @@ class OpenAIServer:
         check_token_ids(prompt, self.vocab_size, "prompt")
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> _Prompt:
-        override = {"chat_template": self.chat_template} if self.chat_template is not None else {}
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **override)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> _Prompt:
+        extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        if tools:
+            extra["tools"] = tools
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        """Compiles the request's grammar off the event loop (the engine then finds it cached),
+        so a bad schema, regex or grammar is a 400 naming the field it came from."""
+        constraint = req.constraint()
+        if constraint is None:
+            return
+        params, field = constraint
+        await asyncio.to_thread(self.engine.grammar_compiler.compile, params,
+                                None if field == "structured_outputs" else field)
 
     async def submit(
         self,
@@ -192,6 +206,7 @@ class OpenAIServer:
         req.check_limits(self.request_limits, self.vocab_size)
         prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
+        await self.compile_constraint(req)
         response_id = p.random_id("cmpl")
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
@@ -299,10 +314,13 @@ class OpenAIServer:
         req = self.with_default_sampling(await self.read_body(request, p.ChatCompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
-        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt)
+        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools())
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
+        await self.compile_constraint(req)
         response_id = p.random_id("chatcmpl")
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
+        if req.stream and req.resolved_tool_choice().mode != "none":
+            return _sse_response(self._chat_tool_events(req, response_id, streams[0]), streams, self.limits)
         if req.stream:
             return _sse_response(self._chat_events(req, response_id, streams[0]), streams, self.limits)
         (final,) = await _collect(streams, request, self.limits.request_timeout_s)
@@ -314,16 +332,17 @@ class OpenAIServer:
         return p.chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_text)
 
     def _chat_response(self, req: p.ChatCompletionRequest, response_id: str, final: RequestOutput) -> p.ChatCompletionResponse:
-        choices = [
-            p.ChatChoice(
+        choices = []
+        for completion in p.returned_completions(final, req.n):
+            content, calls = _tool_output(req, completion.text)
+            choices.append(p.ChatChoice(
                 index=completion.index,
-                message=p.ChatMessage(role="assistant", content=completion.text),
+                message=p.ChatMessage(role="assistant", content=content,
+                                      tool_calls=[_tool_call_object(c) for c in calls] if calls else None),
                 logprobs=self._chat_logprobs(req, completion.token_ids, completion.logprobs),
-                finish_reason=completion.finish_reason,
+                finish_reason="tool_calls" if calls else completion.finish_reason,
                 stop_reason=completion.stop_reason,
-            )
-            for completion in p.returned_completions(final, req.n)
-        ]
+            ))
         return p.ChatCompletionResponse(
             id=response_id, model=self.served_model_name, choices=choices, usage=p.usage_for([final])
         )
@@ -370,6 +389,52 @@ class OpenAIServer:
                         stop_reason=completion.stop_reason,
                     )
                 ])
+        if req.include_usage_in_stream and final is not None:
+            yield chunk([], usage=p.usage_for([final]))
+
+    async def _chat_tool_events(
+        self, req: p.ChatCompletionRequest, response_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        """Streamed chat when tools may be called: text that may be a call is held back until the
+        end, then sent as one ``delta.tool_calls`` (or as content when it held no call)."""
+        created = int(time.time())
+        mode = req.resolved_tool_choice().mode
+
+        def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
+            return _sse(p.ChatCompletionChunk(
+                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+            ))
+
+        num_sent: dict[int, int] = {}  # choice index -> characters of content sent
+        final: RequestOutput | None = None
+        async for _, output in _merge([stream]):
+            _raise_if_failed(output)
+            final = output
+            for completion in p.returned_completions(output, req.n):
+                index, text = completion.index, completion.text
+                if index not in num_sent:
+                    num_sent[index] = 0
+                    yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+                elif num_sent[index] < 0:
+                    continue  # finished
+                if completion.finish_reason is None:
+                    safe = text[: len(text) - held_back_len(text)] if mode == "auto" else ""
+                    if len(safe) > num_sent[index]:
+                        yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(content=safe[num_sent[index]:]))])
+                        num_sent[index] = len(safe)
+                    continue
+                content, calls = _tool_output(req, text)
+                if calls:
+                    delta = p.DeltaMessage(tool_calls=[
+                        p.DeltaToolCall(index=i, **_tool_call_object(c).model_dump()) for i, c in enumerate(calls)
+                    ])
+                else:
+                    delta = p.DeltaMessage(content=text[num_sent[index]:] or None)
+                num_sent[index] = -1
+                yield chunk([p.ChatStreamChoice(
+                    index=index, delta=delta, finish_reason="tool_calls" if calls else completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )])
         if req.include_usage_in_stream and final is not None:
             yield chunk([], usage=p.usage_for([final]))
 
@@ -488,6 +553,23 @@ def build_app(
             "invalid_request_error", code="invalid_api_key",
         ))
     return app
+
+
+def _tool_output(req: p.ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(message content, tool calls) of one finished chat completion under the request's tool_choice."""
+    if not req.tools:
+        return text, []
+    choice = req.resolved_tool_choice()
+    if choice.mode in ("named", "required"):
+        calls = _calls_from_constrained(text, choice)
+        return (None, calls) if calls else (text, [])
+    if choice.mode == "auto":
+        return parse_tool_calls(text, req.tool_specs())
+    return text, []
+
+
+def _tool_call_object(call: ToolCall) -> p.ToolCallObject:
+    return p.ToolCallObject(id=call.id, function=p.FunctionCall(name=call.name, arguments=call.arguments))
 
 
 def _openapi_with_request_bodies(app: FastAPI) -> dict:
