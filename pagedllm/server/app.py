@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -73,6 +74,20 @@ def _error_for(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
 
 
+# Request fields a model's generation config may default (SamplingParams names).
+_REQUEST_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """CORS as vLLM's --allowed-origins/--allowed-methods/--allowed-headers/--allow-credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 @dataclass
 class _Prompt:
     """One prompt as submitted: its text (for echo) and token ids."""
@@ -85,7 +100,13 @@ class OpenAIServer:
     """The request handlers; holds the engine and the per-app configuration."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics, limits: ServerLimits
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        limits: ServerLimits,
+        chat_template: str | None = None,
+        default_sampling: dict | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
@@ -95,6 +116,16 @@ class OpenAIServer:
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
+        self.chat_template = chat_template  # Jinja text that replaces the model's, or None
+        # SamplingParams defaults for fields a request leaves unset (--generation-config).
+        self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k in _REQUEST_DEFAULTS}
+
+    def with_default_sampling(self, req: p._SamplingRequest) -> p._SamplingRequest:
+        """``req`` with the model's default sampling parameters where it sets none."""
+        for name, value in self.default_sampling.items():
+            if name not in req.model_fields_set:
+                setattr(req, name, value)
+        return req
 
     async def read_body(self, request: Request, model: type[BaseModel]):
         """The request body, read within the size and time limits, checked and parsed into ``model``."""
@@ -129,7 +160,9 @@ class OpenAIServer:
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> _Prompt:
-        extra = {"tools": tools} if tools else {}
+        extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        if tools:
+            extra["tools"] = tools
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -168,7 +201,7 @@ class OpenAIServer:
 
     # -- /v1/completions -----------------------------------------------------------
     async def create_completion(self, request: Request) -> Response:
-        req = await self.read_body(request, p.CompletionRequest)
+        req = self.with_default_sampling(await self.read_body(request, p.CompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
         prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts(self.limits.max_prompts)]
@@ -278,7 +311,7 @@ class OpenAIServer:
 
     # -- /v1/chat/completions ------------------------------------------------------------
     async def create_chat_completion(self, request: Request) -> Response:
-        req = await self.read_body(request, p.ChatCompletionRequest)
+        req = self.with_default_sampling(await self.read_body(request, p.ChatCompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools())
@@ -440,23 +473,42 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_waiting: int | None = None,
+    chat_template: str | None = None,
+    default_sampling: dict | None = None,
+    cors: CorsSettings | None = None,
     limits: ServerLimits | None = None,
+    dashboard: bool = True,
 ) -> FastAPI:
-    """The FastAPI app; ``api_key`` guards /v1/* (health, metrics and version stay open).
+    """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open).
 
-    ``limits`` bounds what one client may send and hold (``ServerLimits()`` when None);
-    the limits on request parameters are the engine's (``LLMEngine.limits``).
+    ``chat_template`` (Jinja text) replaces the model's; ``default_sampling``
+    holds SamplingParams defaults for fields a request leaves unset; ``cors``
+    turns on CORS headers (none are sent without it). ``limits`` bounds what one
+    client may send and hold (``ServerLimits()`` when None); the limits on
+    request parameters are the engine's (``LLMEngine.limits``). ``dashboard``
+    serves the live KV-cache map at /dashboard.
     """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
     metrics = ServerMetrics(engine.get_stats, engine.model_name)
     engine.set_observer(metrics)
-    server = OpenAIServer(engine, served_model_name or engine.model_name, metrics, limits or ServerLimits())
+    server = OpenAIServer(
+        engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(), chat_template,
+        default_sampling,
+    )
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.openapi = functools.partial(_openapi_with_request_bodies, app)
     app.state.server = server
     _install_error_handlers(app)
+    if cors is not None:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:
@@ -493,6 +545,13 @@ def build_app(
 
     app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
     app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
+    if dashboard:
+        from pagedllm.server.dashboard import install_dashboard
+
+        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
+            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
+            "invalid_request_error", code="invalid_api_key",
+        ))
     return app
 
 
