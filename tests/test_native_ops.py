@@ -142,14 +142,15 @@ def test_rotary_rejects_positions_past_the_table():
     """The native path reads the cos/sin tables by position without bounds checks of
     its own, so the step refuses positions the tables do not have."""
     from pagedllm.models.config import ModelConfig
-    from pagedllm.models.llama import RotaryEmbedding
+    from pagedllm.models.llama import rotary_embedding
 
     config = ModelConfig.from_hf_config(
         {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 100, "max_position_embeddings": 32, "rms_norm_eps": 1e-5}
     )
-    rotary = RotaryEmbedding(config)
+    rotary = rotary_embedding(config)
+    rotary.bind(torch.device("cpu"), torch.float32)
     like = torch.zeros(2, 64)
     with torch.inference_mode():
         rotary.for_step(torch.tensor([0, 31]), like)  # the last position is fine
