@@ -19,6 +19,7 @@ from pagedllm.limits import (
     check_at_most,
     check_token_ids,
 )
+from pagedllm.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -64,8 +65,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -187,6 +190,18 @@ def _normalise_logit_bias(logit_bias: object) -> dict[int, float] | None:
     return normalised
 
 
+def _structured_outputs(value: object) -> StructuredOutputsParams | None:
+    """StructuredOutputsParams as given, or built from a dict of its fields."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as exc:
+            _fail("structured_outputs", f"unknown field ({exc})")
+    _fail("structured_outputs", f"must be a StructuredOutputsParams, got {type(value).__name__}")
+
+
 @dataclass
 class BeamSearchParams:
     """Beam search with HF transformers' semantics (score = sum logprob / len ** length_penalty)."""
@@ -199,8 +214,10 @@ class BeamSearchParams:
     early_stopping: bool | str = False
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         if not _is_int(self.beam_width) or self.beam_width < 1:
             _fail("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

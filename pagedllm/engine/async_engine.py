@@ -18,6 +18,7 @@ for that request are dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -66,6 +67,14 @@ class _AddRequest:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between two steps (a read-only look, e.g. a snapshot)."""
+
+    fn: Callable[[LLMEngine], object]
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -195,7 +204,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.set_max_waiting(max_waiting)
         self._cond = threading.Condition()
-        self._commands: list[_AddRequest | _Abort] = []  # guarded by _cond
+        self._commands: list[_AddRequest | _Abort | _Call] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._accepting = True
         self._open_lock = threading.Lock()
@@ -225,6 +234,11 @@ class AsyncLLMEngine:
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (thread-safe: the server compiles on its own threads)."""
+        return self.engine.grammar_compiler
 
     @property
     def max_model_len(self) -> int:
@@ -301,6 +315,14 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
+    async def call_on_engine_thread(self, fn: Callable[[LLMEngine], object]):
+        """``fn(engine)``'s result, run on the engine thread between two steps (it must not block)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (from any thread); their blocks are freed before the next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -342,7 +364,7 @@ class AsyncLLMEngine:
             if self._open.get(stream.request_id) is stream:
                 del self._open[stream.request_id]
 
-    def _submit(self, command: _AddRequest | _Abort) -> None:
+    def _submit(self, command: _AddRequest | _Abort | _Call) -> None:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
@@ -375,10 +397,12 @@ class AsyncLLMEngine:
             self._abort_all("error", f"the engine stopped: {exc}")
             self._fail_pending_commands(EngineDeadError(f"the engine stopped: {exc}"))
 
-    def _apply(self, commands: list[_AddRequest | _Abort]) -> None:
+    def _apply(self, commands: list[_AddRequest | _Abort | _Call]) -> None:
         for command in commands:
             if isinstance(command, _Abort):
                 self._apply_abort(command.request_ids)
+            elif isinstance(command, _Call):
+                _run_call(self.engine, command)
             else:
                 self._apply_add(command)
 
@@ -439,6 +463,8 @@ class AsyncLLMEngine:
         for command in commands:
             if isinstance(command, _AddRequest):
                 command.stream._post_accepted(error)
+            elif isinstance(command, _Call):
+                command.future.set_exception(error)
 
     def _snapshot_stats(self) -> None:
         try:
@@ -455,6 +481,16 @@ class AsyncLLMEngine:
             _observe_latencies(observer, timing, output)
         except Exception:
             logger.exception("request observer failed")
+
+
+def _run_call(engine: LLMEngine, call: _Call) -> None:
+    """A failing call fails its own future only, never the engine loop."""
+    if not call.future.set_running_or_notify_cancel():
+        return
+    try:
+        call.future.set_result(call.fn(engine))
+    except Exception as exc:
+        call.future.set_exception(exc)
 
 
 def _observe_latencies(observer: RequestObserver, timing: _Timing, output: RequestOutput) -> None:

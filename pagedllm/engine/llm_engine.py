@@ -15,15 +15,17 @@ from pagedllm.engine.output_processor import OutputProcessor, PendingSample
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.errors import ConfigError, RequestError
+from pagedllm.kv import memory_budget
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
-from pagedllm.limits import RequestLimits, check_text, check_token_ids
+from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.models.loader import load_model
 from pagedllm.models.paths import model_display_name
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -67,19 +69,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    """``limits`` bounds what one request may ask for (``RequestLimits()`` when None)."""
+    """``limits`` bounds what one request may ask for (``RequestLimits()`` with the
+    config's ``max_logprobs`` when None)."""
 
     def __init__(self, config: EngineConfig, limits: RequestLimits | None = None) -> None:
         start = time.monotonic()
         self.config = config
-        self.limits = limits if limits is not None else RequestLimits()
+        # Offline, EngineConfig.max_logprobs (vLLM's engine argument) is the cap; None: none.
+        self.limits = limits if limits is not None else RequestLimits(max_logprobs=config.max_logprobs or INT64_MAX)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        loaded = load_model(
+            config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
+            rope_scaling=config.rope_scaling,
+        )
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.model_name = model_display_name(loaded.path)
@@ -108,6 +115,9 @@ class LLMEngine:
         if self._use_cuda_graphs():
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.device)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, list(self.tokenizer.eos_token_ids)
+        )
         # Default: on where it pays, with CUDA graphs (the device runs while the host schedules).
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self._use_cuda_graphs()
@@ -147,7 +157,7 @@ class LLMEngine:
             num_blocks = KVCache.num_blocks_for_memory(memory, **shape)
         if num_blocks < 1:
             raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
-        num_cpu_blocks = cfg.swap_space // KVCache.bytes_per_block(**shape) if cfg.swap_space else 0
+        num_cpu_blocks = cfg.swap_space_bytes // KVCache.bytes_per_block(**shape)
         return KVCache(num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks, **shape)
 
     def _use_cuda_graphs(self) -> bool:
@@ -156,10 +166,21 @@ class LLMEngine:
         return self.device.type == "cuda" and not self.config.enforce_eager and self.attn_backend.name == "triton"
 
     def _default_kv_memory(self) -> int:
+        if self.config.gpu_memory_utilization is not None:
+            return self._kv_memory_for_utilization(self.config.gpu_memory_utilization)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.5)
         return DEFAULT_CPU_KV_MEMORY
+
+    def _kv_memory_for_utilization(self, utilization: float) -> int:
+        mc, cfg = self.model_config, self.config
+        reserve = memory_budget.activation_reserve_bytes(
+            num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, cfg.max_num_seqs),
+            max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
+        )
+        return memory_budget.kv_bytes_for_utilization(utilization, memory_budget.measure(self.device), reserve)
 
     def _resolve_max_model_len(self) -> int:
         """The explicit max_model_len once checked, else the largest one that is safe.
@@ -167,12 +188,12 @@ class LLMEngine:
         A sliding-window model also bounds it: attention here is full causal, which
         equals windowed attention only while no sequence is longer than the window.
         """
-        model_limit = self.model_config.max_position_embeddings
+        model_limit = self.model_config.max_context_len
         window = self.model_config.sliding_window
         capacity = self.kv_cache.num_blocks * self.config.block_size
         wanted = self.config.max_model_len
-        if wanted is not None and wanted > model_limit:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's context ({model_limit} tokens)")
+        if wanted is not None:
+            self.model_config.check_max_model_len(wanted)
         if wanted is not None and window is not None and wanted > window:
             raise ConfigError(
                 f"max_model_len={wanted} exceeds the model's sliding attention window ({window} tokens), "
@@ -214,6 +235,7 @@ class LLMEngine:
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_lengths(token_ids, params)
         self._check_kv_demand(len(token_ids), params)
+        grammar = self.grammar_compiler.compile(params.structured_outputs) if params.structured_outputs else None
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so this
             # request neither reads nor feeds the prefix cache.
@@ -225,6 +247,7 @@ class LLMEngine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         request.seqs.append(self.processor.new_sequence(request, sample_index=0))
         self.requests[request_id] = request

@@ -47,8 +47,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attn_backend: AttentionBackend,
+    rope_scaling: dict | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (HF directory, .gguf file, or None for the default model).
+    """Load ``model`` (HF directory, .gguf file, or None for the default model);
+    ``rope_scaling`` replaces the checkpoint's (ConfigError if malformed).
 
     Raises ModelLoadError naming what is missing, UnsupportedModelError for an
     architecture pagedllm does not implement.
@@ -66,7 +68,7 @@ def load_model(
         generation_config = _read_json(path / "generation_config.json", required=False)
         weights = _safetensors_weights(path)
     model_cls = resolve_architecture(hf_config)
-    config = ModelConfig.from_hf_config(hf_config)
+    config = ModelConfig.from_hf_config(hf_config, rope_scaling=rope_scaling)
     module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device)
     module.load_weights(weights)
     module.eval()

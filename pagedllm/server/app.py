@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -34,6 +35,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.server import protocol as p
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.structured.tools import ToolCall, held_back_len, parse_tool_calls
+from pagedllm.structured.tools import calls_from_constrained as _calls_from_constrained
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -71,6 +74,20 @@ def _error_for(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
 
 
+# Request fields a model's generation config may default (SamplingParams names).
+_REQUEST_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """CORS as vLLM's --allowed-origins/--allowed-methods/--allowed-headers/--allow-credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 @dataclass
 class _Prompt:
     """One prompt as submitted: its text (for echo) and token ids."""
@@ -83,7 +100,13 @@ class OpenAIServer:
     """The request handlers; holds the engine and the per-app configuration."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics, limits: ServerLimits
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        limits: ServerLimits,
+        chat_template: str | None = None,
+        default_sampling: dict | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
@@ -93,6 +116,16 @@ class OpenAIServer:
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
+        self.chat_template = chat_template  # Jinja text that replaces the model's, or None
+        # SamplingParams defaults for fields a request leaves unset (--generation-config).
+        self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k in _REQUEST_DEFAULTS}
+
+    def with_default_sampling(self, req: p._SamplingRequest) -> p._SamplingRequest:
+        """``req`` with the model's default sampling parameters where it sets none."""
+        for name, value in self.default_sampling.items():
+            if name not in req.model_fields_set:
+                setattr(req, name, value)
+        return req
 
     async def read_body(self, request: Request, model: type[BaseModel]):
         """The request body, read within the size and time limits, checked and parsed into ``model``."""
@@ -126,9 +159,22 @@ class OpenAIServer:
         check_token_ids(prompt, self.vocab_size, "prompt")
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> _Prompt:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> _Prompt:
+        extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        if tools:
+            extra["tools"] = tools
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        """Compiles the request's grammar off the event loop (the engine then finds it cached),
+        so a bad schema, regex or grammar is a 400 naming the field it came from."""
+        constraint = req.constraint()
+        if constraint is None:
+            return
+        params, field = constraint
+        await asyncio.to_thread(self.engine.grammar_compiler.compile, params,
+                                None if field == "structured_outputs" else field)
 
     async def submit(
         self,
@@ -155,11 +201,12 @@ class OpenAIServer:
 
     # -- /v1/completions -----------------------------------------------------------
     async def create_completion(self, request: Request) -> Response:
-        req = await self.read_body(request, p.CompletionRequest)
+        req = self.with_default_sampling(await self.read_body(request, p.CompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
         prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
+        await self.compile_constraint(req)
         response_id = p.random_id("cmpl")
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
@@ -264,13 +311,16 @@ class OpenAIServer:
 
     # -- /v1/chat/completions ------------------------------------------------------------
     async def create_chat_completion(self, request: Request) -> Response:
-        req = await self.read_body(request, p.ChatCompletionRequest)
+        req = self.with_default_sampling(await self.read_body(request, p.ChatCompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
-        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt)
+        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools())
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
+        await self.compile_constraint(req)
         response_id = p.random_id("chatcmpl")
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
+        if req.stream and req.resolved_tool_choice().mode != "none":
+            return _sse_response(self._chat_tool_events(req, response_id, streams[0]), streams, self.limits)
         if req.stream:
             return _sse_response(self._chat_events(req, response_id, streams[0]), streams, self.limits)
         (final,) = await _collect(streams, request, self.limits.request_timeout_s)
@@ -282,16 +332,17 @@ class OpenAIServer:
         return p.chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_text)
 
     def _chat_response(self, req: p.ChatCompletionRequest, response_id: str, final: RequestOutput) -> p.ChatCompletionResponse:
-        choices = [
-            p.ChatChoice(
+        choices = []
+        for completion in p.returned_completions(final, req.n):
+            content, calls = _tool_output(req, completion.text)
+            choices.append(p.ChatChoice(
                 index=completion.index,
-                message=p.ChatMessage(role="assistant", content=completion.text),
+                message=p.ChatMessage(role="assistant", content=content,
+                                      tool_calls=[_tool_call_object(c) for c in calls] if calls else None),
                 logprobs=self._chat_logprobs(req, completion.token_ids, completion.logprobs),
-                finish_reason=completion.finish_reason,
+                finish_reason="tool_calls" if calls else completion.finish_reason,
                 stop_reason=completion.stop_reason,
-            )
-            for completion in p.returned_completions(final, req.n)
-        ]
+            ))
         return p.ChatCompletionResponse(
             id=response_id, model=self.served_model_name, choices=choices, usage=p.usage_for([final])
         )
@@ -341,6 +392,52 @@ class OpenAIServer:
         if req.include_usage_in_stream and final is not None:
             yield chunk([], usage=p.usage_for([final]))
 
+    async def _chat_tool_events(
+        self, req: p.ChatCompletionRequest, response_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        """Streamed chat when tools may be called: text that may be a call is held back until the
+        end, then sent as one ``delta.tool_calls`` (or as content when it held no call)."""
+        created = int(time.time())
+        mode = req.resolved_tool_choice().mode
+
+        def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
+            return _sse(p.ChatCompletionChunk(
+                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+            ))
+
+        num_sent: dict[int, int] = {}  # choice index -> characters of content sent
+        final: RequestOutput | None = None
+        async for _, output in _merge([stream]):
+            _raise_if_failed(output)
+            final = output
+            for completion in p.returned_completions(output, req.n):
+                index, text = completion.index, completion.text
+                if index not in num_sent:
+                    num_sent[index] = 0
+                    yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+                elif num_sent[index] < 0:
+                    continue  # finished
+                if completion.finish_reason is None:
+                    safe = text[: len(text) - held_back_len(text)] if mode == "auto" else ""
+                    if len(safe) > num_sent[index]:
+                        yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(content=safe[num_sent[index]:]))])
+                        num_sent[index] = len(safe)
+                    continue
+                content, calls = _tool_output(req, text)
+                if calls:
+                    delta = p.DeltaMessage(tool_calls=[
+                        p.DeltaToolCall(index=i, **_tool_call_object(c).model_dump()) for i, c in enumerate(calls)
+                    ])
+                else:
+                    delta = p.DeltaMessage(content=text[num_sent[index]:] or None)
+                num_sent[index] = -1
+                yield chunk([p.ChatStreamChoice(
+                    index=index, delta=delta, finish_reason="tool_calls" if calls else completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )])
+        if req.include_usage_in_stream and final is not None:
+            yield chunk([], usage=p.usage_for([final]))
+
     # -- small endpoints ----------------------------------------------------------------
     def models(self) -> p.ModelList:
         card = p.ModelCard(
@@ -376,23 +473,42 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_waiting: int | None = None,
+    chat_template: str | None = None,
+    default_sampling: dict | None = None,
+    cors: CorsSettings | None = None,
     limits: ServerLimits | None = None,
+    dashboard: bool = True,
 ) -> FastAPI:
-    """The FastAPI app; ``api_key`` guards /v1/* (health, metrics and version stay open).
+    """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open).
 
-    ``limits`` bounds what one client may send and hold (``ServerLimits()`` when None);
-    the limits on request parameters are the engine's (``LLMEngine.limits``).
+    ``chat_template`` (Jinja text) replaces the model's; ``default_sampling``
+    holds SamplingParams defaults for fields a request leaves unset; ``cors``
+    turns on CORS headers (none are sent without it). ``limits`` bounds what one
+    client may send and hold (``ServerLimits()`` when None); the limits on
+    request parameters are the engine's (``LLMEngine.limits``). ``dashboard``
+    serves the live KV-cache map at /dashboard.
     """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
     metrics = ServerMetrics(engine.get_stats, engine.model_name)
     engine.set_observer(metrics)
-    server = OpenAIServer(engine, served_model_name or engine.model_name, metrics, limits or ServerLimits())
+    server = OpenAIServer(
+        engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(), chat_template,
+        default_sampling,
+    )
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.openapi = functools.partial(_openapi_with_request_bodies, app)
     app.state.server = server
     _install_error_handlers(app)
+    if cors is not None:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:
@@ -429,7 +545,31 @@ def build_app(
 
     app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
     app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
+    if dashboard:
+        from pagedllm.server.dashboard import install_dashboard
+
+        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
+            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
+            "invalid_request_error", code="invalid_api_key",
+        ))
     return app
+
+
+def _tool_output(req: p.ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(message content, tool calls) of one finished chat completion under the request's tool_choice."""
+    if not req.tools:
+        return text, []
+    choice = req.resolved_tool_choice()
+    if choice.mode in ("named", "required"):
+        calls = _calls_from_constrained(text, choice)
+        return (None, calls) if calls else (text, [])
+    if choice.mode == "auto":
+        return parse_tool_calls(text, req.tool_specs())
+    return text, []
+
+
+def _tool_call_object(call: ToolCall) -> p.ToolCallObject:
+    return p.ToolCallObject(id=call.id, function=p.FunctionCall(name=call.name, arguments=call.arguments))
 
 
 def _openapi_with_request_bodies(app: FastAPI) -> dict:

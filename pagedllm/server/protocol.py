@@ -27,6 +27,14 @@ from pagedllm.limits import (
 )
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.structured import StructuredOutputsParams
+from pagedllm.structured.tools import (
+    ToolChoice,
+    ToolSpec,
+    parse_tools,
+    resolve_tool_choice,
+    tool_constraint,
+)
 
 # OpenAI's default for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -126,6 +134,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# A constraint and the request field it came from (errors name that field).
+Constraint = tuple[StructuredOutputsParams, str]
+
+
 class _SamplingRequest(_Body):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
@@ -156,6 +182,48 @@ class _SamplingRequest(_Body):
     use_beam_search: bool = False
     length_penalty: Finite = 1.0
     cache_salt: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The one output constraint the request asks for, if any; RequestError when several are given."""
+        found = [c for c in (self._response_format_constraint(), self._extra_body_constraint(), *self._guided()) if c]
+        if len(found) > 1:
+            raise RequestError(
+                f"{found[1][1]}: only one output constraint per request (also got {found[0][1]})", param=found[1][1]
+            )
+        return found[0] if found else None
+
+    def _response_format_constraint(self) -> Constraint | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError("response_format: json_schema.schema is required for type json_schema",
+                               param="response_format")
+        return _constraint("response_format", json=fmt.json_schema.schema_)
+
+    def _extra_body_constraint(self) -> Constraint | None:
+        if self.structured_outputs is None:
+            return None
+        try:
+            return StructuredOutputsParams(**self.structured_outputs), "structured_outputs"
+        except TypeError as exc:
+            raise RequestError(f"structured_outputs: unknown field ({exc})", param="structured_outputs") from None
+
+    def _guided(self) -> list[Constraint]:
+        fields = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        return [
+            _constraint(name, **{kind: getattr(self, name)}) for name, kind in fields.items()
+            if getattr(self, name) is not None
+        ]
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -209,8 +277,10 @@ class _SamplingRequest(_Body):
     ) -> SamplingParams | BeamSearchParams:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+        constraint = self.constraint()
+        structured = constraint[0] if constraint else None
         if self.use_beam_search:
-            return self._beam_params(max_tokens)
+            return self._beam_params(max_tokens, structured)
         return SamplingParams(
             n=self.n,
             best_of=self.best_of,
@@ -233,9 +303,10 @@ class _SamplingRequest(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
+            structured_outputs=structured,
         )
 
-    def _beam_params(self, max_tokens: int) -> BeamSearchParams:
+    def _beam_params(self, max_tokens: int, structured: StructuredOutputsParams | None) -> BeamSearchParams:
         if self.n < 1:
             raise RequestError(f"n: must be an integer >= 1, got {self.n}", param="n")
         if self.best_of is not None and self.best_of < self.n:
@@ -250,7 +321,17 @@ class _SamplingRequest(_Body):
             length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
+            structured_outputs=structured,
         )
+
+
+def _constraint(field: str, **kwargs) -> Constraint:
+    """StructuredOutputsParams built from one request field; its errors name that field."""
+    try:
+        return StructuredOutputsParams(**kwargs), field
+    except RequestError as exc:
+        message = str(exc).split(": ", 1)[-1]
+        raise RequestError(f"{field}: {message}", param=field) from None
 
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -306,6 +387,30 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_specs(self) -> list[ToolSpec]:
+        return parse_tools(self.tools)
+
+    def resolved_tool_choice(self) -> ToolChoice:
+        return resolve_tool_choice(self.tool_specs(), self.tool_choice)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (none when tool_choice is 'none')."""
+        return self.tools if self.tools and self.resolved_tool_choice().mode != "none" else None
+
+    def constraint(self) -> Constraint | None:
+        """response_format / structured_outputs, or the grammar a required or named tool_choice implies."""
+        base = super().constraint()
+        tools = tool_constraint(self.tool_specs(), self.resolved_tool_choice())
+        if tools is None:
+            return base
+        if base is not None:
+            raise RequestError(f"tool_choice: a required or named tool_choice cannot be combined with {base[1]}",
+                               param="tool_choice")
+        return tools, "tool_choice"
 
     def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -424,9 +529,32 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallObject(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCallObject):
+    index: int
+
+
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallObject] | None = None  # left out of the JSON when there are none
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatTopLogprob(BaseModel):
@@ -466,6 +594,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
