@@ -24,13 +24,18 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, max_positions: int, inverse_frequencies: Callable[[], Tensor], magnitude: float = 1.0
+        self,
+        head_dim: int,
+        max_positions: int,
+        inverse_frequencies: Callable[[], Tensor],
+        attention_factor: float = 1.0,
     ) -> None:
         super().__init__()
-        self.magnitude = magnitude  # cos and sin scaled by it (a rope scaling's attention factor)
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.inverse_frequencies = inverse_frequencies  # () -> [head_dim / 2] float32
+        # YaRN-style scalings scale cos and sin (so q.k) by this factor squared.
+        self.attention_factor = attention_factor
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self.path = KernelPath.TORCH
 
@@ -50,9 +55,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self.inverse_frequencies().to(device)
             positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
             angles = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
-            if self.magnitude == 1.0:
+            if self.attention_factor == 1.0:
                 return angles.cos(), angles.sin()
-            return angles.cos() * self.magnitude, angles.sin() * self.magnitude
+            return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin at ``positions`` [T], each [T, 1, D/2] in ``dtype``; once per forward pass."""

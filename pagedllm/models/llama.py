@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ModelLoadError
+from pagedllm.models import rope_scaling
 from pagedllm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -32,7 +33,6 @@ from pagedllm.layers import (
     rotate,  # noqa: F401  (re-exported: tests and callers import it from here)
 )
 from pagedllm.layers.linear import _copy_checked
-from pagedllm.models import rope_scaling
 from pagedllm.models.config import ModelConfig
 
 logger = logging.getLogger("pagedllm")
@@ -50,10 +50,14 @@ def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
 
 
 def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
-    """The model's rotary tables: ``head_dim``, its positions, its (scaled) frequencies."""
+    """The model's rotary tables: ``head_dim``, the positions the engine may use
+    (past the trained length only under a rope scaling), the (scaled) frequencies
+    and the scaling's attention factor."""
     return RotaryEmbedding(
-        config.head_dim, config.max_context_len, lambda: rope_inverse_frequencies(config),
-        magnitude=rope_scaling.attention_factor(config.rope_scaling),
+        config.head_dim,
+        config.max_context_len,
+        lambda: rope_inverse_frequencies(config),
+        attention_factor=rope_scaling.attention_factor(config.rope_scaling),
     )
 
 

@@ -29,6 +29,7 @@ from pagedllm.errors import ConfigError
 from pagedllm.kv import memory_budget
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.models.loader import load_model
+from pagedllm.native.cpu_dtype import check_cpu_dtype
 from pagedllm.runner.cuda_graphs import DecodeGraphs
 from pagedllm.runner.inputs import ModelInputs, build_model_inputs, to_device
 from pagedllm.sampling.sampler import (
@@ -70,7 +71,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # CPU: float32 keeps greedy outputs equal to the reference; bf16 is opt-in.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    check_cpu_dtype(dtype, device)  # a 16-bit dtype this CPU emulates: say so, never a silent 20x
+    return dtype
 
 
 @dataclass
@@ -181,7 +184,14 @@ class Worker:
             max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
             intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
         )
-        return memory_budget.kv_bytes_for_utilization(utilization, memory_budget.measure(self.device), reserve)
+        snapshot = memory_budget.measure(self.device)
+        kv_bytes = memory_budget.kv_bytes_for_utilization(utilization, snapshot, reserve)
+        logger.info(
+            "gpu_memory_utilization=%g: %d bytes of KV cache = that share of %d bytes, less %d held by "
+            "weights and runtime and %d for activations",
+            utilization, kv_bytes, snapshot.memory_for_engine, snapshot.used_by_engine, reserve,
+        )
+        return kv_bytes
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate this rank's KV shard: every rank the same block count, its own heads."""
