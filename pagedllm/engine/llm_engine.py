@@ -40,6 +40,9 @@ logger = logging.getLogger("pagedllm")
 _PLACEHOLDER_TOKEN = 0
 
 
+_DEFERRED = object()  # _launch_ahead ran the forward pass only (see Worker.forward_only)
+
+
 @dataclass
 class LaunchedStep:
     """A step whose tokens are drawn on the device and not read yet (the worker holds them)."""
@@ -370,6 +373,8 @@ class LLMEngine:
         if ahead is not None:
             out, result, launched = ahead
             self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are real now
+            if result is _DEFERRED:
+                result = self.executor.sample_deferred(self.steps.grammar_masks(out))
             if result is not None:
                 touched.update((r.request_id, r) for r in self.processor.process(out, result))
             elif _has_live_job(launched):
@@ -387,8 +392,6 @@ class LLMEngine:
         live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
         if not live or scheduler.swapped:
             return None
-        if any(request.grammar is not None for request, _ in live):
-            return None  # a grammar's next mask needs the token still being drawn
         num_running = sum(len(request.live_seqs()) for request in scheduler.running)
         # Every running sequence decodes one token (at most one new block each),
         # so the step below neither preempts nor fails a running request.
@@ -409,6 +412,10 @@ class LLMEngine:
             return None
         step = self.steps.build(out)
         self.num_overlapped_steps += 1
+        if any(seq.grammar is not None and seq.awaits_token for _, seq in out.entries):
+            # a grammar's mask needs the token still being drawn: sample once it is read
+            self.executor.forward_only(step)
+            return out, _DEFERRED, None
         if not self.processor.can_launch(out):
             return out, self.executor.execute(step), None
         self.executor.launch(step)

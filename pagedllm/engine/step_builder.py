@@ -103,6 +103,14 @@ class StepBuilder:
         if not self.send_sampled_tokens:
             self._sampled_at[seq.seq_id] = position
 
+    def grammar_masks(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Bitmask rows of the step's constrained sequences that are still live (seq_id -> row)."""
+        return {
+            seq.seq_id: self._allowed_tokens(request, seq)
+            for chunk, (request, seq) in zip(out.chunks, out.entries)
+            if chunk.needs_logits and seq.grammar is not None and not seq.is_finished
+        }
+
     def _allowed_tokens(self, request: Request, seq: Sequence) -> list[int]:
         """The grammar's bitmask row for ``seq``'s next token; a beam at its length limit
         may take only a stop token the grammar accepts (a complete match, not a cut one)."""

@@ -145,6 +145,7 @@ class Worker:
         self._generators: dict[int, torch.Generator | None] = {}
         self._launched: deque[_Launched] = deque()
         self._ready: deque[StepResult] = deque()
+        self._deferred: tuple | None = None  # (step, chunks, inputs, logits) of forward_only
 
     # ---- start-up ---------------------------------------------------------
 
@@ -222,6 +223,23 @@ class Worker:
         chunks, inputs, logits = self._forward(step)
         if not self.tp.is_first:
             return StepResult(step.step_id)
+        return self._sample_on_host(step, chunks, inputs, logits)
+
+    @torch.inference_mode()
+    def forward_only(self, step: StepInput) -> None:
+        """Run the step's forward pass; :meth:`sample_deferred` draws its tokens later, once
+        the engine knows the grammar masks (they need the previous step's tokens)."""
+        self._read_launched()
+        self._deferred = (step, *self._forward(step))
+
+    @torch.inference_mode()
+    def sample_deferred(self, masks: dict[int, list[int]]) -> StepResult:
+        """Sample the step :meth:`forward_only` ran, with ``masks`` (seq_id -> bitmask row) applied."""
+        step, chunks, inputs, logits = self._deferred
+        self._deferred = None
+        for sched in step.scheduled:
+            if sched.seq_id in masks:
+                sched.allowed_token_bitmask = masks[sched.seq_id]
         return self._sample_on_host(step, chunks, inputs, logits)
 
     @torch.inference_mode()
