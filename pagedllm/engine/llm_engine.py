@@ -183,7 +183,14 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
             intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
         )
-        return memory_budget.kv_bytes_for_utilization(utilization, memory_budget.measure(self.device), reserve)
+        snapshot = memory_budget.measure(self.device)
+        kv_bytes = memory_budget.kv_bytes_for_utilization(utilization, snapshot, reserve)
+        logger.info(
+            "gpu_memory_utilization=%g: %d bytes of KV cache = that share of %d bytes, less %d held by "
+            "weights and runtime and %d for activations",
+            utilization, kv_bytes, snapshot.memory_for_engine, snapshot.used_by_engine, reserve,
+        )
+        return kv_bytes
 
     def _resolve_max_model_len(self) -> int:
         """The explicit max_model_len once checked, else the largest one that is safe.
