@@ -128,8 +128,12 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(token_ids)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-        tools: list[dict] | None = None, **kwargs,
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        **kwargs,
     ) -> str:
         """Renders OpenAI-style messages into a prompt string with ``chat_template``
         (Jinja text) when given, else the model's chat template.
@@ -137,13 +141,14 @@ class Tokenizer:
         ``tools`` (OpenAI's list) reach a template that renders them; for one
         that does not, they are described in the system message (Hermes style).
         """
-        if not (chat_template or self.hf.chat_template):
+        template = chat_template or self.hf.chat_template
+        if not template:
             raise RequestError(
                 "this model has no chat template; send a plain prompt instead", param="messages"
             )
         normalised = _normalise_messages(messages)
         if tools:
-            normalised, kwargs = _with_tools(chat_template or self.hf.chat_template, normalised, tools, kwargs)
+            normalised, kwargs = _with_tools(template, normalised, tools, kwargs)
         try:
             return self.hf.apply_chat_template(
                 normalised, tokenize=False, add_generation_prompt=add_generation_prompt,

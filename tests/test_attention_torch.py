@@ -262,3 +262,13 @@ def test_one_backend_serves_successive_batches(use_native):
             out = backend.forward(batch.query, batch.k_cache, batch.v_cache, md, batch.scale)
             rows = _num_real_rows(batch)
             assert (out[:rows] - naive_attention(batch.query[:rows], batch)).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("kind", ["prefill_only", "prefix_offsets", "mixed"])
+def test_prefill_in_query_tiles_matches_oracle(monkeypatch, kind):
+    """A tiny score budget forces several query tiles per sequence (as a long prompt's chunk gets)."""
+    from pagedllm.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "MAX_SCORES_PER_TILE", 4 * 40)  # 4 heads x 40 keys: one query a tile
+    batch = make_paged_batch(SPECS[kind], block_size=8, num_heads=4, num_kv_heads=2, seed=37)
+    _assert_matches_oracle(batch, use_native=False)

@@ -22,6 +22,7 @@ from pagedllm.kv.stats import KVCacheStats
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.models.loader import load_model
 from pagedllm.models.paths import model_display_name
+from pagedllm.native.cpu_dtype import check_cpu_dtype
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -65,7 +66,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # CPU: float32 keeps greedy outputs equal to the reference; bf16 is opt-in.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    check_cpu_dtype(dtype, device)  # a 16-bit dtype this CPU emulates: say so, never a silent 20x
+    return dtype
 
 
 class LLMEngine:
@@ -180,7 +183,14 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
             intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
         )
-        return memory_budget.kv_bytes_for_utilization(utilization, memory_budget.measure(self.device), reserve)
+        snapshot = memory_budget.measure(self.device)
+        kv_bytes = memory_budget.kv_bytes_for_utilization(utilization, snapshot, reserve)
+        logger.info(
+            "gpu_memory_utilization=%g: %d bytes of KV cache = that share of %d bytes, less %d held by "
+            "weights and runtime and %d for activations",
+            utilization, kv_bytes, snapshot.memory_for_engine, snapshot.used_by_engine, reserve,
+        )
+        return kv_bytes
 
     def _resolve_max_model_len(self) -> int:
         """The explicit max_model_len once checked, else the largest one that is safe.

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.attention.base import AttentionBackend
+from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ModelLoadError
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.paths import resolve_model_path
@@ -48,6 +49,7 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     rope_scaling: dict | None = None,
+    tp: TensorParallelGroup = SINGLE_PROCESS,
 ) -> LoadedModel:
     """Load ``model`` (HF directory, .gguf file, or None for the default model);
     ``rope_scaling`` replaces the checkpoint's (ConfigError if malformed).
@@ -69,7 +71,7 @@ def load_model(
         weights = _safetensors_weights(path)
     model_cls = resolve_architecture(hf_config)
     config = ModelConfig.from_hf_config(hf_config, rope_scaling=rope_scaling)
-    module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device)
+    module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device, tp=tp)
     module.load_weights(weights)
     module.eval()
     logger.info(
@@ -90,10 +92,11 @@ def build_model(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TensorParallelGroup = SINGLE_PROCESS,
 ) -> torch.nn.Module:
-    """An uninitialised model of ``dtype`` on ``device``: every parameter must be loaded."""
+    """An uninitialised model of ``dtype`` on ``device`` (this rank's shard): every parameter must be loaded."""
     with torch.device("meta"):
-        module = model_cls(config, attn_backend)
+        module = model_cls(config, attn_backend, tp)
     module = module.to_empty(device=device)
     return module.to(dtype)
 
