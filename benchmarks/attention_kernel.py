@@ -130,10 +130,10 @@ def main() -> None:
             row["decode_pct_of_read_bw"] = 100 * row["decode_gbs"] / limits["read_gbs"]
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.json:  # after every row: a run cut short keeps what it measured
+                report.write_json(args.json, {"limits": limits, "results": rows, "env": report.environment(),
+                                              "threads": torch.get_num_threads(), "pid": os.getpid()})
         del decode
-    if args.json:
-        report.write_json(args.json, {"limits": limits, "results": rows, "env": report.environment(),
-                                      "threads": torch.get_num_threads(), "pid": os.getpid()})
 
 
 if __name__ == "__main__":

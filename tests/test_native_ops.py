@@ -304,3 +304,16 @@ def test_importing_pagedllm_makes_openmp_wait_passively_unless_the_user_chose(us
         assert ours == peer == user_value  # the user's choice, for pagedllm and its peers
     else:
         assert (ours, peer) == ("PASSIVE", "None")  # the peer keeps its own default
+
+
+def test_bench_compare_names_a_forced_path_or_says_what_is_allowed():
+    import argparse
+
+    from pagedllm.bench import throughput
+
+    args = argparse.Namespace(compare="pagedllm@avx3", hf_batch_size=8, peer_python=None, warmup=False)
+    with pytest.raises(ConfigError, match=r"pagedllm@ISA with ISA one of \['scalar', 'avx2', 'avx512', 'avx512_bf16'\]"):
+        throughput.compare(args, workload=None)
+    args.compare = "vllm@avx2"  # only pagedllm's kernels can be forced
+    with pytest.raises(ConfigError, match="vllm@avx2"):
+        throughput.compare(args, workload=None)
