@@ -194,7 +194,7 @@ def run_beam(config, budget: BeamBudget, seed: int = 0) -> dict:
 def _native_attention(engine) -> bool:
     from pagedllm.native import cpu_ops
 
-    backend = engine.attn_backend
+    backend = engine.worker.attn_backend
     return engine.device.type == "cpu" and getattr(backend, "use_native", None) is not False and cpu_ops.available()
 
 
