@@ -13,6 +13,8 @@ import sys
 from pagedllm.config import (
     DEFAULT_NUM_HEADROOM_TOKENS,
     KV_POLICIES,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATIONS,
     PREEMPTION_MODES,
     SUPPORTED_BLOCK_SIZES,
     EngineConfig,
@@ -53,6 +55,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="schedule each decode step before the previous step's tokens are read "
                    "(default: on with CUDA graphs)")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="weights: none (dense --dtype), gguf (GGUF Q4_0/Q4_1/Q8_0 served packed), int8|int4 (RTN)")
+    g.add_argument("--quantization-group-size", type=int, default=32, choices=list(QUANTIZATION_GROUP_SIZES))
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -76,6 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         seed=args.seed,
     )
 

@@ -10,6 +10,8 @@ from pagedllm.errors import ConfigError
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 # Tokens of growth per running sequence kept free when admitting (one block at
 # the default block size); measured in docs/benchmarks.md, "KV memory audit".
@@ -47,6 +49,9 @@ class EngineConfig:
     left afterwards still cover that many more tokens of every running sequence
     (none past its max_tokens, and never more than a tenth of the cache in all);
     0 admits whenever the prompt fits.
+    ``quantization``: "none" (dense weights of ``dtype``), "gguf" (a GGUF's
+    Q4_0/Q4_1/Q8_0 tensors served packed), "int8"/"int4" (weight-only RTN with
+    ``quantization_group_size`` weights per scale); CPU only.
     ``async_scheduling``: schedule and launch each decode step before reading
     the previous step's tokens (stop conditions are then seen one step late);
     ``None`` turns it on where CUDA graphs run.
@@ -70,6 +75,8 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
+    quantization: str = "none"
+    quantization_group_size: int = 32
     seed: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -82,6 +89,8 @@ class EngineConfig:
         _choice("dtype", self.dtype, SUPPORTED_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("kv_policy", self.kv_policy, KV_POLICIES)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
+        _choice("quantization_group_size", self.quantization_group_size, QUANTIZATION_GROUP_SIZES)
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ConfigError(f"device={self.device!r} is not supported; use 'auto', 'cpu' or 'cuda[:N]'")
         _positive("num_kv_blocks", self.num_kv_blocks)

@@ -75,7 +75,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        loaded = load_model(
+            config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
+            quantization=config.quantization, quantization_group_size=config.quantization_group_size,
+        )
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.model_name = model_display_name(loaded.path)

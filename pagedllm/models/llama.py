@@ -19,6 +19,7 @@ from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.errors import ModelLoadError
 from pagedllm.models.config import ModelConfig
 from pagedllm.native import cpu_ops
+from pagedllm.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("pagedllm")
 
@@ -70,13 +71,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose CPU inference matmul uses a :class:`PackedWeight`."""
+    """``nn.Linear`` whose CPU inference matmul uses a :class:`PackedWeight`.
+
+    Quantization hook: when ``quantized`` holds a packed matrix
+    (:class:`pagedllm.quant.QuantizedWeight`), the matmul runs on it and
+    ``weight`` is an empty placeholder.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed = PackedWeight()
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.quantized is not None:
+            y = self.quantized.apply(x)
+            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias, self.packed)
 
 
@@ -336,6 +346,9 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.head_packed = PackedWeight()  # the LM head matmul (tied: the embedding matrix)
+        # Quantization hook: packed embedding / LM head matrices (tied: one matrix for both).
+        self.embed_quantized: QuantizedWeight | None = None
+        self.head_quantized: QuantizedWeight | None = None
 
     def forward(
         self,
@@ -346,7 +359,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: Tensor | None = None,  # [num_samples]
     ) -> Tensor:  # [num_samples, vocab] float32
         """Logits of the rows in ``logits_indices`` (all rows when None), as float32."""
-        residual = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place
+        residual = self._embed(input_ids)  # [T, hidden], a fresh tensor the layers update in place
         rotary = self.rotary.for_step(positions, residual)  # shared by every layer
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -355,8 +368,15 @@ class LlamaForCausalLM(nn.Module):
             residual = residual.index_select(0, logits_indices)  # [num_samples, hidden]
             delta = None if delta is None else delta.index_select(0, logits_indices)
         hidden = self.norm(residual) if delta is None else self.norm(delta, residual)
+        if self.head_quantized is not None:
+            return self.head_quantized.apply(hidden).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, head, None, self.head_packed).float()
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        if self.embed_quantized is None:
+            return self.embed_tokens(input_ids)
+        return self.embed_quantized.embed(input_ids).to(self.norm.weight.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors in, splicing q/k/v and gate/up into the fused matrices.
@@ -366,7 +386,9 @@ class LlamaForCausalLM(nn.Module):
         are skipped with a debug log.
         """
         params = dict(self.named_parameters())
+        expected = set(self._expected_pieces())
         loaded: set[str] = set()
+        quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # parameter -> (first row, piece)
         for hf_name, tensor in weights:
             target = self._map_hf_name(hf_name)
             if target is None:
@@ -376,14 +398,47 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 logger.debug("ignoring checkpoint tensor %s (no parameter %s)", hf_name, name)
                 continue
-            _copy_rows(params[name], tensor, row_start, hf_name)
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault(name, []).append((row_start, tensor))
+            else:
+                _copy_rows(params[name], tensor, row_start, hf_name)
             loaded.add(f"{name}@{row_start}")
-        missing = sorted(set(self._expected_pieces()) - loaded)
+        for name, pieces in quantized.items():
+            self.set_quantized(name, QuantizedWeight.cat_rows([p for _, p in sorted(pieces, key=lambda x: x[0])]))
+        missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(
                 f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}"
             )
         self.invalidate_packed_weights()
+
+    def set_quantized(self, name: str, weight: QuantizedWeight) -> None:
+        """Serve parameter ``name`` (a linear weight, the embedding or the LM head) from ``weight``;
+        the dense parameter becomes an empty placeholder. Raises ModelLoadError on a shape mismatch."""
+        module_name = name.removesuffix(".weight")
+        module = self.get_submodule(module_name)
+        if tuple(module.weight.shape) != weight.shape:
+            raise ModelLoadError(f"quantized {name} has shape {weight.shape}, expected {tuple(module.weight.shape)}")
+        placeholder = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+        if isinstance(module, Linear):
+            module.quantized = weight
+        elif module is self.embed_tokens:
+            self.embed_quantized = weight
+            if self.lm_head is None:
+                self.head_quantized = weight
+        elif module is self.lm_head:
+            self.head_quantized = weight
+        else:
+            raise ModelLoadError(f"{name} cannot be quantized")
+        module.weight = placeholder
+
+    def quantizable_weights(self) -> list[str]:
+        """Names of the parameters :meth:`set_quantized` accepts (linear weights, embedding, LM head)."""
+        names = [f"{n}.weight" for n, m in self.named_modules() if isinstance(m, Linear)]
+        names.append("embed_tokens.weight")
+        if self.lm_head is not None:
+            names.append("lm_head.weight")
+        return names
 
     def invalidate_packed_weights(self) -> None:
         """Drop every packed matmul weight (call after changing weights in place)."""
