@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 from pagedllm.config import (
+    DEFAULT_MAX_LOGPROBS,
     DEFAULT_NUM_HEADROOM_TOKENS,
+    DTYPE_ALIASES,
     KV_POLICIES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATIONS,
     PREEMPTION_MODES,
     SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
     EngineConfig,
 )
 from pagedllm.errors import PagedLLMError
@@ -34,12 +38,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every subcommand that starts an engine."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=[*SUPPORTED_DTYPES, *DTYPE_ALIASES])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, choices=list(SUPPORTED_BLOCK_SIZES))
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size, e.g. 2GiB or 500MB")
-    g.add_argument("--swap-space", type=parse_size, default=0, help="CPU swap pool size, e.g. 1GiB")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
+                   help="exact number of KV blocks")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_size,
+                   default=None, help="KV cache size in bytes, or with a unit: 2GiB, 500MB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the device's memory (CPU: of the RAM other processes leave) for weights "
+                   "plus KV cache, as vLLM (default: half the free GPU memory, 4 GiB on the CPU)")
+    g.add_argument("--swap-space", dest="swap_space_bytes", type=parse_gib, default=0,
+                   help="CPU swap pool in GiB as vLLM (4 = 4 GiB), or with a unit: 512MiB")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -55,10 +65,64 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="schedule each decode step before the previous step's tokens are read "
                    "(default: on with CUDA graphs)")
     g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                   help="weights: none (dense --dtype), gguf (GGUF Q4_0/Q4_1/Q8_0 served packed), int8|int4 (RTN)")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=list(QUANTIZATION_GROUP_SIZES))
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--rope-scaling", type=parse_json_object, default=None,
+                   help='HF rope_scaling JSON replacing the model\'s, e.g. \'{"rope_type":"yarn","factor":4.0}\' '
+                   "(linear | dynamic | yarn | llama3); lets --max-model-len pass the trained context")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                   help="weights: none (default: dense --dtype), gguf (GGUF Q4_0/Q4_1/Q8_0 served packed), "
+                   "int8|int4 (RTN, --quantization-group-size per scale); CPU only")
+    g.add_argument("--kv-cache-dtype", default="auto", help="only 'auto' (the model dtype) for now")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto (the model's generation_config.json or GGUF "
+                   "metadata), vllm (SamplingParams' defaults) or a folder with generation_config.json")
+    _add_vllm_only_flags(parser.add_argument_group("vLLM flags accepted without effect (one log line each)"))
+
+
+# vLLM flags that mean nothing here, or only their default: (flag, value type;
+# None for a switch). EngineConfig logs the ignored ones and rejects a value
+# other than the default for the rest (pagedllm.config.IGNORED_ARGS / NO_OP_VALUES).
+VLLM_ONLY_FLAGS = (
+    ("--trust-remote-code", None),
+    ("--disable-log-stats", None),
+    ("--disable-log-requests", None),
+    ("--enable-log-requests", None),
+    ("--disable-custom-all-reduce", None),
+    ("--enable-chunked-prefill", None),
+    ("--tokenizer-mode", str),
+    ("--revision", str),
+    ("--tokenizer-revision", str),
+    ("--download-dir", str),
+    ("--load-format", str),
+    ("--max-seq-len-to-capture", int),
+    ("--distributed-executor-backend", str),
+    ("--tokenizer", str),
+    ("--pipeline-parallel-size", int),
+    ("--data-parallel-size", int),
+    ("--cpu-offload-gb", float),
+)
+
+
+def _add_vllm_only_flags(group) -> None:
+    for flag, value_type in VLLM_ONLY_FLAGS:
+        dest = "vllm_" + flag.removeprefix("--").replace("-", "_")
+        if value_type is None:
+            group.add_argument(flag, dest=dest, action="store_const", const=True, default=None)
+        else:
+            group.add_argument(flag, dest=dest, type=value_type, default=None, metavar="VALUE")
+
+
+def _vllm_only_args(args: argparse.Namespace) -> dict:
+    """The vLLM-only flags the user gave, as engine arguments."""
+    given = {}
+    for flag, _ in VLLM_ONLY_FLAGS:
+        name = flag.removeprefix("--").replace("-", "_")
+        value = getattr(args, "vllm_" + name, None)
+        if value is not None:
+            given[name] = value
+    return given
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -69,7 +133,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
-        swap_space=args.swap_space,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space_bytes=args.swap_space_bytes,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -81,10 +146,28 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
-        quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         seed=args.seed,
+        rope_scaling=args.rope_scaling,
+        # `pagedllm serve --max-logprobs` (a request limit) also sets the engine's cap
+        max_logprobs=getattr(args, "max_logprobs", DEFAULT_MAX_LOGPROBS),
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        generation_config=args.generation_config,
+        **_vllm_only_args(args),
     )
+
+
+def parse_json_object(text: str) -> dict:
+    """Parse a JSON object given on the command line (e.g. ``--rope-scaling``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
+    return value
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -101,6 +184,18 @@ def parse_size(text: str) -> int:
         return int(float(number) * _UNITS[unit])
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 500MB or 2GiB") from exc
+
+
+def parse_gib(text: str) -> int:
+    """Bytes from vLLM's GiB count ('4', '0.5') or a size with a unit ('512MiB')."""
+    raw = text.strip()
+    try:
+        gib = float(raw)
+    except ValueError:
+        return parse_size(raw)
+    if gib < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the swap space must be >= 0 GiB")
+    return int(gib * 2**30)
 
 
 def build_parser() -> argparse.ArgumentParser:

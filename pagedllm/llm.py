@@ -11,7 +11,9 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import RequestError
+from pagedllm.generation_config import default_sampling_fields
 from pagedllm.kv.stats import KVCacheStats
+from pagedllm.limits import RequestLimits
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer
@@ -23,13 +25,21 @@ class LLM:
     """Load a model once, then generate for batches of prompts.
 
     ``model`` is an HF directory or a GGUF file; ``None`` is the default model
-    (SmolLM2-135M-Instruct). ``num_kv_blocks`` (exact) or ``kv_cache_memory``
-    (bytes) size the KV cache. Every other keyword is an :class:`EngineConfig` field.
+    (SmolLM2-135M-Instruct). ``num_kv_blocks`` (exact), ``kv_cache_memory``
+    (bytes) or ``gpu_memory_utilization`` size the KV cache. ``request_limits``
+    bounds what one request may ask for (``n``, stop strings, logit_bias entries,
+    ...; see :class:`RequestLimits`). Every other keyword is an
+    :class:`EngineConfig` field or one of vLLM's EngineArgs names (``swap_space``
+    in GiB, ``kv_cache_memory_bytes``, ``trust_remote_code``, ...): code written
+    for ``vllm.LLM`` runs unchanged.
     """
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options))
+    def __init__(
+        self, model: str | None = None, *, request_limits: RequestLimits | None = None, **engine_options
+    ) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_options), request_limits)
         self._request_ids = itertools.count()
+        self._default_sampling: dict | None = None
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -37,6 +47,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.llm_engine = engine
         llm._request_ids = itertools.count()
+        llm._default_sampling = None
         return llm
 
     # ---- generation -------------------------------------------------------
@@ -47,7 +58,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order."""
+        """One RequestOutput per prompt, in input order; without sampling_params, the
+        model's defaults (:meth:`get_default_sampling_params`)."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
         return self._run(prompt_list, params, use_tqdm)
@@ -58,13 +70,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template (or ``chat_template``, Jinja text) to one
+        conversation or a list of them; ``chat_template_kwargs`` reach the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
             {"prompt_token_ids": tokenizer.encode(
-                tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                    **(chat_template_kwargs or {}),
+                ),
                 add_special_tokens=False,
             )}
             for conv in conversations
@@ -80,6 +98,13 @@ class LLM:
 
     # ---- introspection ----------------------------------------------------
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (``generation_config``), as vLLM."""
+        if self._default_sampling is None:
+            engine = self.llm_engine
+            self._default_sampling = default_sampling_fields(engine.model_path, engine.config.generation_config)
+        return SamplingParams(**self._default_sampling)
+
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 
@@ -88,10 +113,9 @@ class LLM:
 
     # ---- the loop ---------------------------------------------------------
 
-    @staticmethod
-    def _params_per_prompt(sampling_params, count: int) -> list:
+    def _params_per_prompt(self, sampling_params, count: int) -> list:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             return [sampling_params] * count
         params = list(sampling_params)

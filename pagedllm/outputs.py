@@ -32,6 +32,18 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class BeamSearchSequence:
+    """One hypothesis as vLLM's ``beam_search`` returns it: ``tokens`` and ``text``
+    hold the prompt followed by the generated part."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
 @dataclass
 class RequestMetrics:
     """Wall-clock times (time.monotonic seconds) of a request's milestones."""
@@ -55,3 +67,17 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when finish_reason == "error"
     extra: dict = field(default_factory=dict)
+
+    @property
+    def sequences(self) -> list[BeamSearchSequence]:
+        """``outputs`` in the shape of vLLM's BeamSearchOutput.sequences (best first for beam search)."""
+        return [
+            BeamSearchSequence(
+                tokens=[*self.prompt_token_ids, *o.token_ids],
+                text=(self.prompt or "") + o.text,
+                cum_logprob=o.cumulative_logprob,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+            )
+            for o in self.outputs
+        ]

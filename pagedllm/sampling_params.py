@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from pagedllm.errors import RequestError
+from pagedllm.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_ABS_LOGIT_BIAS,
+    RequestLimits,
+    check_at_most,
+    check_token_ids,
+)
+from pagedllm.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -56,8 +65,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -71,6 +82,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("n", "best_of", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
+                _fail(name, f"must fit in 64 bits, got {value}")
         if not _is_int(self.n) or self.n < 1:
             _fail("n", f"must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
@@ -103,10 +118,31 @@ class SamplingParams:
             _fail("stop", "every stop string must be a non-empty string")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "every stop token id must be an integer >= 0")
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            _fail("seed", f"must be an integer in [-2**63, 2**63 - 1] (64 bits), got {self.seed!r}")
         if not self.detokenize and self.stop:
             _fail("stop", "stop strings need detokenize=True")
+
+    def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
+        """The counts within ``limits`` and every token id within the vocabulary."""
+        if self.n > limits.max_n:
+            _fail("n", f"must be <= {limits.max_n} (the server's limit on samples per prompt), got {self.n}")
+        if self.best_of is not None and self.best_of > limits.max_n:
+            _fail("best_of", f"must be <= {limits.max_n} (the server's limit on samples per prompt), "
+                  f"got {self.best_of}")
+        check_at_most("stop", len(self.stop), limits.max_stop, "stop strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > limits.max_stop_chars:
+            _fail("stop", f"each stop string may have at most {limits.max_stop_chars} characters, got {longest}")
+        check_at_most("stop_token_ids", len(self.stop_token_ids), limits.max_stop_token_ids, "stop token ids")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        if self.logit_bias:
+            check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
+            check_token_ids(self.logit_bias, vocab_size, "logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > limits.max_logprobs:
+                _fail(name, f"must be <= {limits.max_logprobs}, got {value}")
 
     @property
     def is_greedy(self) -> bool:
@@ -145,10 +181,25 @@ def _normalise_logit_bias(logit_bias: object) -> dict[int, float] | None:
             token, bias = int(key), float(value)
         except (TypeError, ValueError):
             _fail("logit_bias", f"entry {key!r}: {value!r} is not token id: number")
-        if token < 0 or not math.isfinite(bias):
-            _fail("logit_bias", f"entry {key!r}: {value!r} needs a token id >= 0 and a finite bias")
+        if token < 0 or not math.isfinite(bias) or abs(bias) > MAX_ABS_LOGIT_BIAS:
+            _fail(
+                "logit_bias",
+                f"entry {key!r}: {value!r} needs a token id >= 0 and a bias in [-100, 100]",
+            )
         normalised[token] = bias
     return normalised
+
+
+def _structured_outputs(value: object) -> StructuredOutputsParams | None:
+    """StructuredOutputsParams as given, or built from a dict of its fields."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as exc:
+            _fail("structured_outputs", f"unknown field ({exc})")
+    _fail("structured_outputs", f"must be a StructuredOutputsParams, got {type(value).__name__}")
 
 
 @dataclass
@@ -163,8 +214,10 @@ class BeamSearchParams:
     early_stopping: bool | str = False
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         if not _is_int(self.beam_width) or self.beam_width < 1:
             _fail("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -174,3 +227,14 @@ class BeamSearchParams:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
         if self.early_stopping not in (True, False, "never"):
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            _fail("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
+        """The beam width within ``limits`` and every stop token id within the vocabulary."""
+        if self.beam_width > limits.max_beam_width:
+            _fail("beam_width", f"must be <= {limits.max_beam_width} (the server's limit on beams), "
+                  f"got {self.beam_width}")
+        check_at_most("stop_token_ids", len(self.stop_token_ids), limits.max_stop_token_ids, "stop token ids")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")

@@ -128,20 +128,42 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(token_ids)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        **kwargs,
     ) -> str:
-        """Renders OpenAI-style messages with the model's chat template into a prompt string."""
-        if not self.hf.chat_template:
+        """Renders OpenAI-style messages into a prompt string with ``chat_template``
+        (Jinja text) when given, else the model's chat template.
+
+        ``tools`` (OpenAI's list) reach a template that renders them; for one
+        that does not, they are described in the system message (Hermes style).
+        """
+        template = chat_template or self.hf.chat_template
+        if not template:
             raise RequestError(
                 "this model has no chat template; send a plain prompt instead", param="messages"
             )
         normalised = _normalise_messages(messages)
+        if tools:
+            normalised, kwargs = _with_tools(template, normalised, tools, kwargs)
         try:
             return self.hf.apply_chat_template(
-                normalised, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                normalised, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **kwargs,
             )
         except Exception as exc:  # jinja2 raises its own errors for template-level failures
             raise RequestError(f"chat template failed: {exc}", param="messages") from exc
+
+
+def _with_tools(template: str, messages: list[dict], tools: list[dict], kwargs: dict) -> tuple[list[dict], dict]:
+    from pagedllm.structured.tools import parse_tools, render_tools_into_messages
+
+    if "tools" in template:
+        return messages, {**kwargs, "tools": tools}
+    return render_tools_into_messages(messages, parse_tools(tools)), kwargs
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -1,20 +1,25 @@
-"""The native CPU layer kernels against the PyTorch operators they replace.
+"""The native CPU kernels against the PyTorch operators they replace.
 
-Each kernel runs twice: the build for this CPU (AVX-512 where it has it) and
-the portable scalar build. float32 results must agree with PyTorch to
-rounding; bfloat16 results to one bfloat16 step (the kernels and PyTorch may
-sum the mean of squares in a different order).
+Each kernel runs once per ISA path this CPU can run (scalar always; avx2,
+avx512 and avx512_bf16 where the CPU has them), each path its own build.
+float32 results must agree with PyTorch to rounding; bfloat16 results to one
+bfloat16 step (the kernels and PyTorch may sum the mean of squares in a
+different order). Attention is checked against the dense float64 oracle.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_reference import make_paged_batch, naive_attention
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.errors import ConfigError
 from pagedllm.models.llama import rotate
 from pagedllm.native import cpu_ops
 
@@ -23,14 +28,17 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler f
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+ISA_PATHS = cpu_ops.cpu_isa_paths()
+
+
+@pytest.fixture(scope="module", params=ISA_PATHS)
 def library(request):
-    if request.param == "native":
-        return cpu_ops.build_library()
     try:
-        return cpu_ops.build_library(("-mno-avx512f",))
+        built = cpu_ops.build_library(isa=request.param)
     except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"compiler cannot build without AVX-512: {exc}")
+        pytest.skip(f"compiler cannot build the {request.param} path: {exc}")
+    assert built.isa_name().decode() == request.param
+    return built
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -147,3 +155,84 @@ def test_rotary_rejects_positions_past_the_table():
         rotary.for_step(torch.tensor([0, 31]), like)  # the last position is fine
         with pytest.raises(ValueError, match="rotary positions"):
             rotary.for_step(torch.tensor([3, 32]), like)
+
+
+# ---------------------------------------------------------------- attention per ISA path
+
+ATTENTION_SPECS = [(0, 37), (50, 1), (333, 1), (15, 1), (20, 17), (0, 1), (7, 9)]  # (context, new tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "block_size,num_heads,num_kv_heads,head_dim",
+    [(16, 9, 3, 64), (8, 8, 2, 128), (32, 4, 4, 32), (16, 6, 1, 48)],
+)
+def test_paged_attention_matches_oracle(library, dtype, block_size, num_heads, num_kv_heads, head_dim):
+    """Prefill chunks (causal), decode rows and prefix-hit chunks in one call, per path.
+    Block sizes 8/16/32 put chunk ends inside and at a vector's width."""
+    if head_dim % library.vector_width():
+        pytest.skip("head_dim not a multiple of this path's vector width (cpu_ops.supports refuses it)")
+    batch = make_paged_batch(
+        ATTENTION_SPECS, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, seed=block_size + head_dim,
+    )
+    md = batch.metadata
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+    per_tile = cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim)
+    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile)
+    expected = naive_attention(batch.query.double(), batch)
+    for split_heads in (True, False):
+        out = cpu_ops.paged_attention(
+            batch.query, batch.k_cache, batch.v_cache, md.block_tables, tiles, batch.scale,
+            library=library, split_heads=split_heads,
+        )
+        assert out.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+        assert (out.double() - expected).abs().max().item() <= tolerance
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_cpu_reports_scalar_and_best_path_is_the_default(monkeypatch):
+    monkeypatch.delenv(cpu_ops.ISA_ENV, raising=False)
+    assert ISA_PATHS[0] == "scalar"
+    assert list(ISA_PATHS) == [isa for isa in cpu_ops.ISA_PATHS if isa in ISA_PATHS]  # cheapest first
+    assert cpu_ops.requested_isa() == ISA_PATHS[-1]
+    flags = cpu_ops.cpu_flags()
+    assert ("avx2" in ISA_PATHS) == ({"avx2", "fma", "f16c"} <= flags) or not flags
+
+
+@pytest.mark.parametrize("isa", ISA_PATHS)
+def test_env_var_forces_the_loaded_path(isa):
+    """A fresh process with PAGEDLLM_CPU_ISA set loads that path and computes with it."""
+    code = (
+        "import torch; from pagedllm.native import cpu_ops; assert cpu_ops.available(); "
+        "x = torch.randn(3, 100); a, _ = cpu_ops.argmax_logsumexp(x); "
+        "assert torch.equal(a, x.argmax(-1)); print(cpu_ops.selected_isa(), cpu_ops.vectorized())"
+    )
+    env = {**os.environ, cpu_ops.ISA_ENV: isa}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [isa, str(isa != "scalar")]
+
+
+def test_unknown_or_unsupported_path_is_a_config_error(monkeypatch):
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "sse9")
+    with pytest.raises(ConfigError, match="not a kernel path.*scalar, avx2, avx512, avx512_bf16"):
+        cpu_ops.requested_isa()
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c"}))
+    monkeypatch.setattr(cpu_ops.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "avx512")
+    with pytest.raises(ConfigError, match="lacks avx512bw, avx512dq, avx512f, avx512vl; it runs scalar, avx2"):
+        cpu_ops.requested_isa()
+    monkeypatch.setenv(cpu_ops.ISA_ENV, "AVX2")  # case does not matter
+    assert cpu_ops.requested_isa() == "avx2"
+
+
+def test_using_isa_swaps_the_loaded_kernels_and_restores_them():
+    before = cpu_ops.selected_isa()
+    with cpu_ops.using_isa("scalar") as library:
+        assert cpu_ops.selected_isa() == "scalar" and not cpu_ops.vectorized()
+        assert library.vector_width() == 1
+    assert cpu_ops.selected_isa() == before

@@ -117,7 +117,7 @@ def unconstrained_mixed_run():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_forked_groups_survive_preemption(mode, unconstrained_mixed_run):
     tight = make_llm(enable_prefix_caching=False, num_kv_blocks=14, preemption_mode=mode,
-                     swap_space=64 * 2**20 if mode == "swap" else 0)
+                     swap_space_bytes=64 * 2**20 if mode == "swap" else 0)
     assert _mixed_run(tight) == unconstrained_mixed_run
     assert tight.kv_cache_stats().num_preemptions > 0
     assert_clean(tight)

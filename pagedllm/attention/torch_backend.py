@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.native import cpu_ops
 
+# Scores (heads x queries x keys) one prefill attention call may materialise:
+# 128 MiB in float32, whatever the prompt length.
+MAX_SCORES_PER_TILE = 2**25
+
 
 @dataclass
 class DecodePlan:
@@ -303,7 +307,14 @@ def _prefill_one(
     seq: PrefillSeq,
     scale: float,
 ) -> None:
-    """Several new tokens of one sequence at positions ``seq_len - q_len .. seq_len - 1``."""
+    """Several new tokens of one sequence at positions ``seq_len - q_len .. seq_len - 1``.
+
+    Queries go in tiles of at most :data:`MAX_SCORES_PER_TILE` scores (heads x
+    queries x keys): a masked ``scaled_dot_product_attention`` on the CPU
+    materialises its score matrix, so a 2,048-token chunk of a 32k prompt
+    would otherwise take 2.4 GB per call. Each tile reads only the keys up to
+    its last query's position.
+    """
     seq_len, q_len, start = seq.seq_len, seq.q_len, seq.start
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     keys = _gather_tokens(k_cache, seq.slots).view(seq_len, num_kv_heads, head_dim).transpose(0, 1)  # [KH, L, D]
@@ -313,17 +324,19 @@ def _prefill_one(
     if group > 1:
         keys = keys.repeat_interleave(group, dim=0)  # [H, L, D]
         values = values.repeat_interleave(group, dim=0)
-    mask = None
-    if q_len != seq_len:
-        # a later chunk or a prefix hit: query i sits at position offset + i
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, L]
-    result = F.scaled_dot_product_attention(
-        q,
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-    )  # [H, q_len, D]
-    out[start : start + q_len] = result.transpose(0, 1)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if q_len == seq_len and q.shape[0] * q_len * seq_len <= MAX_SCORES_PER_TILE:
+        result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)  # [H, q_len, D]
+        out[start : start + q_len] = result.transpose(0, 1)
+        return
+    tile = max(1, MAX_SCORES_PER_TILE // (q.shape[0] * seq_len))
+    for first in range(0, q_len, tile):
+        last = min(q_len, first + tile)  # queries first .. last - 1 of this chunk
+        num_keys = seq_len - q_len + last  # the last query of the tile sees this many keys
+        q_pos = torch.arange(seq_len - q_len + first, num_keys, device=q.device).unsqueeze(1)
+        hidden = torch.arange(num_keys, device=q.device).unsqueeze(0) > q_pos  # [tile, num_keys]
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        result = F.scaled_dot_product_attention(
+            q[:, first:last], keys[:, :num_keys], values[:, :num_keys], attn_mask=mask, scale=scale
+        )  # [H, tile, D]
+        out[start + first : start + last] = result.transpose(0, 1)

@@ -1,4 +1,4 @@
-"""``pagedllm bench``: dispatch to throughput | latency | serve | memory.
+"""``pagedllm bench``: dispatch to throughput | latency | serve | structured | memory | sessions | beam.
 
 Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> int``;
 modules are imported only when their benchmark runs (the heavy imports, torch
@@ -17,7 +17,13 @@ BENCHMARKS = {
         "pagedllm.bench.serve",
         "Load-test an OpenAI-compatible server with streaming requests, or start pagedllm's and vLLM's in turn (--compare)",
     ),
+    "structured": ("pagedllm.bench.structured", "JSON-schema-constrained decoding vs unconstrained: tok/s, mask time, compile time"),
     "memory": ("pagedllm.bench.memory", "KV memory audit: waste per allocation policy, savings from sharing"),
+    "sessions": (
+        "pagedllm.bench.sessions",
+        "Many multi-turn chat sessions against a real server in a fixed KV budget, with disconnects",
+    ),
+    "beam": ("pagedllm.bench.beam", "Beam search of width W over one long prompt: time and peak KV blocks"),
 }
 
 

@@ -18,6 +18,7 @@ for that request are dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,14 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between two steps (a read-only look, e.g. a snapshot)."""
+
+    fn: Callable[[LLMEngine], object]
+    future: concurrent.futures.Future
+
+
+@dataclass
 class _Timing:
     """Per-request latency bookkeeping, engine thread only."""
 
@@ -79,19 +89,23 @@ class _Timing:
 class RequestStream:
     """The cumulative outputs of one request, consumed on the event loop.
 
-    Iterating yields the latest :class:`RequestOutput` (intermediate ones are
-    skipped when the consumer is slower than the engine: outputs are cumulative,
-    so nothing is lost). Iteration ends after the output with ``finished=True``.
-    Closing the stream before that aborts the request.
+    Iterating yields the latest :class:`RequestOutput`. The stream holds one
+    output at most: outputs are cumulative, so a newer one replaces an unread
+    older one and nothing is lost, and a consumer that reads slowly (a client
+    that does not read its socket) costs one output of memory, not one per
+    engine step. Iteration ends after the output with ``finished=True``; an
+    error is raised after the output that preceded it. Closing the stream
+    before the end aborts the request.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, owner: AsyncLLMEngine) -> None:
         self.request_id = request_id
         self._loop = loop
         self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._latest: RequestOutput | None = None  # event loop only
+        self._error: BaseException | None = None  # event loop only
+        self._ready = asyncio.Event()
         self._accepted: asyncio.Future[None] = loop.create_future()
-        self._pending_error: BaseException | None = None
         self._closed = False
         self.finished = False
         self.submit_time = time.monotonic()
@@ -101,7 +115,7 @@ class RequestStream:
     def _post(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             self._last_output = item
-        self._call_in_loop(self._queue.put_nowait, item)
+        self._call_in_loop(self._deliver, item)
 
     def _post_accepted(self, error: BaseException | None) -> None:
         self._call_in_loop(self._resolve_accepted, error)
@@ -120,6 +134,15 @@ class RequestStream:
         else:
             self._accepted.set_exception(error)
 
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        """On the loop: keep the newest output (a finished one is never replaced) or the first error."""
+        if isinstance(item, BaseException):
+            if self._error is None:
+                self._error = item
+        elif self._latest is None or not self._latest.finished:
+            self._latest = item
+        self._ready.set()
+
     # -- event loop side ------------------------------------------------------
     async def wait_accepted(self) -> None:
         """Returns once the engine took the request; raises what ``add_request`` raised."""
@@ -133,25 +156,19 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            self._mark_done()
-            raise error
         if self.finished or self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            newer = self._queue.get_nowait()
-            if isinstance(newer, BaseException):
-                self._pending_error = newer
-                break
-            item = newer
-        if isinstance(item, BaseException):
-            self._mark_done()
-            raise item
-        if item.finished:
-            self._mark_done()
-        return item
+        while self._latest is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._latest is not None:
+            item, self._latest = self._latest, None
+            if item.finished:
+                self._mark_done()
+            return item
+        error, self._error = self._error, None
+        self._mark_done()
+        raise error
 
     def close(self) -> None:
         """Stops the stream; aborts the request in the engine unless it already finished."""
@@ -187,7 +204,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.set_max_waiting(max_waiting)
         self._cond = threading.Condition()
-        self._commands: list[_AddRequest | _Abort] = []  # guarded by _cond
+        self._commands: list[_AddRequest | _Abort | _Call] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._accepting = True
         self._open_lock = threading.Lock()
@@ -202,10 +219,12 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, max_waiting: int = DEFAULT_MAX_WAITING) -> AsyncLLMEngine:
+    def from_config(
+        cls, config: EngineConfig, *, max_waiting: int = DEFAULT_MAX_WAITING, limits: RequestLimits | None = None
+    ) -> AsyncLLMEngine:
         from pagedllm.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_config(config), max_waiting=max_waiting)
+        return cls(LLMEngine.from_config(config, limits), max_waiting=max_waiting)
 
     # -- read-only views (safe from any thread) --------------------------------
     @property
@@ -217,8 +236,19 @@ class AsyncLLMEngine:
         return self.engine.model_name
 
     @property
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (thread-safe: the server compiles on its own threads)."""
+        return self.engine.grammar_compiler
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may use are in [0, vocab_size) (the model's, else the tokenizer's)."""
+        size = getattr(self.engine, "vocab_size", None)
+        return size if size is not None else self.engine.tokenizer.vocab_size
 
     @property
     def config(self) -> EngineConfig:
@@ -285,6 +315,14 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
+    async def call_on_engine_thread(self, fn: Callable[[LLMEngine], object]):
+        """``fn(engine)``'s result, run on the engine thread between two steps (it must not block)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (from any thread); their blocks are freed before the next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -326,7 +364,7 @@ class AsyncLLMEngine:
             if self._open.get(stream.request_id) is stream:
                 del self._open[stream.request_id]
 
-    def _submit(self, command: _AddRequest | _Abort) -> None:
+    def _submit(self, command: _AddRequest | _Abort | _Call) -> None:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
@@ -359,10 +397,12 @@ class AsyncLLMEngine:
             self._abort_all("error", f"the engine stopped: {exc}")
             self._fail_pending_commands(EngineDeadError(f"the engine stopped: {exc}"))
 
-    def _apply(self, commands: list[_AddRequest | _Abort]) -> None:
+    def _apply(self, commands: list[_AddRequest | _Abort | _Call]) -> None:
         for command in commands:
             if isinstance(command, _Abort):
                 self._apply_abort(command.request_ids)
+            elif isinstance(command, _Call):
+                _run_call(self.engine, command)
             else:
                 self._apply_add(command)
 
@@ -423,6 +463,8 @@ class AsyncLLMEngine:
         for command in commands:
             if isinstance(command, _AddRequest):
                 command.stream._post_accepted(error)
+            elif isinstance(command, _Call):
+                command.future.set_exception(error)
 
     def _snapshot_stats(self) -> None:
         try:
@@ -439,6 +481,16 @@ class AsyncLLMEngine:
             _observe_latencies(observer, timing, output)
         except Exception:
             logger.exception("request observer failed")
+
+
+def _run_call(engine: LLMEngine, call: _Call) -> None:
+    """A failing call fails its own future only, never the engine loop."""
+    if not call.future.set_running_or_notify_cancel():
+        return
+    try:
+        call.future.set_result(call.fn(engine))
+    except Exception as exc:
+        call.future.set_exception(exc)
 
 
 def _observe_latencies(observer: RequestObserver, timing: _Timing, output: RequestOutput) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.structured.beams import constrain_beam_logprobs
 
 _NEG = -1.0e9
 
@@ -59,6 +60,10 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], log
     if params.temperature > 0:
         step_logits = step_logits / params.temperature
     log_probs = torch.log_softmax(step_logits, dim=-1).cpu()  # [num_beams, vocab]
+    if request.grammar is not None:
+        log_probs = constrain_beam_logprobs(
+            [seq.grammar for seq in beams], log_probs, _at_limit(processor, request, beams[0]), _stop_ids(processor, params)
+        )
     vocab = log_probs.shape[1]
     accumulated = (log_probs + state.running_scores[:, None]).view(-1)
     top_scores, top_index = torch.topk(accumulated, k=min(2 * width, accumulated.numel()))
@@ -70,6 +75,13 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], log
     _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len)
     run_scores = top_scores + ends.float() * _NEG
     keep_scores, keep = torch.topk(run_scores, k=min(width, run_scores.numel()))
+    if request.grammar is not None:  # a beam must be able to go on: allowed, and not ended
+        alive = torch.isfinite(keep_scores) & ~ends[keep]
+        keep_scores, keep = keep_scores[alive], keep[alive]
+    if keep.numel() == 0:
+        processor.scheduler.finish_request(request, FinishReason.STOP)
+        request.metrics.finished_time = time.monotonic()
+        return
     _update_improvement(state, params, keep_scores, gen_len)
 
     done = (
@@ -87,10 +99,18 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], log
     processor.count_new_tokens(request, len(request.seqs))
 
 
+def _at_limit(processor, request: Request, beam: Sequence) -> bool:
+    """Whether the next token is the last by length (every beam has the same length)."""
+    return beam.num_output_tokens + 1 >= request.params.max_tokens or beam.num_tokens + 1 >= processor.max_model_len
+
+
+def _stop_ids(processor, params) -> set[int]:
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(processor.eos_token_ids))
+
+
 def _candidate_ends(processor, request: Request, beam: Sequence, tokens: list[int], gen_len: int) -> torch.Tensor:
-    params = request.params
-    at_limit = gen_len >= params.max_tokens or beam.num_tokens + 1 >= processor.max_model_len
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(processor.eos_token_ids))
+    at_limit = _at_limit(processor, request, beam)
+    stop_ids = _stop_ids(processor, request.params)
     return torch.tensor([at_limit or t in stop_ids for t in tokens], dtype=torch.bool)
 
 
@@ -146,9 +166,14 @@ def _advance_beams(processor, request: Request, beams: list[Sequence], parents: 
     for i, beam in enumerate(beams):
         if i not in used:
             scheduler.free_seq(beam)
-    # Append only after every fork, so a fork copies its parent before the parent grows.
+            beam.grammar = None
+    # Append only after every fork, so a fork copies its parent (and its grammar state) before the parent grows.
     for seq, token in pending:
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            accepted = seq.grammar.accept(token)
+            assert accepted, "the beam's mask allowed a token its grammar rejects"
+
     request.seqs = new_seqs
 
 

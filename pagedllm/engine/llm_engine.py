@@ -15,14 +15,17 @@ from pagedllm.engine.output_processor import OutputProcessor, PendingSample
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.errors import ConfigError, RequestError
+from pagedllm.kv import memory_budget
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
+from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.models.loader import load_model
 from pagedllm.models.paths import model_display_name
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -66,9 +69,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """``limits`` bounds what one request may ask for (``RequestLimits()`` with the
+    config's ``max_logprobs`` when None)."""
+
+    def __init__(self, config: EngineConfig, limits: RequestLimits | None = None) -> None:
         start = time.monotonic()
         self.config = config
+        # Offline, EngineConfig.max_logprobs (vLLM's engine argument) is the cap; None: none.
+        self.limits = limits if limits is not None else RequestLimits(max_logprobs=config.max_logprobs or INT64_MAX)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
@@ -77,7 +85,8 @@ class LLMEngine:
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         loaded = load_model(
             config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
-            quantization=config.quantization, quantization_group_size=config.quantization_group_size,
+            rope_scaling=config.rope_scaling,
+            quantization=config.quantization or "none", quantization_group_size=config.quantization_group_size,
         )
         self.model_config = loaded.config
         self.model_path = loaded.path
@@ -107,6 +116,9 @@ class LLMEngine:
         if self._use_cuda_graphs():
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.device)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, list(self.tokenizer.eos_token_ids)
+        )
         # Default: on where it pays, with CUDA graphs (the device runs while the host schedules).
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self._use_cuda_graphs()
@@ -123,8 +135,13 @@ class LLMEngine:
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        return cls(config)
+    def from_config(cls, config: EngineConfig, limits: RequestLimits | None = None) -> LLMEngine:
+        return cls(config, limits)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may use are in [0, vocab_size)."""
+        return self.model_config.vocab_size
 
     # ---- start-up ---------------------------------------------------------
 
@@ -141,7 +158,7 @@ class LLMEngine:
             num_blocks = KVCache.num_blocks_for_memory(memory, **shape)
         if num_blocks < 1:
             raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
-        num_cpu_blocks = cfg.swap_space // KVCache.bytes_per_block(**shape) if cfg.swap_space else 0
+        num_cpu_blocks = cfg.swap_space_bytes // KVCache.bytes_per_block(**shape)
         return KVCache(num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks, **shape)
 
     def _use_cuda_graphs(self) -> bool:
@@ -150,10 +167,21 @@ class LLMEngine:
         return self.device.type == "cuda" and not self.config.enforce_eager and self.attn_backend.name == "triton"
 
     def _default_kv_memory(self) -> int:
+        if self.config.gpu_memory_utilization is not None:
+            return self._kv_memory_for_utilization(self.config.gpu_memory_utilization)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.5)
         return DEFAULT_CPU_KV_MEMORY
+
+    def _kv_memory_for_utilization(self, utilization: float) -> int:
+        mc, cfg = self.model_config, self.config
+        reserve = memory_budget.activation_reserve_bytes(
+            num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, cfg.max_num_seqs),
+            max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
+        )
+        return memory_budget.kv_bytes_for_utilization(utilization, memory_budget.measure(self.device), reserve)
 
     def _resolve_max_model_len(self) -> int:
         """The explicit max_model_len once checked, else the largest one that is safe.
@@ -161,12 +189,12 @@ class LLMEngine:
         A sliding-window model also bounds it: attention here is full causal, which
         equals windowed attention only while no sequence is longer than the window.
         """
-        model_limit = self.model_config.max_position_embeddings
+        model_limit = self.model_config.max_context_len
         window = self.model_config.sliding_window
         capacity = self.kv_cache.num_blocks * self.config.block_size
         wanted = self.config.max_model_len
-        if wanted is not None and wanted > model_limit:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's context ({model_limit} tokens)")
+        if wanted is not None:
+            self.model_config.check_max_model_len(wanted)
         if wanted is not None and window is not None and wanted > window:
             raise ConfigError(
                 f"max_model_len={wanted} exceeds the model's sliding attention window ({window} tokens), "
@@ -202,8 +230,13 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise RequestError(f"params must be SamplingParams or BeamSearchParams, got {params!r}", param="params")
+        params.check_limits(self.limits, self.vocab_size)
         text, token_ids = self._tokenize_prompt(prompt)
         self._check_lengths(token_ids, params)
+        self._check_kv_demand(len(token_ids), params)
+        grammar = self.grammar_compiler.compile(params.structured_outputs) if params.structured_outputs else None
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so this
             # request neither reads nor feeds the prefix cache.
@@ -215,6 +248,7 @@ class LLMEngine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         request.seqs.append(self.processor.new_sequence(request, sample_index=0))
         self.requests[request_id] = request
@@ -232,27 +266,60 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty", param="prompt")
+            check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise RequestError("the prompt must be a non-empty string or list of token ids", param="prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(prompt) >= self.max_model_len:  # before looking at each id
+            self._check_lengths(prompt, None)
+        check_token_ids(prompt, self.vocab_size, "prompt")
         return None, list(prompt)
 
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+    def _check_lengths(
+        self, token_ids: list[int] | tuple[int, ...], params: SamplingParams | BeamSearchParams | None
+    ) -> None:
         limit = self.max_model_len
         if len(token_ids) >= limit:
             raise RequestError(
                 f"the prompt has {len(token_ids)} tokens but this model's context is {limit} tokens; "
                 "shorten the prompt", param="prompt",
             )
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+        if params is not None and params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise RequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{len(token_ids) + params.max_tokens} exceeds the context of {limit} tokens; "
                 "lower max_tokens or shorten the prompt", param="max_tokens",
             )
+
+    def _check_kv_demand(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> None:
+        """Refuses a request whose sequences, all at their longest, need more KV blocks than the cache has.
+
+        Its sequences share the prompt's full blocks; each then needs its own
+        blocks up to prompt + max_tokens (max_model_len when max_tokens is None).
+        Such a request could only fail part-way, after taking the whole cache.
+        """
+        is_beam = isinstance(params, BeamSearchParams)
+        num_seqs = params.beam_width if is_beam else params.num_samples
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
+        bs = self.config.block_size
+        shared = num_prompt_tokens // bs if num_seqs > 1 else 0
+        own = -(-(num_prompt_tokens + max_tokens) // bs) - shared
+        needed = shared + num_seqs * own
+        capacity = self.kv_cache.num_blocks
+        if needed <= capacity:
+            return
+        if num_seqs == 1:
+            param = "max_tokens"
+        elif is_beam:
+            param = "beam_width"
+        else:
+            param = "best_of" if params.best_of is not None else "n"
+        raise RequestError(
+            f"{param}: {num_seqs} sequence(s) of up to {num_prompt_tokens + max_tokens} tokens "
+            f"({num_prompt_tokens} prompt + {max_tokens} max_tokens) need {needed} KV blocks of {bs} tokens, "
+            f"but the whole cache holds {capacity}; lower n/best_of or max_tokens",
+            param=param,
+        )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -23,6 +23,8 @@ from pagedllm.sampling.sampler import (
     on_device,
     top_k_logprobs,
 )
+from pagedllm.structured.bitmask import GrammarMask, grammar_mask
+from pagedllm.structured.grammar import GrammarState
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -90,6 +92,11 @@ def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, on_device(rows, logits.device))
 
 
+def _grammar_mask(jobs, vocab_size: int) -> GrammarMask | None:
+    """The step's token bitmask for the (request, seq, ...) jobs; None when none is constrained."""
+    return grammar_mask([job[1].grammar for job in jobs], vocab_size)
+
+
 def sample_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
     """Per-sequence generator: sample i of a seeded request draws from its own stream."""
     if seed is None:
@@ -122,6 +129,8 @@ class OutputProcessor:
             token_ids=list(request.prompt_token_ids),
             sample_index=sample_index,
         )
+        if request.grammar is not None:
+            seq.grammar = GrammarState.start(request.grammar)
         self._init_seq_state(request, seq)
         return seq
 
@@ -180,13 +189,17 @@ class OutputProcessor:
         for chunk, (request, seq), count in zip(out.chunks, out.entries, row_counts):
             if chunk.all_logits or not can_sample_ahead(request):
                 return None
+            if seq.grammar is not None and seq.awaits_token:
+                return None  # its mask needs the token still being drawn; process() runs once it is read
             if chunk.needs_logits and not seq.is_finished and not request.is_finished:
                 jobs.append((request, seq))
                 rows.append(row + count - 1)
             row += count
         if not jobs:
             return None
-        token_ids, logprobs = self.sampler.sample_tensors(_select_rows(logits, rows), self._sampling_rows(jobs))
+        token_ids, logprobs = self.sampler.sample_tensors(
+            _select_rows(logits, rows), self._sampling_rows(jobs), _grammar_mask(jobs, logits.shape[1])
+        )
         pending = PendingSample(jobs, token_ids, logprobs)
         pending.start_copy_to_host()
         return pending
@@ -231,7 +244,7 @@ class OutputProcessor:
 
     def _sample(self, jobs: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> None:
         logits = _select_rows(logits, [row for _, _, row in jobs])
-        result = self.sampler(logits, self._sampling_rows(jobs))
+        result = self.sampler(logits, self._sampling_rows(jobs), _grammar_mask(jobs, logits.shape[1]))
         for i, (request, seq, _) in enumerate(jobs):
             self._append(request, seq, result, i)
 
@@ -262,8 +275,18 @@ class OutputProcessor:
         self.count_new_tokens(request, 1)
         if position is not None:
             seq.logprobs.append(position)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            self._fail_grammar(request, seq, token)
+            return
         stop_str = seq.detokenizer.add_tokens([token]) if seq.detokenizer is not None else None
         self._check_stop(request, seq, token, stop_str)
+
+    def _fail_grammar(self, request: Request, seq: Sequence, token: int) -> None:
+        """A token the grammar forbids was drawn (e.g. min_tokens banned the only allowed stop)."""
+        request.error = f"token {token} is not allowed by the request's structured_outputs grammar"
+        seq.finish_reason = FinishReason.ERROR
+        seq.grammar = None
+        self.scheduler.finish_seq(request, seq)
 
     def _position_logprobs(self, token: int, result: SamplerOutput, i: int) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
@@ -284,12 +307,15 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif past_min and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
+        elif seq.grammar is not None and seq.grammar.is_terminated:
+            seq.finish_reason = FinishReason.STOP  # the grammar took its stop token: nothing may follow
         elif params.max_tokens is not None and num_output_tokens >= params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
         elif seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
         else:
             return
+        seq.grammar = None
         self.scheduler.finish_seq(request, seq)
         if request.is_finished:
             request.metrics.finished_time = time.monotonic()

@@ -53,6 +53,7 @@ class Sequence:
     # The last entry of token_ids holds the place of a token still being drawn
     # on the device (only inside an overlapped engine step).
     awaits_token: bool = False
+    grammar: object | None = None  # GrammarState when the request is constrained (pagedllm.structured)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +84,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
         )
         return child
 
@@ -113,6 +115,7 @@ class Request:
     # (set when a recomputed multi-sequence request shares its prompt again).
     shared_prefix_len: int = 0
     beam: object | None = None  # BeamState for beam search requests
+    grammar: object | None = None  # CompiledGrammar of params.structured_outputs (pagedllm.structured)
 
     @property
     def is_beam_search(self) -> bool:

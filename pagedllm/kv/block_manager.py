@@ -19,7 +19,7 @@ Invariants (checked by :meth:`BlockManager.check_invariants`):
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -98,6 +98,9 @@ class BlockManager:
         self._num_prefix_queries = 0
         self._num_prefix_hits = 0
         self._num_preemptions = 0
+        # Device blocks written by copy-on-write or swap-in, for the dashboard's
+        # "copied" cells; bounded so that nobody draining it costs nothing.
+        self._recent_writes: deque[int] = deque(maxlen=max(num_blocks, 1))
 
     # -- prefix-cache lookup ---------------------------------------------------------
 
@@ -284,6 +287,7 @@ class BlockManager:
         seq.block_table[index] = new
         self._pool.free([old])  # ref_count was > 1, so the other owners keep it
         if seq.num_slots > index * self.block_size:
+            self._recent_writes.append(new)
             return BlockCopy(src=old, dst=new)
         return None
 
@@ -412,6 +416,7 @@ class BlockManager:
                 "not enough free KV blocks to swap the group in; check can_swap_in"
             )
         mapping = self._move_group(seqs, src=self._cpu_pool, dst=self._pool)
+        self._recent_writes.extend(mapping.values())
         self._num_table_entries += sum(len(seq.block_table) for seq in seqs)
         self._update_peaks()
         return list(mapping.items())
@@ -474,6 +479,12 @@ class BlockManager:
     def get_num_free_blocks(self) -> int:
         """Device blocks with ref_count 0: truly free plus cached-evictable."""
         return self._pool.get_num_free_blocks()
+
+    def take_recent_writes(self) -> list[int]:
+        """Device blocks written by copy-on-write or swap-in since the last call (oldest first)."""
+        writes = list(self._recent_writes)
+        self._recent_writes.clear()
+        return writes
 
     def _get_seq(self, seq_id: int) -> _SeqBlocks:
         seq = self._seqs.get(seq_id)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.errors import ModelLoadError, UnsupportedModelError
+from pagedllm.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from pagedllm.models import rope_scaling as rope
 
 # Rope variants the Llama implementation computes; anything else is refused at load.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = rope.ROPE_TYPES
 
 # model_type values whose q/k/v projections always carry a bias (no config key says so).
 _ALWAYS_QKV_BIAS = ("qwen2",)
@@ -27,7 +29,10 @@ class ModelConfig:
 
     Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` is even (rotary
     pairs). ``rope_scaling`` is ``None`` for plain rope, else a dict with a
-    ``rope_type`` of :data:`SUPPORTED_ROPE_TYPES` and that type's parameters.
+    ``rope_type`` of :data:`SUPPORTED_ROPE_TYPES` and that type's parameters
+    (normalised by :func:`pagedllm.models.rope_scaling.normalize`).
+    ``max_position_embeddings`` is the checkpoint's trained context;
+    :attr:`max_context_len` is the context its rope scaling reaches.
     ``o_proj_bias`` is an addition to the published interface: Llama's
     ``attention_bias`` puts a bias on the output projection too, Qwen2's does not.
 
@@ -64,9 +69,16 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelConfig:
+    def from_hf_config(cls, cfg: dict, *, rope_scaling: Mapping | None = None) -> ModelConfig:
         """Build from an HF config dict (transformers 4 ``rope_theta``/``rope_scaling``
-        or transformers 5 ``rope_parameters``). Raises ModelLoadError on missing keys."""
+        or transformers 5 ``rope_parameters``). Raises ModelLoadError on missing keys.
+
+        ``rope_scaling``, when given, replaces the checkpoint's scaling (as
+        vLLM's ``--rope-scaling`` / ``hf_overrides`` do; ``{"rope_type": "default"}``
+        removes it); a bad one is a ConfigError.
+        """
+        if rope_scaling is not None:
+            cfg = with_rope_scaling(cfg, rope_scaling)
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -101,6 +113,28 @@ class ModelConfig:
         config._validate(cfg)
         return config
 
+    @property
+    def max_context_len(self) -> int:
+        """Tokens of context the model supports: the trained length, or what its rope scaling reaches."""
+        return rope.scaled_context_len(self.rope_scaling, self.max_position_embeddings)
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Raise ConfigError unless ``max_model_len`` tokens fit the (scaled) rotary context."""
+        if max_model_len <= self.max_context_len:
+            return
+        trained = self.max_position_embeddings
+        if self.rope_scaling is None:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's trained context of {trained} tokens; "
+                f"lower max_model_len or extend the context with rope_scaling, e.g. "
+                f'--rope-scaling \'{{"rope_type": "yarn", "factor": {math.ceil(max_model_len / trained)}}}\''
+            )
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds the {self.max_context_len} tokens that rope_scaling "
+            f"{self.rope_scaling['rope_type']} with factor {self.rope_scaling['factor']:g} reaches from the "
+            f"trained context of {trained} tokens; raise the factor or lower max_model_len"
+        )
+
     def _validate(self, cfg: dict) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
@@ -126,6 +160,22 @@ class ModelConfig:
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
 
 
+def with_rope_scaling(cfg: dict, scaling: Mapping) -> dict:
+    """``cfg`` with its rope scaling replaced by ``scaling`` (checked: ConfigError if bad).
+
+    The rotary base stays the checkpoint's; every other key of a transformers 5
+    ``rope_parameters`` dict is dropped so the two scalings do not mix.
+    """
+    rope.normalize(scaling, int(cfg.get("max_position_embeddings", 2048)))  # user input: strict
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return {
+        **{k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling")},
+        "rope_theta": theta,
+        "rope_scaling": dict(scaling),
+    }
+
+
 def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(theta, scaling dict or None) from either the v4 or the v5 config layout."""
     params: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
@@ -138,11 +188,11 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
         raise UnsupportedModelError(
             f"rope scaling type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
         )
-    if rope_type == "default":
-        return theta, None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
-    scaling["rope_type"] = rope_type
-    return theta, scaling
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    try:
+        return theta, rope.normalize({**params, "rope_type": rope_type}, max_positions, strict=False)
+    except ConfigError as exc:
+        raise ModelLoadError(f"the checkpoint's {exc}") from exc
 
 
 def _sliding_window(cfg: dict, model_type: str) -> int | None:

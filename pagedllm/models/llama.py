@@ -8,7 +8,6 @@ one fused projection and gate/up another, so each layer runs four matmuls.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +16,7 @@ from torch import Tensor, nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.errors import ModelLoadError
+from pagedllm.models import rope_scaling
 from pagedllm.models.config import ModelConfig
 from pagedllm.native import cpu_ops
 from pagedllm.quant.formats import QuantizedWeight
@@ -128,41 +128,19 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
     """``[head_dim / 2]`` float32 angular frequencies, with the config's scaling
     applied, then divided by its per-pair frequency factors (as llama.cpp does)."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = _scaled_frequencies(1.0 / (config.rope_theta**exponents), config.rope_scaling)
+    inv_freq = rope_scaling.inverse_frequencies(
+        config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+    )
     if config.rope_frequency_factors is None:
         return inv_freq
     return inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
 
 
-def _scaled_frequencies(inv_freq: Tensor, scaling: dict | None) -> Tensor:
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / float(scaling["factor"])
-    return _llama3_frequencies(inv_freq, scaling)
-
-
-def _llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
-    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept,
-    and a linear blend between the two wavelength thresholds."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    original_len = float(scaling["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inv_freq
-    slowed = torch.where(wavelength > original_len / low, inv_freq / factor, inv_freq)
-    blend = (original_len / wavelength - low) / (high - low)
-    blended = (1 - blend) * slowed / factor + blend * slowed
-    in_between = (wavelength >= original_len / high) & (wavelength <= original_len / low)
-    return torch.where(in_between, blended, slowed)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotates the two halves of each head (the HF "rotate_half" convention).
 
-    The cos/sin tables cover positions ``0 .. max_position_embeddings - 1`` and
+    The cos/sin tables cover positions ``0 .. max_context_len - 1`` (scaled by
+    the rope scaling's attention factor) and
     are built once per device on first use (not registered as buffers, so a
     model built on the meta device and materialised later still gets them, and
     casting the model to bfloat16 keeps them float32).
@@ -184,11 +162,12 @@ class RotaryEmbedding(nn.Module):
         tensors even under inference mode so later autograd use is not refused."""
         with torch.no_grad():
             inv_freq = rope_inverse_frequencies(self.config).to(device)
-            positions = torch.arange(
-                self.config.max_position_embeddings, device=device, dtype=torch.float32
-            )
+            positions = torch.arange(self.config.max_context_len, device=device, dtype=torch.float32)
             angles = positions[:, None] * inv_freq[None, :]  # [max_pos, D/2]
-            return angles.cos(), angles.sin()
+            magnitude = rope_scaling.attention_factor(self.config.rope_scaling)
+            if magnitude == 1.0:
+                return angles.cos(), angles.sin()
+            return angles.cos() * magnitude, angles.sin() * magnitude
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin at ``positions`` [T], each [T, 1, D/2] in ``dtype``; once per forward pass."""

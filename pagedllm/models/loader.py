@@ -47,10 +47,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attn_backend: AttentionBackend,
+    rope_scaling: dict | None = None,
     quantization: str = "none",
     quantization_group_size: int = 32,
 ) -> LoadedModel:
-    """Load ``model`` (HF directory, .gguf file, or None for the default model).
+    """Load ``model`` (HF directory, .gguf file, or None for the default model);
+    ``rope_scaling`` replaces the checkpoint's (ConfigError if malformed).
 
     ``quantization``: "none" (dense ``dtype`` weights), "gguf" (a GGUF's Q4_0 /
     Q4_1 / Q8_0 tensors kept packed), "int8" / "int4" (round-to-nearest
@@ -76,7 +78,7 @@ def load_model(
         generation_config = _read_json(path / "generation_config.json", required=False)
         weights = _safetensors_weights(path)
     model_cls = resolve_architecture(hf_config)
-    config = ModelConfig.from_hf_config(hf_config)
+    config = ModelConfig.from_hf_config(hf_config, rope_scaling=rope_scaling)
     module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device)
     module.load_weights(weights)
     if quantization in ("int8", "int4"):

@@ -1,23 +1,29 @@
 /* Native CPU kernels of pagedllm: paged attention that reads K/V through the
  * block table in place, and the element-wise work of a decoder layer (the
- * "layer ops" at the end of this file).
+ * "layer ops" further down).
  *
  * Built by cpu_ops.py with the system C compiler on first use and called
  * through ctypes; no PyTorch headers. Parallel loops use the OpenMP runtime
  * PyTorch has already loaded, so the two share one thread pool.
  *
- * The unit of work is a tile: up to a few consecutive query tokens of one
- * sequence (a decode token is a tile of one) against one KV head. Row i of a
- * tile attends to the first len0 + i tokens of its sequence, which is the
- * causal mask for prefill tokens and the whole context for a decode token.
- * All query heads that share the KV head are computed together, so each K/V
- * row is read once per tile.
+ * One source, one shared object per instruction set: cpu_ops.py compiles this
+ * file once per ISA path (scalar, avx2 = AVX2 + FMA, avx512 = AVX-512 F/BW/VL/DQ,
+ * avx512_bf16 = avx512 plus the bf16 dot-product and conversion instructions)
+ * and loads the best one the CPU reports, or the one PAGEDLLM_CPU_ISA names.
+ * The vector kernels are written once against a small set of vector
+ * primitives (vf, a register of VW floats), defined below for AVX-512
+ * (VW = 16) and AVX2 (VW = 8); CPUs with neither get the scalar kernels.
  *
- * With AVX-512, keys are taken 16 tokens at a time, transposed in registers
- * into [head_dim][16], so every query row's 16 scores come out of one chain of
+ * The unit of attention work is a tile: up to a few consecutive query tokens
+ * of one sequence (a decode token is a tile of one) against one KV head. Row
+ * i of a tile attends to the first len0 + i tokens of its sequence, which is
+ * the causal mask for prefill tokens and the whole context for a decode
+ * token. All query heads that share the KV head are computed together, so
+ * each K/V row is read once per tile.
+ *
+ * Keys are taken VW tokens at a time, transposed in registers into
+ * [head_dim][VW], so every query row's VW scores come out of one chain of
  * fused multiply-adds with no horizontal sums; softmax is online in float32.
- * Without AVX-512 a plain scalar loop computes the same thing (the attention
- * backend then uses it for decode-only steps, where it still beats PyTorch).
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
  * bfloat16 (query and output in the cache's dtype). Arithmetic is float32.
@@ -30,6 +36,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_ROWS 64        /* query rows (tile tokens x heads per KV head) in a tile */
 #define MAX_ROW_FLOATS 8192 /* rows x head_dim must fit: 64 x 128 or 32 x 256 */
+#define PARALLEL_MIN_ELEMENTS 65536 /* below this a parallel region costs more than it saves */
 
 typedef uint16_t bf16_t;
 
@@ -50,6 +57,8 @@ static inline bf16_t f32_to_bf16(float f) {
 }
 
 static inline float f32_identity(float x) { return x; }
+static inline float silu_f32(float x) { return x / (1.0f + expf(-x)); }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 /* One tile: which sequence, which query rows, how far row 0 sees. */
 typedef struct {
@@ -59,53 +68,76 @@ typedef struct {
     int32_t rows;      /* query tokens in the tile */
 } tile_t;
 
-#ifdef __AVX512F__
+/* ------------------------------------------------------------------ vector primitives
+ *
+ * vf: VW float lanes; vmask: a lane predicate. Loads and stores named *n take
+ * the number of elements left (at least 1); lanes past it read as zero and
+ * are not written. vstore*_bf16 round to nearest even.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#define VW 16
+#ifdef __AVX512BF16__
+#define ISA_NAME "avx512_bf16"
+#else
+#define ISA_NAME "avx512"
+#endif
+typedef __m512 vf;
+typedef __mmask16 vmask;
 
-static inline __m512 vround_bf16(__m512 v) { /* round to bf16 and back (RNE) */
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vload(const float *p) { return _mm512_load_ps(p); } /* 64-byte aligned */
+static inline void vstore(float *p, vf v) { _mm512_store_ps(p, v); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vround_int(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf k) { return _mm512_scalef_ps(p, k); } /* p * 2^k */
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vmaxall(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vmask vfirst(int64_t n) {
+    return n >= 16 ? (vmask)0xffff : n <= 0 ? (vmask)0 : (vmask)((1u << n) - 1u);
+}
+static inline vf vselect(vmask m, vf a, vf b) { return _mm512_mask_blend_ps(m, b, a); }
+static inline vmask vcmpeq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline int vmask_bits(vmask m) { return (int)m; }
+
+static inline vf vloadu_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstoreu_f32(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vloadn_f32(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(vfirst(n), p); }
+static inline void vstoren_f32(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, vfirst(n), v); }
+static inline vf vloadn_bf16(const bf16_t *p, int64_t n) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(vfirst(n), p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline vf vloadu_bf16(const bf16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#ifdef __AVX512BF16__
+/* the hardware conversion: round to nearest even, NaN kept quiet */
+static inline __m256i bf16_bits(vf v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+static inline __m256i bf16_bits(vf v) {
     __m512i bits = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
 }
-static inline __m512 mload_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 mload_bf16(const bf16_t *p, __mmask16 m) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#endif
+static inline vf vround_bf16(vf v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
-static inline void mstore_f32(float *p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-static inline void mstore_bf16(bf16_t *p, __m512 v, __mmask16 m) {
-    /* v already holds a bf16 value (rounded by vround_bf16): keep its high halves */
-    __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
-    _mm256_mask_storeu_epi16(p, m, halves);
-}
-static inline __mmask16 tail_mask(int64_t remaining) {
-    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
-}
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const bf16_t *p) { return mload_bf16(p, (__mmask16)0xffff); }
-static inline void store16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void store16_bf16(bf16_t *p, __m512 v) { mstore_bf16(p, vround_bf16(v), (__mmask16)0xffff); }
-
-/* exp(x) for x <= 0 (softmax arguments): 2^k * 2^f, f in [-1/2, 1/2], with a
-   degree-6 polynomial for 2^f (relative error below 3e-7). */
-static inline __m512 vexp(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147180559945f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
+static inline void vstoreu_bf16(bf16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, bf16_bits(v)); }
+static inline void vstoren_bf16(bf16_t *p, vf v, int64_t n) { _mm256_mask_storeu_epi16(p, vfirst(n), bf16_bits(v)); }
 
 /* r[j] (row j, 16 floats) becomes column j of the 16 x 16 matrix. */
-static inline void transpose16(__m512 r[16]) {
+static inline void vtranspose(vf r[16]) {
     __m512 t[16], u[16];
     for (int i = 0; i < 8; ++i) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -132,59 +164,196 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
+/* Rows of the value accumulator a pass keeps in registers (32 of them). */
+#define PASS_ROWS(CH) ((CH) <= 4 ? 4 : 2)
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VW 8
+#define ISA_NAME "avx2"
+typedef __m256 vf;
+typedef __m256 vmask; /* all-ones lanes are true */
+
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vload(const float *p) { return _mm256_load_ps(p); } /* 32-byte aligned */
+static inline void vstore(float *p, vf v) { _mm256_store_ps(p, v); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vround_int(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf k) { /* p * 2^k for integral k in [-126, 128] (128 gives inf) */
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+static inline float vsum(vf v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+static inline float vmaxall(vf v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+static inline vmask vfirst(int64_t n) {
+    const int32_t k = n >= 8 ? 8 : n <= 0 ? 0 : (int32_t)n;
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+static inline vf vselect(vmask m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
+static inline vmask vcmpeq(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+static inline int vmask_bits(vmask m) { return _mm256_movemask_ps(m); }
+
+static inline vf vloadu_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstoreu_f32(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vloadn_f32(const float *p, int64_t n) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, _mm256_castps_si256(vfirst(n)));
+}
+static inline void vstoren_f32(float *p, vf v, int64_t n) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, _mm256_castps_si256(vfirst(n)), v);
+}
+static inline vf vloadu_bf16(const bf16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vf vloadn_bf16(const bf16_t *p, int64_t n) {
+    if (n >= 8) return vloadu_bf16(p);
+    bf16_t part[8] = {0};
+    memcpy(part, p, (size_t)n * sizeof(bf16_t));
+    return vloadu_bf16(part);
+}
+static inline __m128i bf16_bits(vf v) { /* eight bf16 values, rounded to nearest even */
+    __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    /* pack within 128-bit lanes, then bring the two lanes' halves together */
+    const __m256i packed = _mm256_packus_epi32(bits, _mm256_setzero_si256());
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+static inline vf vround_bf16(vf v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+static inline void vstoreu_bf16(bf16_t *p, vf v) { _mm_storeu_si128((__m128i *)p, bf16_bits(v)); }
+static inline void vstoren_bf16(bf16_t *p, vf v, int64_t n) {
+    if (n >= 8) {
+        vstoreu_bf16(p, v);
+        return;
+    }
+    bf16_t part[8];
+    vstoreu_bf16(part, v);
+    memcpy(p, part, (size_t)n * sizeof(bf16_t));
+}
+
+/* r[j] (row j, 8 floats) becomes column j of the 8 x 8 matrix. */
+static inline void vtranspose(vf r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    /* u[j] holds column j of rows 0-3 (low lane) and column j + 4 (high lane); u[4 + j] rows 4-7 */
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* Rows of the value accumulator a pass keeps in registers (16 of them). */
+#define PASS_ROWS(CH) ((CH) <= 2 ? 4 : (CH) <= 4 ? 2 : 1)
+
+#else
+#define VW 1
+#define ISA_NAME "scalar"
+#endif
+
+#if VW > 1 /* ------------------------------------------------------------ vector kernels */
+
+#define CH_MAX (MAX_HEAD_DIM / VW)
+
+/* exp(x) for x <= 0 (softmax arguments): 2^k * 2^f, f in [-1/2, 1/2], with a
+   degree-6 polynomial for 2^f (relative error below 3e-7). */
+static inline vf vexp(vf x) {
+    x = vmax(x, vset1(-87.0f));
+    const vf t = vmul(x, vset1(1.44269504088896341f));
+    const vf k = vround_int(t);
+    const vf f = vmul(vsub(t, k), vset1(0.693147180559945f));
+    vf p = vset1(1.0f / 720.0f);
+    p = vfmadd(p, f, vset1(1.0f / 120.0f));
+    p = vfmadd(p, f, vset1(1.0f / 24.0f));
+    p = vfmadd(p, f, vset1(1.0f / 6.0f));
+    p = vfmadd(p, f, vset1(0.5f));
+    p = vfmadd(p, f, vset1(1.0f));
+    p = vfmadd(p, f, vset1(1.0f));
+    return vscale2(p, k);
+}
+
+static inline vf vexp_any(vf x) { /* exp for any x: overflow gives inf, underflow 0 */
+    return vexp(vmin(x, vset1(88.7f)));
+}
+
 /* acc[r] = acc[r] * corr[r] + sum_t P[r][t] V[t] for NR rows from row r0; NR and
    CH are compile-time constants at every call, so a[][] lives in registers and
    each V row is loaded once for all NR rows. */
-#define DEFINE_ACCUMULATE_V(NAME, T, LOAD16)                                                      \
+#define DEFINE_ACCUMULATE_V(NAME, T, LOADV)                                                       \
 static inline __attribute__((always_inline)) void NAME(                                           \
     float *acc, const float *P, const float *corr, const T *vb, int64_t tok_stride, int64_t n,    \
     int64_t r0, const int NR, const int CH, const char *prefetch, int64_t prefetch_rows,          \
     int64_t stride_bytes, int64_t row_bytes) {                                                    \
-    const int64_t D = 16 * CH;                                                                    \
-    __m512 a[4][16];                                                                              \
+    const int64_t D = VW * CH;                                                                    \
+    vf a[4][CH_MAX];                                                                              \
     for (int j = 0; j < NR; ++j) {                                                                \
-        const __m512 scale = _mm512_set1_ps(corr[r0 + j]);                                        \
-        for (int c = 0; c < CH; ++c)                                                              \
-            a[j][c] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + j) * D + 16 * c), scale);          \
+        const vf scale = vset1(corr[r0 + j]);                                                     \
+        for (int c = 0; c < CH; ++c) a[j][c] = vmul(vload(acc + (r0 + j) * D + VW * c), scale);   \
     }                                                                                             \
     for (int64_t t = 0; t < n; ++t) {                                                             \
         const T *vrow = vb + t * tok_stride;                                                      \
         if (t < prefetch_rows)                                                                    \
             for (int64_t byte = 0; byte < row_bytes; byte += 64)                                  \
                 _mm_prefetch(prefetch + t * stride_bytes + byte, _MM_HINT_T0);                    \
-        __m512 p[4];                                                                              \
-        for (int j = 0; j < NR; ++j) p[j] = _mm512_set1_ps(P[(r0 + j) * 16 + t]);                 \
+        vf p[4];                                                                                  \
+        for (int j = 0; j < NR; ++j) p[j] = vset1(P[(r0 + j) * VW + t]);                          \
         for (int c = 0; c < CH; ++c) {                                                            \
-            const __m512 v = LOAD16(vrow + 16 * c);                                               \
-            for (int j = 0; j < NR; ++j) a[j][c] = _mm512_fmadd_ps(p[j], v, a[j][c]);             \
+            const vf v = LOADV(vrow + VW * c);                                                    \
+            for (int j = 0; j < NR; ++j) a[j][c] = vfmadd(p[j], v, a[j][c]);                      \
         }                                                                                         \
     }                                                                                             \
     for (int j = 0; j < NR; ++j)                                                                  \
-        for (int c = 0; c < CH; ++c) _mm512_store_ps(acc + (r0 + j) * D + 16 * c, a[j][c]);       \
+        for (int c = 0; c < CH; ++c) vstore(acc + (r0 + j) * D + VW * c, a[j][c]);                \
 }
-DEFINE_ACCUMULATE_V(accumulate_v_f32, float, load16_f32)
-DEFINE_ACCUMULATE_V(accumulate_v_bf16, bf16_t, load16_bf16)
+DEFINE_ACCUMULATE_V(accumulate_v_f32, float, vloadu_f32)
+DEFINE_ACCUMULATE_V(accumulate_v_bf16, bf16_t, vloadu_bf16)
 
-/* The tile kernel. CH = head_dim / 16 is a compile-time constant in each
+/* The tile kernel. CH = head_dim / VW is a compile-time constant in each
    instantiation, so the accumulators below live in registers. */
-#define DEFINE_TILE(NAME, T, LOAD16, STORE16, ACCUMULATE_V)                                                     \
+#define DEFINE_TILE(NAME, T, LOADV, STOREV, ACCUMULATE_V)                                         \
 static inline __attribute__((always_inline)) void NAME(                                           \
     const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *table,       \
     const tile_t tile, int64_t h, int64_t num_heads, int64_t num_kv_heads, const int CH,          \
     int64_t block_size, float scale, int64_t next_head, T *out) {                                \
-    const int64_t D = 16 * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
+    const int64_t D = VW * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
     const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
     float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [R][D], pre-scaled */             \
     float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [R][D] */                         \
-    float KT[MAX_HEAD_DIM * 16] __attribute__((aligned(64))); /* [D][16] */                      \
-    float P[MAX_ROWS * 16] __attribute__((aligned(64)));    /* [R][16] */                        \
+    float KT[MAX_HEAD_DIM * VW] __attribute__((aligned(64))); /* [D][VW] */                      \
+    float P[MAX_ROWS * VW] __attribute__((aligned(64)));    /* [R][VW] */                        \
     float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[MAX_ROWS];                                   \
-    const __m512 vscale = _mm512_set1_ps(scale);                                                  \
+    const vf vscale = vset1(scale);                                                               \
     for (int64_t r = 0; r < R; ++r) {                                                             \
         const T *src = q + (tile.q_row + r / G) * q_stride + (h * G + r % G) * D;                 \
         for (int c = 0; c < CH; ++c) {                                                            \
-            _mm512_store_ps(Q + r * D + 16 * c, _mm512_mul_ps(LOAD16(src + 16 * c), vscale));     \
-            _mm512_store_ps(acc + r * D + 16 * c, _mm512_setzero_ps());                           \
+            vstore(Q + r * D + VW * c, vmul(LOADV(src + VW * c), vscale));                        \
+            vstore(acc + r * D + VW * c, vzero());                                                \
         }                                                                                         \
         run_max[r] = -INFINITY;                                                                   \
         run_sum[r] = 0.0f;                                                                        \
@@ -192,7 +361,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t start = 0; start < max_len;) {                                                   \
         const int64_t block = table[start / block_size], offset = start % block_size;            \
         int64_t n = block_size - offset;                                                          \
-        if (n > 16) n = 16;                                                                       \
+        if (n > VW) n = VW;                                                                       \
         if (n > max_len - start) n = max_len - start;                                             \
         const T *kb = k_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
         const T *vb = v_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
@@ -201,12 +370,12 @@ static inline __attribute__((always_inline)) void NAME(                         
         const char *nk = (const char *)kb, *nv = (const char *)vb;                                \
         if (start + n < max_len) {                                                                \
             const int64_t next = start + n, nblock = table[next / block_size];                    \
-            ahead = max_len - next < 16 ? max_len - next : 16;                                    \
+            ahead = max_len - next < VW ? max_len - next : VW;                                    \
             const int64_t at = ((nblock * block_size + next % block_size) * num_kv_heads + h) * D; \
             nk = (const char *)(k_cache + at);                                                    \
             nv = (const char *)(v_cache + at);                                                    \
         } else if (next_head >= 0) { /* last chunk: the next KV head's first one */              \
-            ahead = max_len < 16 ? max_len : 16;                                                  \
+            ahead = max_len < VW ? max_len : VW;                                                  \
             if (ahead > block_size) ahead = block_size;                                           \
             const int64_t at = ((int64_t)table[0] * block_size * num_kv_heads + next_head) * D;   \
             nk = (const char *)(k_cache + at);                                                    \
@@ -214,13 +383,13 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                         \
         const int64_t stride_bytes = tok_stride * (int64_t)sizeof(T), row_bytes = D * (int64_t)sizeof(T); \
         for (int c = 0; c < CH; ++c) { /* keys -> KT[d][token] */                                 \
-            __m512 rows[16];                                                                      \
-            for (int t = 0; t < 16; ++t)                                                          \
-                rows[t] = t < n ? LOAD16(kb + t * tok_stride + 16 * c) : _mm512_setzero_ps();     \
+            vf rows[VW];                                                                          \
+            for (int t = 0; t < VW; ++t)                                                          \
+                rows[t] = t < n ? LOADV(kb + t * tok_stride + VW * c) : vzero();                  \
             if (64 * c < row_bytes)                                                               \
                 for (int64_t t = 0; t < ahead; ++t) _mm_prefetch(nk + t * stride_bytes + 64 * c, _MM_HINT_T0); \
-            transpose16(rows);                                                                    \
-            for (int j = 0; j < 16; ++j) _mm512_store_ps(KT + (16 * c + j) * 16, rows[j]);        \
+            vtranspose(rows);                                                                     \
+            for (int j = 0; j < VW; ++j) vstore(KT + (VW * c + j) * VW, rows[j]);                 \
         }                                                                                         \
         /* rows whose length ends before this chunk see none of it */                             \
         int64_t first = start - tile.len0 + 1;                                                    \
@@ -228,33 +397,33 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t r_first = first * G;                                                        \
         for (int64_t r = r_first; r < R; r += 4) {                                                \
             const int nr = R - r < 4 ? (int)(R - r) : 4;                                          \
-            __m512 even[4], odd[4];                                                               \
-            for (int j = 0; j < 4; ++j) even[j] = odd[j] = _mm512_setzero_ps();                   \
+            vf even[4], odd[4];                                                                   \
+            for (int j = 0; j < 4; ++j) even[j] = odd[j] = vzero();                               \
             for (int64_t d = 0; d < D; d += 2) {                                                  \
-                const __m512 k0 = _mm512_load_ps(KT + d * 16), k1 = _mm512_load_ps(KT + d * 16 + 16); \
+                const vf k0 = vload(KT + d * VW), k1 = vload(KT + d * VW + VW);                   \
                 for (int j = 0; j < nr; ++j) {                                                    \
-                    even[j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[(r + j) * D + d]), k0, even[j]);   \
-                    odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[(r + j) * D + d + 1]), k1, odd[j]); \
+                    even[j] = vfmadd(vset1(Q[(r + j) * D + d]), k0, even[j]);                     \
+                    odd[j] = vfmadd(vset1(Q[(r + j) * D + d + 1]), k1, odd[j]);                   \
                 }                                                                                 \
             }                                                                                     \
             for (int j = 0; j < nr; ++j) {                                                        \
                 const int64_t row = r + j;                                                        \
                 int64_t visible = tile.len0 + row / G - start;                                    \
                 if (visible > n) visible = n;                                                     \
-                const __mmask16 mask = (__mmask16)((1u << visible) - 1u);                         \
-                const __m512 s = _mm512_add_ps(even[j], odd[j]);                                  \
-                const float block_max = _mm512_mask_reduce_max_ps(mask, s);                       \
+                const vmask mask = vfirst(visible);                                               \
+                const vf s = vadd(even[j], odd[j]);                                               \
+                const float block_max = vmaxall(vselect(mask, s, vset1(-INFINITY)));              \
                 const float new_max = block_max > run_max[row] ? block_max : run_max[row];        \
                 corr[row] = expf(run_max[row] - new_max);                                         \
-                const __m512 p = _mm512_maskz_mov_ps(mask, vexp(_mm512_sub_ps(s, _mm512_set1_ps(new_max)))); \
-                run_sum[row] = run_sum[row] * corr[row] + _mm512_reduce_add_ps(p);                \
+                const vf p = vselect(mask, vexp(vsub(s, vset1(new_max))), vzero());               \
+                run_sum[row] = run_sum[row] * corr[row] + vsum(p);                                \
                 run_max[row] = new_max;                                                           \
-                _mm512_store_ps(P + row * 16, p);                                                 \
+                vstore(P + row * VW, p);                                                          \
             }                                                                                     \
         }                                                                                         \
-        /* acc = acc * corr + P @ V, up to four rows per pass (two for wide heads); the first \
-           pass also prefetches the next chunk's values */                                        \
-        const int per_pass = CH <= 4 ? 4 : 2;                                                     \
+        /* acc = acc * corr + P @ V, PASS_ROWS(CH) rows per pass; the first pass also            \
+           prefetches the next chunk's values */                                                  \
+        const int per_pass = PASS_ROWS(CH);                                                       \
         for (int64_t r = r_first; r < R; r += per_pass) {                                         \
             const int64_t pf = r == r_first ? ahead : 0;                                          \
             switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                 \
@@ -268,13 +437,13 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                             \
     for (int64_t r = 0; r < R; ++r) {                                                             \
         T *dst = out + ((tile.q_row + r / G) * num_heads + h * G + r % G) * D;                    \
-        const __m512 inv = _mm512_set1_ps(1.0f / run_sum[r]);                                     \
-        for (int c = 0; c < CH; ++c) STORE16(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + r * D + 16 * c), inv)); \
+        const vf inv = vset1(1.0f / run_sum[r]);                                                  \
+        for (int c = 0; c < CH; ++c) STOREV(dst + VW * c, vmul(vload(acc + r * D + VW * c), inv)); \
     }                                                                                             \
 }
 
-DEFINE_TILE(tile_f32, float, load16_f32, store16_f32, accumulate_v_f32)
-DEFINE_TILE(tile_bf16, bf16_t, load16_bf16, store16_bf16, accumulate_v_bf16)
+DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, accumulate_v_f32)
+DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, accumulate_v_bf16)
 
 #define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
     TILE_FN(q, q_stride, k_cache, v_cache, tables + (int64_t)tile.table_row * table_stride, tile, \
@@ -295,18 +464,114 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,     
         const tile_t tile = tiles[item * heads_per_item / num_kv_heads];                          \
         const int64_t first_head = item * heads_per_item % num_kv_heads;                          \
         for (int64_t h = first_head; h < first_head + heads_per_item; ++h) {                      \
-            switch (head_dim / 16) {                                                              \
-            case 4: DISPATCH_CH(TILE_FN, 4); break;                                               \
-            case 8: DISPATCH_CH(TILE_FN, 8); break;                                               \
-            default: DISPATCH_CH(TILE_FN, (int)(head_dim / 16)); break;                           \
+            switch (head_dim) {                                                                   \
+            case 64: DISPATCH_CH(TILE_FN, 64 / VW); break;                                        \
+            case 128: DISPATCH_CH(TILE_FN, 128 / VW); break;                                      \
+            default: DISPATCH_CH(TILE_FN, (int)(head_dim / VW)); break;                           \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
 }
 
-int vector_width(void) { return 16; }
+/* ---- layer ops: rounding follows the PyTorch operators they replace (see below) */
 
-#else /* portable scalar path: the same arithmetic, one query row and one token at a time */
+/* residual += delta (when delta is given); out = rmsnorm(residual) * weight. Rows of n. */
+#define DEFINE_RMS_NORM(NAME, T, LOADN, STOREN, ROUND)                                            \
+void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows, int64_t n,     \
+          T *out) {                                                                               \
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
+    for (int64_t r = 0; r < rows; ++r) {                                                          \
+        T *x = residual + r * n;                                                                  \
+        vf squares = vzero();                                                                     \
+        for (int64_t i = 0; i < n; i += VW) {                                                     \
+            vf v = LOADN(x + i, n - i);                                                           \
+            if (delta) {                                                                          \
+                v = ROUND(vadd(v, LOADN(delta + r * n + i, n - i)));                              \
+                STOREN(x + i, v, n - i);                                                          \
+            }                                                                                     \
+            squares = vfmadd(v, v, squares);                                                      \
+        }                                                                                         \
+        const vf inv = vset1(1.0f / sqrtf(vsum(squares) / (float)n + eps));                       \
+        for (int64_t i = 0; i < n; i += VW) {                                                     \
+            const vf normed = ROUND(vmul(LOADN(x + i, n - i), inv));                              \
+            STOREN(out + r * n + i, vmul(LOADN(weight + i, n - i), normed), n - i);               \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+/* out[r, :] = silu(gate_up[r, :n]) * gate_up[r, n:2n] */
+#define DEFINE_SILU_MUL(NAME, T, LOADN, STOREN, ROUND)                                            \
+void NAME(const T *gate_up, int64_t rows, int64_t n, T *out) {                                   \
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
+    for (int64_t r = 0; r < rows; ++r) {                                                          \
+        const T *gate = gate_up + r * 2 * n, *up = gate + n;                                      \
+        for (int64_t i = 0; i < n; i += VW) {                                                     \
+            const vf g = LOADN(gate + i, n - i);                                                  \
+            const vf e = vexp_any(vsub(vzero(), g));                                              \
+            const vf s = ROUND(vdiv(g, vadd(vset1(1.0f), e)));                                    \
+            STOREN(out + r * n + i, vmul(s, LOADN(up + i, n - i)), n - i);                        \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+/* Rotary embedding in place, "rotate half" convention (see the scalar version). */
+#define DEFINE_ROTARY(NAME, T, LOADN, STOREN)                                                     \
+void NAME(T *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,           \
+          const int64_t *positions, const float *cos_table, const float *sin_table) {            \
+    const int64_t half = head_dim / 2;                                                            \
+    _Pragma("omp parallel for schedule(static) if(rows * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)") \
+    for (int64_t t = 0; t < rows; ++t) {                                                          \
+        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;   \
+        for (int64_t h = 0; h < num_heads; ++h) {                                                 \
+            T *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;                           \
+            for (int64_t i = 0; i < half; i += VW) {                                              \
+                const vf a = LOADN(x1 + i, half - i), b = LOADN(x2 + i, half - i);                \
+                const vf cv = vloadn_f32(c + i, half - i), sv = vloadn_f32(s + i, half - i);      \
+                STOREN(x1 + i, vsub(vmul(a, cv), vmul(b, sv)), half - i);                         \
+                STOREN(x2 + i, vadd(vmul(b, cv), vmul(a, sv)), half - i);                         \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+static inline vf vkeep_f32(vf v) { return v; }
+DEFINE_RMS_NORM(rms_norm_f32, float, vloadn_f32, vstoren_f32, vkeep_f32)
+DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, vloadn_bf16, vstoren_bf16, vround_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, vloadn_f32, vstoren_f32, vkeep_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, vloadn_bf16, vstoren_bf16, vround_bf16)
+DEFINE_ROTARY(rotary_f32, float, vloadn_f32, vstoren_f32)
+DEFINE_ROTARY(rotary_bf16, bf16_t, vloadn_bf16, vstoren_bf16)
+
+/* Per row of float32 logits [rows, n]: the first index of the maximum and
+   log(sum(exp(x))), for greedy picks and the chosen token's logprob. */
+void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse) {
+    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        const vf minus_inf = vset1(-INFINITY);
+        vf best = minus_inf;
+        for (int64_t i = 0; i < n; i += VW)
+            best = vmax(best, vselect(vfirst(n - i), vloadn_f32(row + i, n - i), minus_inf));
+        const float top = vmaxall(best);
+        const vf vtop = vset1(top);
+        int64_t first = 0;
+        for (int64_t i = 0; i < n; i += VW) { /* the first lane equal to the maximum */
+            const int bits = vmask_bits(vcmpeq(vloadn_f32(row + i, n - i), vtop)) & vmask_bits(vfirst(n - i));
+            if (bits) {
+                first = i + __builtin_ctz((unsigned)bits);
+                break;
+            }
+        }
+        vf sum = vzero();
+        for (int64_t i = 0; i < n; i += VW)
+            sum = vadd(sum, vselect(vfirst(n - i), vexp(vsub(vloadn_f32(row + i, n - i), vtop)), vzero()));
+        argmax[r] = first;
+        lse[r] = top + logf(vsum(sum));
+    }
+}
+
+#else /* ------------------------------------------------------------ scalar kernels:
+         the same arithmetic, one query row and one token at a time */
 
 #define DEFINE_TILE_SCALAR(NAME, T, TO_F32, FROM_F32)                                             \
 static void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,               \
@@ -362,110 +627,6 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,     
     }                                                                                             \
 }
 
-int vector_width(void) { return 1; }
-
-#endif
-
-DEFINE_ENTRY(paged_attention_f32, float, tile_f32)
-DEFINE_ENTRY(paged_attention_bf16, bf16_t, tile_bf16)
-
-/* ------------------------------------------------------------------ layer ops
- *
- * Element-wise work around the matmuls of a decoder layer, one pass each
- * instead of several PyTorch operators. Rounding follows what the PyTorch
- * operators they replace do: bfloat16 results are rounded once per operator
- * the model would have run (the residual add, the normalised value, the
- * product with the weight; SiLU, then the product with `up`).
- */
-
-#define PARALLEL_MIN_ELEMENTS 65536 /* below this a parallel region costs more than it saves */
-
-static inline float silu_f32(float x) { return x / (1.0f + expf(-x)); }
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-#ifdef __AVX512F__
-static inline __m512 vexp_any(__m512 x) { /* exp for any x: overflow gives inf, underflow 0 */
-    return vexp(_mm512_min_ps(x, _mm512_set1_ps(88.7f)));
-}
-
-/* residual += delta (when delta is given); out = rmsnorm(residual) * weight. Rows of n. */
-#define DEFINE_RMS_NORM(NAME, T, MLOAD, MSTORE, ROUND)                                            \
-void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows, int64_t n,     \
-          T *out) {                                                                               \
-    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
-    for (int64_t r = 0; r < rows; ++r) {                                                          \
-        T *x = residual + r * n;                                                                  \
-        __m512 squares = _mm512_setzero_ps();                                                     \
-        for (int64_t i = 0; i < n; i += 16) {                                                     \
-            const __mmask16 m = tail_mask(n - i);                                                 \
-            __m512 v = MLOAD(x + i, m);                                                           \
-            if (delta) {                                                                          \
-                v = ROUND(_mm512_add_ps(v, MLOAD(delta + r * n + i, m)));                         \
-                MSTORE(x + i, v, m);                                                              \
-            }                                                                                     \
-            squares = _mm512_fmadd_ps(v, v, squares);                                             \
-        }                                                                                         \
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps)); \
-        for (int64_t i = 0; i < n; i += 16) {                                                     \
-            const __mmask16 m = tail_mask(n - i);                                                 \
-            const __m512 normed = ROUND(_mm512_mul_ps(MLOAD(x + i, m), inv));                     \
-            MSTORE(out + r * n + i, ROUND(_mm512_mul_ps(MLOAD(weight + i, m), normed)), m);      \
-        }                                                                                         \
-    }                                                                                             \
-}
-
-/* out[r, :] = silu(gate_up[r, :n]) * gate_up[r, n:2n] */
-#define DEFINE_SILU_MUL(NAME, T, MLOAD, MSTORE, ROUND)                                            \
-void NAME(const T *gate_up, int64_t rows, int64_t n, T *out) {                                   \
-    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
-    for (int64_t r = 0; r < rows; ++r) {                                                          \
-        const T *gate = gate_up + r * 2 * n, *up = gate + n;                                      \
-        for (int64_t i = 0; i < n; i += 16) {                                                     \
-            const __mmask16 m = tail_mask(n - i);                                                 \
-            const __m512 g = MLOAD(gate + i, m);                                                  \
-            const __m512 e = vexp_any(_mm512_sub_ps(_mm512_setzero_ps(), g));                     \
-            const __m512 s = ROUND(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));     \
-            MSTORE(out + r * n + i, ROUND(_mm512_mul_ps(s, MLOAD(up + i, m))), m);               \
-        }                                                                                         \
-    }                                                                                             \
-}
-
-static inline __m512 vkeep_f32(__m512 v) { return v; }
-DEFINE_RMS_NORM(rms_norm_f32, float, mload_f32, mstore_f32, vkeep_f32)
-DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, mload_bf16, mstore_bf16, vround_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, mload_f32, mstore_f32, vkeep_f32)
-DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, mload_bf16, mstore_bf16, vround_bf16)
-
-
-/* Per row of float32 logits [rows, n]: the first index of the maximum and
-   log(sum(exp(x))), for greedy picks and the chosen token's logprob. */
-void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse) {
-    _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *row = x + r * n;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i best_at = _mm512_set1_epi32(0), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for (int64_t i = 0; i < n; i += 16) {
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - i), row + i);
-            const __mmask16 better = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* strict: first index wins */
-            best = _mm512_mask_mov_ps(best, better, v);
-            best_at = _mm512_mask_mov_epi32(best_at, better, at);
-            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
-        }
-        const float top = _mm512_reduce_max_ps(best);
-        const __mmask16 is_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-        const int32_t first = _mm512_mask_reduce_min_epi32(is_top, best_at);
-        __m512 sum = _mm512_setzero_ps();
-        const __m512 shift = _mm512_set1_ps(top);
-        for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 m = tail_mask(n - i);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), shift))));
-        }
-        argmax[r] = first;
-        lse[r] = top + logf(_mm512_reduce_add_ps(sum));
-    }
-}
-#else
 
 #define DEFINE_RMS_NORM(NAME, T, TO_F32, FROM_F32, ROUND)                                         \
 void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows, int64_t n,     \
@@ -519,7 +680,6 @@ DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, f32_identity, f32_identity, f32_identity)
 DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 
-#endif
 
 /* Rotary embedding in place, "rotate half" convention: each head's halves
    (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), the angle taken from
@@ -543,6 +703,14 @@ void NAME(T *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t hea
     }                                                                                             \
 }
 
+DEFINE_ROTARY(rotary_f32, float, f32_identity, f32_identity)
+DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+
+#endif
+
+DEFINE_ENTRY(paged_attention_f32, float, tile_f32)
+DEFINE_ENTRY(paged_attention_bf16, bf16_t, tile_bf16)
+
 /* Token t's K and V rows (width elements each, at k_stride / v_stride elements
    apart) go to cache slot slots[t]; slot -1 is padding and skipped. */
 #define DEFINE_WRITE_KV(NAME, T)                                                                  \
@@ -555,7 +723,9 @@ void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int6
     }                                                                                             \
 }
 
-DEFINE_ROTARY(rotary_f32, float, f32_identity, f32_identity)
-DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_WRITE_KV(write_kv_f32, float)
 DEFINE_WRITE_KV(write_kv_bf16, bf16_t)
+
+/* Which build this is, for cpu_ops.py: floats per vector register, and the ISA path's name. */
+int vector_width(void) { return VW; }
+const char *isa_name(void) { return ISA_NAME; }

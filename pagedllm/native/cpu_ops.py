@@ -1,16 +1,22 @@
-"""An optional native kernel for paged attention on the CPU.
+"""Optional native kernels for the CPU: paged attention and the layer ops.
 
-The kernel (``cpu_ops.c`` beside this file) is plain C with no PyTorch
-headers, so it compiles in about a second; it is built with the system C
-compiler on first use into a per-user cache directory and called through
-``ctypes``. It reads K/V straight from the paged cache through the block
-table (no gather copy). Its unit of work is a tile: up to 16 consecutive new
-tokens of one sequence against one KV head, all query heads of that KV head
-together; a decode token is a tile of one, and a prefill token at position
-``p`` attends to the first ``p + 1`` tokens, which is the causal mask. Online
-softmax, float32 arithmetic, float32 and bfloat16 caches. Parallel loops run
-on the OpenMP runtime that PyTorch already loaded, so the two share one
-thread pool.
+The kernels (``cpu_ops.c`` beside this file) are plain C with no PyTorch
+headers; they are built with the system C compiler on first use into a
+per-user cache directory and called through ``ctypes``. The source is compiled
+once per ISA path -- ``scalar`` (portable C), ``avx2`` (AVX2 + FMA, 8-float
+vectors), ``avx512`` (AVX-512 F/BW/VL/DQ, 16-float vectors) and ``avx512_bf16``
+(avx512 plus the hardware bf16 conversions) -- and at load the best path the
+CPU reports is chosen, or the one ``PAGEDLLM_CPU_ISA`` names (an AVX-512
+machine can run ``avx2`` and ``scalar`` too, so every path is tested and
+benchmarked on one machine). :func:`selected_isa` says which is loaded.
+
+Attention reads K/V straight from the paged cache through the block table (no
+gather copy). Its unit of work is a tile: up to 16 consecutive new tokens of
+one sequence against one KV head, all query heads of that KV head together; a
+decode token is a tile of one, and a prefill token at position ``p`` attends
+to the first ``p + 1`` tokens, which is the causal mask. Online softmax,
+float32 arithmetic, float32 and bfloat16 caches. Parallel loops run on the
+OpenMP runtime that PyTorch already loaded, so the two share one thread pool.
 
 When no compiler is found, the build fails, or ``PAGEDLLM_NATIVE_OPS=0`` is
 set, :func:`available` is False and the pure-PyTorch path is used; the tests
@@ -64,7 +70,7 @@ def available() -> bool:
 
 
 def vectorized() -> bool:
-    """Whether the loaded kernels are the AVX-512 build (otherwise the portable scalar one)."""
+    """Whether the loaded kernels are a vector path (AVX2 or AVX-512), not the scalar one."""
     return available() and _vector_width > 1
 
 
@@ -272,7 +278,104 @@ def argmax_logsumexp(
     return argmax, lse
 
 
-# ---------------------------------------------------------------- build and load
+# ---------------------------------------------------------------- ISA paths, build and load
+
+# One shared object per path, compiled from the same source with these flags;
+# cheapest first. A path runs where /proc/cpuinfo lists every flag it needs.
+ISA_PATHS = ("scalar", "avx2", "avx512", "avx512_bf16")
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+_COMPILE_FLAGS = {
+    "scalar": (),
+    "avx2": _AVX2_FLAGS,
+    "avx512": _AVX512_FLAGS,
+    "avx512_bf16": (*_AVX512_FLAGS, "-mavx512bf16"),
+}
+_AVX2_CPU = frozenset({"avx2", "fma", "f16c"})
+_AVX512_CPU = _AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+_CPU_FLAGS_NEEDED = {
+    "scalar": frozenset(),
+    "avx2": _AVX2_CPU,
+    "avx512": _AVX512_CPU,
+    "avx512_bf16": _AVX512_CPU | {"avx512_bf16"},
+}
+ISA_ENV = "PAGEDLLM_CPU_ISA"  # auto (default) or one of ISA_PATHS
+
+
+def cpu_flags() -> frozenset[str]:
+    """The ISA flags the kernel lists for this CPU (Linux ``/proc/cpuinfo``; empty elsewhere).
+
+    Linux drops a flag whose register state the OS does not save, so a listed
+    flag is usable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_isa_paths() -> tuple[str, ...]:
+    """The kernel paths this CPU runs, cheapest first; ``scalar`` always."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("scalar",)
+    flags = cpu_flags()
+    return tuple(isa for isa in ISA_PATHS if _CPU_FLAGS_NEEDED[isa] <= flags)
+
+
+def requested_isa() -> str:
+    """The path to load: ``$PAGEDLLM_CPU_ISA`` when set (and not ``auto``), else the
+    best this CPU runs. Raises ConfigError for an unknown name or one this CPU lacks."""
+    from pagedllm.errors import ConfigError
+
+    name = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    runnable = cpu_isa_paths()
+    if name == "auto":
+        return runnable[-1]
+    if name not in ISA_PATHS:
+        raise ConfigError(f"{ISA_ENV}={name!r} is not a kernel path; use auto or one of {', '.join(ISA_PATHS)}")
+    if name not in runnable:
+        missing = sorted(_CPU_FLAGS_NEEDED[name] - cpu_flags())
+        raise ConfigError(
+            f"{ISA_ENV}={name}: this CPU lacks {', '.join(missing) or 'x86-64'}; "
+            f"it runs {', '.join(runnable)}"
+        )
+    return name
+
+
+def selected_isa() -> str | None:
+    """The path of the loaded kernels (``scalar``, ``avx2``, ...), or None when they are not loaded."""
+    return _library.isa_name().decode() if available() else None
+
+
+@contextlib.contextmanager
+def using_isa(isa: str):
+    """Within this block the kernels of path ``isa`` are the loaded ones (tests and benchmarks)."""
+    global _library, _tried, _vector_width
+    if not available():
+        raise RuntimeError("the native CPU kernels are not available")
+    saved = _library, _vector_width
+    library = build_library(isa=isa)
+    with _lock:
+        _library, _vector_width = library, library.vector_width()
+    try:
+        yield library
+    finally:
+        with _lock:
+            _library, _vector_width = saved
 
 
 def _load() -> ctypes.CDLL | None:
@@ -280,13 +383,15 @@ def _load() -> ctypes.CDLL | None:
         return None
     if _compiler() is None or platform.system() != "Linux":
         return None
+    isa = requested_isa()  # a bad PAGEDLLM_CPU_ISA is the user's to fix: raise
     try:
-        library = build_library()
+        library = build_library(isa=isa)
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU attention kernel unavailable (%s); using the PyTorch path", exc)
+        logger.warning("native CPU kernels (%s) unavailable (%s); using the PyTorch path", isa, exc)
         return None
     global _vector_width
     _vector_width = library.vector_width()
+    logger.debug("native CPU kernels: %s path", isa)
     return library
 
 
@@ -294,23 +399,30 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Compile (or find in the cache) and load the kernels; ``extra_flags`` go to the
-    compiler after the defaults (the tests build the portable path with ``-mno-avx512f``)."""
+def build_library(extra_flags: tuple[str, ...] = (), isa: str | None = None) -> ctypes.CDLL:
+    """Compile (or find in the cache) and load the kernels of path ``isa`` (default:
+    :func:`requested_isa`); ``extra_flags`` go to the compiler after the path's own."""
     compiler = _compiler()
     if compiler is None:
         raise OSError("no C compiler found (set CC)")
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", *extra_flags]
+    isa = isa or requested_isa()
+    if isa not in _COMPILE_FLAGS:
+        raise ValueError(f"unknown kernel path {isa!r}; one of {ISA_PATHS}")
+    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", *_COMPILE_FLAGS[isa], *extra_flags]
     library = ctypes.CDLL(str(_build(compiler, flags)))
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    _declare(library)
+    return library
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The C signatures, for ctypes."""
+    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.vector_width.restype = ctypes.c_int
+    library.isa_name.restype = ctypes.c_char_p
     for fn in (library.paged_attention_f32, library.paged_attention_bf16):
-        fn.argtypes = [
-            pointer, i64, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, ctypes.c_float,
-            ctypes.c_int32, pointer,
-        ]
+        fn.argtypes = [pointer, i64, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, f32,
+                       ctypes.c_int32, pointer]
         fn.restype = None
-    f32 = ctypes.c_float
     signatures = {
         "rms_norm": [pointer, pointer, pointer, f32, i64, i64, pointer],
         "silu_mul": [pointer, i64, i64, pointer],
@@ -324,14 +436,15 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
             fn = getattr(library, f"{name}_{suffix}")
             fn.argtypes = argtypes
             fn.restype = None
-    return library
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    """Compile into the cache directory unless an identical build is there already."""
-    # -march=native code is only valid on this CPU model: key the file on it too.
+    """Compile into the cache directory unless an identical build is there already.
+
+    The flags name the instruction set, not this CPU model, so the file is keyed
+    on the source, the compiler and the flags."""
     source = _SOURCE_PATH.read_text()
-    key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, compiler, *flags]).encode()).hexdigest()[:16]
     from pagedllm.models.paths import cache_dir as pagedllm_cache_dir
 
     cache_dir = pagedllm_cache_dir()  # ~/.cache/pagedllm, or $PAGEDLLM_CACHE
@@ -349,12 +462,3 @@ def _build(compiler: str, flags: list[str]) -> Path:
         )
         os.replace(built, target)  # atomic: concurrent builders never see a partial file
     return target
-
-
-def _cpu_signature() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = [line for line in lines if line.startswith(("flags", "model name"))]
-    return "\n".join(sorted(set(wanted)))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.native.cpu_ops import _compiler, _cpu_signature
+from pagedllm.native.cpu_ops import _compiler
 
 logger = logging.getLogger("pagedllm")
 
@@ -99,6 +99,15 @@ def _build(compiler: str, flags: list[str]) -> Path:
                        check=True, capture_output=True, timeout=120)
         os.replace(built, target)
     return target
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags: a cached build is reused only on the CPU it was built for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({line for line in lines if line.startswith(("flags", "model name"))}))
 
 
 def gemm(

@@ -11,6 +11,10 @@ transform no row uses is skipped, so an all-greedy batch without penalties
 costs one argmax and one logsumexp (for the chosen token's logprob); the
 full log-softmax is computed only when a row asks for logprobs.
 
+A grammar mask (structured outputs) comes first: it sets the tokens a
+constrained row's grammar forbids to -inf in one batched op, so every later
+step, and the reported logprobs, see the constrained distribution.
+
 Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)``
 i.i.d. per token picks token ``i`` with probability ``p_i``. A row with a seed
 draws its ``q`` from its own generator, exactly ``vocab`` numbers per step, so
@@ -26,6 +30,7 @@ import torch
 
 from pagedllm.native import cpu_ops
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.bitmask import GrammarMask
 
 
 @dataclass(slots=True)
@@ -83,26 +88,35 @@ def top_k_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 class Sampler:
     """Stateless: all per-sequence state (outputs so far, generators) comes in the rows."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None = None
+    ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
+        if grammar_mask is not None:
+            logits = grammar_mask.apply(logits)  # in place; constrained rows' logprobs are the masked ones
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
             token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)  # [rows]
             return _gather_logprobs(raw_logprobs, token_ids, rows)
-        token_ids, chosen = self.sample_tensors(logits, rows)
+        token_ids, chosen = self.sample_tensors(logits, rows, None)
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), None, None)
 
-    def sample_tensors(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_tensors(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids [rows] int64, their logprobs [rows] fp32), left on the logits' device.
 
         For rows that ask for no top logprobs. Nothing here waits for the device,
-        so a caller can launch more work before reading the results.
+        so a caller can launch more work before reading the results. A grammar
+        mask sets the forbidden tokens of its rows to -inf first (one batched op).
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
+        if grammar_mask is not None:
+            logits = grammar_mask.apply(logits)
         # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
         # materialising the whole log-softmax.
         argmax = None

@@ -15,11 +15,14 @@ import functools
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,10 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
 from pagedllm.errors import EngineDeadError, PagedLLMError, RequestError
+from pagedllm.limits import RequestLimits, ServerLimits, check_text, check_token_ids
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.server import protocol as p
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.structured.tools import ToolCall, held_back_len, parse_tool_calls
+from pagedllm.structured.tools import calls_from_constrained as _calls_from_constrained
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -68,6 +74,20 @@ def _error_for(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
 
 
+# Request fields a model's generation config may default (SamplingParams names).
+_REQUEST_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """CORS as vLLM's --allowed-origins/--allowed-methods/--allowed-headers/--allow-credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 @dataclass
 class _Prompt:
     """One prompt as submitted: its text (for echo) and token ids."""
@@ -79,12 +99,38 @@ class _Prompt:
 class OpenAIServer:
     """The request handlers; holds the engine and the per-app configuration."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        limits: ServerLimits,
+        chat_template: str | None = None,
+        default_sampling: dict | None = None,
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
+        self.limits = limits
+        self.request_limits: RequestLimits = getattr(engine.engine, "limits", None) or RequestLimits()
+        self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
+        self.chat_template = chat_template  # Jinja text that replaces the model's, or None
+        # SamplingParams defaults for fields a request leaves unset (--generation-config).
+        self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if k in _REQUEST_DEFAULTS}
+
+    def with_default_sampling(self, req: p._SamplingRequest) -> p._SamplingRequest:
+        """``req`` with the model's default sampling parameters where it sets none."""
+        for name, value in self.default_sampling.items():
+            if name not in req.model_fields_set:
+                setattr(req, name, value)
+        return req
+
+    async def read_body(self, request: Request, model: type[BaseModel]):
+        """The request body, read within the size and time limits, checked and parsed into ``model``."""
+        body = await _read_json(request, self.limits)
+        return p.parse_request(model, body)
 
     # -- helpers -----------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -106,12 +152,29 @@ class OpenAIServer:
 
     def tokenize_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return _Prompt(prompt, self.tokenizer.encode(prompt))
+        if len(prompt) >= self.engine.max_model_len:  # refuse before decoding it
+            p.check_context_length(len(prompt), 1, self.engine.max_model_len, prompt_param="prompt")
+        check_token_ids(prompt, self.vocab_size, "prompt")
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> _Prompt:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> _Prompt:
+        extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        if tools:
+            extra["tools"] = tools
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        """Compiles the request's grammar off the event loop (the engine then finds it cached),
+        so a bad schema, regex or grammar is a 400 naming the field it came from."""
+        constraint = req.constraint()
+        if constraint is None:
+            return
+        params, field = constraint
+        await asyncio.to_thread(self.engine.grammar_compiler.compile, params,
+                                None if field == "structured_outputs" else field)
 
     async def submit(
         self,
@@ -138,16 +201,18 @@ class OpenAIServer:
 
     # -- /v1/completions -----------------------------------------------------------
     async def create_completion(self, request: Request) -> Response:
-        req = p.parse_request(p.CompletionRequest, await _read_json(request))
+        req = self.with_default_sampling(await self.read_body(request, p.CompletionRequest))
         self.check_model(req.model)
-        prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts()]
+        req.check_limits(self.request_limits, self.vocab_size)
+        prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
+        await self.compile_constraint(req)
         response_id = p.random_id("cmpl")
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
             events = self._completion_events(req, response_id, prompts, streams)
-            return _sse_response(events, streams)
-        finals = await _collect(streams, request)
+            return _sse_response(events, streams, self.limits)
+        finals = await _collect(streams, request, self.limits.request_timeout_s)
         return JSONResponse(self._completion_response(req, response_id, prompts, finals).model_dump())
 
     def _completion_choice_logprobs(
@@ -246,15 +311,19 @@ class OpenAIServer:
 
     # -- /v1/chat/completions ------------------------------------------------------------
     async def create_chat_completion(self, request: Request) -> Response:
-        req = p.parse_request(p.ChatCompletionRequest, await _read_json(request))
+        req = self.with_default_sampling(await self.read_body(request, p.ChatCompletionRequest))
         self.check_model(req.model)
-        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt)
+        req.check_limits(self.request_limits, self.vocab_size)
+        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools())
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
+        await self.compile_constraint(req)
         response_id = p.random_id("chatcmpl")
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
+        if req.stream and req.resolved_tool_choice().mode != "none":
+            return _sse_response(self._chat_tool_events(req, response_id, streams[0]), streams, self.limits)
         if req.stream:
-            return _sse_response(self._chat_events(req, response_id, streams[0]), streams)
-        (final,) = await _collect(streams, request)
+            return _sse_response(self._chat_events(req, response_id, streams[0]), streams, self.limits)
+        (final,) = await _collect(streams, request, self.limits.request_timeout_s)
         return JSONResponse(self._chat_response(req, response_id, final).model_dump())
 
     def _chat_logprobs(self, req: p.ChatCompletionRequest, token_ids, logprobs) -> p.ChatLogprobs | None:
@@ -263,16 +332,17 @@ class OpenAIServer:
         return p.chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_text)
 
     def _chat_response(self, req: p.ChatCompletionRequest, response_id: str, final: RequestOutput) -> p.ChatCompletionResponse:
-        choices = [
-            p.ChatChoice(
+        choices = []
+        for completion in p.returned_completions(final, req.n):
+            content, calls = _tool_output(req, completion.text)
+            choices.append(p.ChatChoice(
                 index=completion.index,
-                message=p.ChatMessage(role="assistant", content=completion.text),
+                message=p.ChatMessage(role="assistant", content=content,
+                                      tool_calls=[_tool_call_object(c) for c in calls] if calls else None),
                 logprobs=self._chat_logprobs(req, completion.token_ids, completion.logprobs),
-                finish_reason=completion.finish_reason,
+                finish_reason="tool_calls" if calls else completion.finish_reason,
                 stop_reason=completion.stop_reason,
-            )
-            for completion in p.returned_completions(final, req.n)
-        ]
+            ))
         return p.ChatCompletionResponse(
             id=response_id, model=self.served_model_name, choices=choices, usage=p.usage_for([final])
         )
@@ -322,6 +392,52 @@ class OpenAIServer:
         if req.include_usage_in_stream and final is not None:
             yield chunk([], usage=p.usage_for([final]))
 
+    async def _chat_tool_events(
+        self, req: p.ChatCompletionRequest, response_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        """Streamed chat when tools may be called: text that may be a call is held back until the
+        end, then sent as one ``delta.tool_calls`` (or as content when it held no call)."""
+        created = int(time.time())
+        mode = req.resolved_tool_choice().mode
+
+        def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
+            return _sse(p.ChatCompletionChunk(
+                id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+            ))
+
+        num_sent: dict[int, int] = {}  # choice index -> characters of content sent
+        final: RequestOutput | None = None
+        async for _, output in _merge([stream]):
+            _raise_if_failed(output)
+            final = output
+            for completion in p.returned_completions(output, req.n):
+                index, text = completion.index, completion.text
+                if index not in num_sent:
+                    num_sent[index] = 0
+                    yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+                elif num_sent[index] < 0:
+                    continue  # finished
+                if completion.finish_reason is None:
+                    safe = text[: len(text) - held_back_len(text)] if mode == "auto" else ""
+                    if len(safe) > num_sent[index]:
+                        yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(content=safe[num_sent[index]:]))])
+                        num_sent[index] = len(safe)
+                    continue
+                content, calls = _tool_output(req, text)
+                if calls:
+                    delta = p.DeltaMessage(tool_calls=[
+                        p.DeltaToolCall(index=i, **_tool_call_object(c).model_dump()) for i, c in enumerate(calls)
+                    ])
+                else:
+                    delta = p.DeltaMessage(content=text[num_sent[index]:] or None)
+                num_sent[index] = -1
+                yield chunk([p.ChatStreamChoice(
+                    index=index, delta=delta, finish_reason="tool_calls" if calls else completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )])
+        if req.include_usage_in_stream and final is not None:
+            yield chunk([], usage=p.usage_for([final]))
+
     # -- small endpoints ----------------------------------------------------------------
     def models(self) -> p.ModelList:
         card = p.ModelCard(
@@ -333,7 +449,7 @@ class OpenAIServer:
         return p.ModelList(data=[card])
 
     async def tokenize(self, request: Request) -> p.TokenizeResponse:
-        req = p.parse_request(p.TokenizeRequest, await _read_json(request))
+        req = await self.read_body(request, p.TokenizeRequest)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages", param="prompt")
@@ -345,11 +461,9 @@ class OpenAIServer:
         return p.TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)
 
     async def detokenize(self, request: Request) -> p.DetokenizeResponse:
-        req = p.parse_request(p.DetokenizeRequest, await _read_json(request))
+        req = await self.read_body(request, p.DetokenizeRequest)
         self.check_model(req.model)
-        vocab = getattr(self.tokenizer, "vocab_size", None)
-        if vocab is not None and any(not 0 <= t < vocab for t in req.tokens):
-            raise RequestError(f"tokens must be integers in [0, {vocab})", param="tokens")
+        check_token_ids(req.tokens, self.vocab_size, "tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
 
@@ -359,17 +473,42 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_waiting: int | None = None,
+    chat_template: str | None = None,
+    default_sampling: dict | None = None,
+    cors: CorsSettings | None = None,
+    limits: ServerLimits | None = None,
+    dashboard: bool = True,
 ) -> FastAPI:
-    """The FastAPI app; ``api_key`` guards /v1/* (health, metrics and version stay open)."""
+    """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open).
+
+    ``chat_template`` (Jinja text) replaces the model's; ``default_sampling``
+    holds SamplingParams defaults for fields a request leaves unset; ``cors``
+    turns on CORS headers (none are sent without it). ``limits`` bounds what one
+    client may send and hold (``ServerLimits()`` when None); the limits on
+    request parameters are the engine's (``LLMEngine.limits``). ``dashboard``
+    serves the live KV-cache map at /dashboard.
+    """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
     metrics = ServerMetrics(engine.get_stats, engine.model_name)
     engine.set_observer(metrics)
-    server = OpenAIServer(engine, served_model_name or engine.model_name, metrics)
+    server = OpenAIServer(
+        engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(), chat_template,
+        default_sampling,
+    )
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    app.openapi = functools.partial(_openapi_with_request_bodies, app)
     app.state.server = server
     _install_error_handlers(app)
+    if cors is not None:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:
@@ -406,7 +545,60 @@ def build_app(
 
     app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
     app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
+    if dashboard:
+        from pagedllm.server.dashboard import install_dashboard
+
+        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
+            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
+            "invalid_request_error", code="invalid_api_key",
+        ))
     return app
+
+
+def _tool_output(req: p.ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(message content, tool calls) of one finished chat completion under the request's tool_choice."""
+    if not req.tools:
+        return text, []
+    choice = req.resolved_tool_choice()
+    if choice.mode in ("named", "required"):
+        calls = _calls_from_constrained(text, choice)
+        return (None, calls) if calls else (text, [])
+    if choice.mode == "auto":
+        return parse_tool_calls(text, req.tool_specs())
+    return text, []
+
+
+def _tool_call_object(call: ToolCall) -> p.ToolCallObject:
+    return p.ToolCallObject(id=call.id, function=p.FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _openapi_with_request_bodies(app: FastAPI) -> dict:
+    """FastAPI's document, with the JSON body of each POST route that parses its own body."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    ref = "#/components/schemas/{model}"
+    for path, model in p.REQUEST_BODIES.items():
+        operation = document.get("paths", {}).get(path, {}).get("post")
+        if operation is None:
+            continue
+        schema = model.model_json_schema(ref_template=ref, mode="validation")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": ref.format(model=model.__name__)}}},
+        }
+        operation.setdefault("responses", {})["400"] = {
+            "description": "Invalid request",
+            "content": {"application/json": {"schema": {"$ref": ref.format(model="ErrorResponse")}}},
+        }
+    error_schema = p.ErrorResponse.model_json_schema(ref_template=ref)
+    schemas.update(error_schema.pop("$defs", {}))
+    schemas["ErrorResponse"] = error_schema
+    app.openapi_schema = document
+    return document
 
 
 def _guarded(handler: Callable[[Request], Awaitable]) -> Callable[[Request], Awaitable]:
@@ -450,12 +642,87 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(error.status, error.message, error.type, error.param, error.code)
 
 
-async def _read_json(request: Request):
-    body = await request.body()
+async def _read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The raw body; 413 as soon as it exceeds ``max_body_bytes`` (declared or sent), 408 if it is sent too slowly."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _body_too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _body_too_large(size, limit)
+            chunks.append(chunk)
+
     try:
-        return json.loads(body)
-    except ValueError as exc:
+        await asyncio.wait_for(read(), limits.body_read_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408, f"the request body was not received within {limits.body_read_timeout_s:g} s",
+            type="invalid_request_error", code="request_timeout",
+        ) from None
+    return b"".join(chunks)
+
+
+def _body_too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413, f"the request body has {size} bytes or more; this server accepts at most {limit} bytes",
+        type="invalid_request_error", code="request_too_large",
+    )
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+async def _read_json(request: Request, limits: ServerLimits):
+    """The decoded body: strict JSON (no NaN/Infinity), no deeper than max_json_depth, valid Unicode."""
+    body = await _read_body(request, limits)
+    try:
+        value = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise RequestError(f"the request body nests deeper than {limits.max_json_depth} levels") from None
+    except ValueError as exc:  # UnicodeDecodeError included
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    check_json_value(value, limits.max_json_depth)
+    return value
+
+
+def check_json_value(value: object, max_depth: int) -> None:
+    """Every array/object at most ``max_depth`` deep, every string and key valid Unicode.
+
+    Iterative, so a deep body cannot exhaust the stack; ``param`` is the top-level field.
+    """
+    stack: list[tuple[object, int, str | None]] = [(value, 1, None)]
+    while stack:
+        item, depth, field = stack.pop()
+        if isinstance(item, str):
+            check_text(item, field or "body")
+            continue
+        if not isinstance(item, (list, dict)):
+            continue
+        if depth > max_depth:
+            raise RequestError(
+                f"{field or 'body'}: the request body nests deeper than {max_depth} levels", param=field
+            )
+        if isinstance(item, dict):
+            for key, child in item.items():
+                check_text(key, field or "body")
+                stack.append((child, depth + 1, field if field is not None else key))
+        else:
+            stack.extend((child, depth + 1, field) for child in item)
 
 
 def _sse(model: BaseModel | dict) -> str:
@@ -468,19 +735,68 @@ def _raise_if_failed(output: RequestOutput) -> None:
         raise APIError(500, f"the request failed in the engine: {output.error}", type="server_error", code="engine_error")
 
 
-def _sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
-    return StreamingResponse(
-        _sse_stream(events, streams),
+def _sse_response(events: AsyncIterator[str], streams: list[RequestStream], limits: ServerLimits) -> StreamingResponse:
+    return _EventStreamResponse(
+        _sse_stream(events, streams, limits.request_timeout_s),
+        stall_timeout_s=limits.stream_stall_timeout_s,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-async def _sse_stream(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
+class _EventStreamResponse(StreamingResponse):
+    """A stream whose client must keep reading: an event the transport cannot take within
+    ``stall_timeout_s`` (the client stopped reading and the socket buffers are full) ends it.
+
+    Only the socket buffers and one event are ever held for a client; the engine
+    runs on meanwhile (the request's stream keeps only its latest output). On a
+    stall the event iterator is closed, which aborts the requests and frees their
+    KV blocks, and the connection is dropped.
+    """
+
+    def __init__(self, content: AsyncIterator[str], *, stall_timeout_s: float, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.stall_timeout_s = stall_timeout_s
+
+    async def stream_response(self, send) -> None:
+        async def send_or_stall(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except asyncio.TimeoutError:
+                raise _ClientStalled from None
+
+        try:
+            await super().stream_response(send_or_stall)
+        except _ClientStalled:
+            logger.warning(
+                "aborted a stream whose client took no data for %.1f s; its KV blocks are freed",
+                self.stall_timeout_s,
+            )
+            await _aclose(self.body_iterator)
+
+
+class _ClientStalled(Exception):
+    """The client took no data for the stall timeout."""
+
+
+async def _sse_stream(
+    events: AsyncIterator[str], streams: list[RequestStream], timeout_s: float | None = None
+) -> AsyncIterator[str]:
     """Adds the terminal ``[DONE]``, turns a failure into an error event, and aborts
-    unfinished requests however the stream ends (cancellation on client disconnect included)."""
+    unfinished requests however the stream ends (cancellation on client disconnect included).
+    Past ``timeout_s`` the stream ends with a timeout error event."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        async for event in events:
+        while True:
+            try:
+                if deadline is None:
+                    event = await anext(events)
+                else:
+                    event = await asyncio.wait_for(anext(events), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise _timeout_error(timeout_s) from None
             yield event
     except Exception as exc:  # headers are sent: report in-band, as OpenAI does
         error = _error_for(exc)
@@ -493,6 +809,13 @@ async def _sse_stream(events: AsyncIterator[str], streams: list[RequestStream]) 
             stream.close()
         await _aclose(events)
     yield "data: [DONE]\n\n"
+
+
+def _timeout_error(timeout_s: float | None) -> APIError:
+    return APIError(
+        408, f"the request ran longer than this server's limit of {timeout_s:g} s and was aborted",
+        type="invalid_request_error", code="request_timeout",
+    )
 
 
 async def _aclose(iterator: AsyncIterator) -> None:
@@ -534,8 +857,11 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
 
 
-async def _collect(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
-    """Final output of every stream; aborts all of them if the client disconnects first."""
+async def _collect(
+    streams: list[RequestStream], request: Request, timeout_s: float | None = None
+) -> list[RequestOutput]:
+    """Final output of every stream; aborts all of them if the client disconnects first
+    or ``timeout_s`` passes."""
     finals: list[RequestOutput | None] = [None] * len(streams)
 
     async def drain() -> None:
@@ -545,9 +871,11 @@ async def _collect(streams: list[RequestStream], request: Request) -> list[Reque
     collector = asyncio.create_task(drain())
     watcher = asyncio.create_task(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({collector, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if not collector.done():
             collector.cancel()
+            if not watcher.done():
+                raise _timeout_error(timeout_s)
             raise APIError(499, "the client closed the connection", type="invalid_request_error")
         collector.result()
     finally:

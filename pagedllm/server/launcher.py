@@ -11,13 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import threading
+from pathlib import Path
 
 import uvicorn
 
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
+from pagedllm.errors import ConfigError
+from pagedllm.limits import RequestLimits, ServerLimits
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -27,6 +31,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     from pagedllm.cli import add_engine_arguments
 
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF directory or .gguf file, as `vllm serve MODEL` (same as --model)")
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
@@ -46,6 +52,107 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="seconds in-flight requests may run on after SIGTERM/SIGINT before they are aborted",
     )
     g.add_argument("--log-level", default="info", choices=list(LOG_LEVELS))
+    g.add_argument(
+        "--dashboard", action=argparse.BooleanOptionalAction, default=True,
+        help="serve the live KV-cache map at /dashboard (same API-key rule as /v1)",
+    )
+    _add_vllm_server_arguments(parser.add_argument_group("server (vLLM's flags)"))
+    _add_limit_arguments(parser)
+
+
+def _add_vllm_server_arguments(g) -> None:
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or the template itself; replaces the model's")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates")
+    g.add_argument("--allowed-origins", type=_string_list, default=None,
+                   help='turn CORS on for these origins: a JSON list (\'["https://a.example"]\') or comma-separated')
+    g.add_argument("--allowed-methods", type=_string_list, default=None, help="CORS methods (default: all)")
+    g.add_argument("--allowed-headers", type=_string_list, default=None, help="CORS headers (default: all)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--root-path", default=None, help="the path prefix a proxy serves this app under")
+    g.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
+                   help="uvicorn's own log level (default: --log-level)")
+
+
+def _string_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form) or comma-separated strings."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            value = json.loads(stripped)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a JSON list of strings")
+        return value
+    return [part.strip() for part in stripped.split(",") if part.strip()]
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of RequestLimits and ServerLimits, defaulting to the dataclass's value."""
+    r, s = RequestLimits(), ServerLimits()
+    g = parser.add_argument_group("limits (per request / per client; past them: HTTP 400, 413 or 503)")
+    g.add_argument("--max-n", type=_positive_int, default=r.max_n, help="most samples per prompt (n, best_of)")
+    g.add_argument("--max-beam-width", type=_positive_int, default=r.max_beam_width, help="most beams of a beam search")
+    g.add_argument("--max-stop", type=_positive_int, default=r.max_stop, help="most stop strings per request")
+    g.add_argument("--max-stop-chars", type=_positive_int, default=r.max_stop_chars, help="longest stop string")
+    g.add_argument("--max-stop-token-ids", type=_positive_int, default=r.max_stop_token_ids)
+    g.add_argument("--max-logit-bias", type=_positive_int, default=r.max_logit_bias, help="most logit_bias entries")
+    g.add_argument("--max-logprobs", type=_positive_int, default=r.max_logprobs, help="most top logprobs per token")
+    g.add_argument("--max-body-bytes", type=_size, default=s.max_body_bytes,
+                   help="largest request body, e.g. 4MiB (HTTP 413 past it)")
+    g.add_argument("--max-prompts", type=_positive_int, default=s.max_prompts, help="most prompts per completion request")
+    g.add_argument("--max-json-depth", type=_positive_int, default=s.max_json_depth, help="deepest nesting in a body")
+    g.add_argument("--max-connections", type=_positive_int, default=s.max_connections,
+                   help="most open HTTP connections; new ones past it get HTTP 503")
+    g.add_argument("--stream-stall-timeout", type=_positive_float, default=s.stream_stall_timeout_s,
+                   help="seconds a streaming client may take no data before its request is aborted")
+    g.add_argument("--request-timeout", type=_positive_float, default=s.request_timeout_s,
+                   help="seconds a request may run before it is aborted (default: no limit)")
+    g.add_argument("--keep-alive-timeout", type=_positive_float, default=s.keep_alive_timeout_s,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--body-read-timeout", type=_positive_float, default=s.body_read_timeout_s,
+                   help="seconds a client may take to send its request body")
+
+
+def limits_from_args(args: argparse.Namespace) -> tuple[RequestLimits, ServerLimits]:
+    request = RequestLimits(
+        max_n=args.max_n, max_beam_width=args.max_beam_width, max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars, max_stop_token_ids=args.max_stop_token_ids,
+        max_logit_bias=args.max_logit_bias, max_logprobs=args.max_logprobs,
+    )
+    server = ServerLimits(
+        max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_json_depth=args.max_json_depth,
+        max_connections=args.max_connections, stream_stall_timeout_s=args.stream_stall_timeout,
+        request_timeout_s=args.request_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        body_read_timeout_s=args.body_read_timeout,
+    )
+    return request, server
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    from pagedllm.cli import parse_size
+
+    value = parse_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -91,22 +198,46 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    args.model = _model_argument(args)
+    tls = _tls_files(args)
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     config = engine_config_from_args(args)
-    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting)
+    request_limits, server_limits = limits_from_args(args)
+    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting, limits=request_limits)
     served_name = args.served_model_name or engine.model_name
-    app = build_app(engine, served_model_name=served_name, api_key=args.api_key, max_waiting=args.max_waiting)
+    app = build_app(
+        engine,
+        served_model_name=served_name,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        chat_template=chat_template,
+        default_sampling=_default_sampling(engine, config),
+        cors=_cors_settings(args),
+        limits=server_limits,
+        dashboard=args.dashboard,
+    )
     uv_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
-        log_level=args.log_level,
+        log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=max(0.0, args.drain_timeout),
         access_log=args.log_level == "debug",
+        root_path=args.root_path or "",
+        **tls,
+        # Past this many open connections (idle keep-alive ones included) uvicorn answers 503.
+        limit_concurrency=server_limits.max_connections,
+        timeout_keep_alive=server_limits.keep_alive_timeout_s,
     )
     server = _Server(uv_config)
+    scheme = "https" if tls else "http"
 
     async def serve() -> None:
-        logger.info("serving %s at http://%s:%d/v1 (OpenAI API)", served_name, _display_host(args.host), args.port)
+        logger.info("serving %s at %s://%s:%d%s/v1 (OpenAI API)", served_name, scheme,
+                    _display_host(args.host), args.port, args.root_path or "")
+        if args.dashboard:
+            logger.info("KV-cache dashboard at %s://%s:%d%s/dashboard", scheme, _display_host(args.host),
+                        args.port, args.root_path or "")
         try:
             await server.serve()
         finally:
@@ -116,6 +247,64 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(serve())
     return 0 if server.started else 1
+
+
+def _model_argument(args: argparse.Namespace) -> str | None:
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ConfigError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give one")
+    return args.model_tag if args.model_tag is not None else args.model
+
+
+def _tls_files(args: argparse.Namespace) -> dict:
+    """uvicorn's ssl_* settings; HTTPS needs both the key and the certificate."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_keyfile is None:
+        if args.ssl_ca_certs is not None:
+            raise ConfigError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return {}
+    files = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile}
+    if args.ssl_ca_certs is not None:
+        files["ssl_ca_certs"] = args.ssl_ca_certs
+    for flag, path in files.items():
+        if not Path(path).is_file():
+            raise ConfigError(f"--{flag.replace('_', '-')} {path}: no such file")
+    return files
+
+
+def _cors_settings(args: argparse.Namespace):
+    from pagedllm.server.app import CorsSettings
+
+    if args.allowed_origins is None:
+        if args.allowed_methods or args.allowed_headers or args.allow_credentials:
+            raise ConfigError("CORS is off until --allowed-origins names the origins to allow")
+        return None
+    default = CorsSettings()
+    return CorsSettings(
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods or default.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers or default.allowed_headers),
+        allow_credentials=args.allow_credentials,
+    )
+
+
+def _default_sampling(engine: AsyncLLMEngine, config) -> dict:
+    from pagedllm.generation_config import default_sampling_fields
+
+    defaults = default_sampling_fields(engine.engine.model_path, config.generation_config)
+    if defaults:
+        logger.info("default sampling parameters from the generation config: %s", defaults)
+    return defaults
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file's contents, or the value itself when it is Jinja text."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def _display_host(host: str) -> str:

@@ -12,13 +12,29 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from pagedllm.errors import RequestError
+from pagedllm.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_ABS_LOGIT_BIAS,
+    RequestLimits,
+    check_at_most,
+    check_token_ids,
+)
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.structured import StructuredOutputsParams
+from pagedllm.structured.tools import (
+    ToolChoice,
+    ToolSpec,
+    parse_tools,
+    resolve_tool_choice,
+    tool_constraint,
+)
 
 # OpenAI's default for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -52,12 +68,31 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# What a union field accepts, said once instead of pydantic's one error per member.
+_UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids "
+    "(token ids are integers >= 0)",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names a union member in an error location: ``str``, ``list[int]``, ..."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part or "-" in part)
+
+
 def validation_error_to_request_error(exc: ValidationError) -> RequestError:
     """The first pydantic error as a RequestError whose param is the top-level field."""
     first = exc.errors(include_url=False)[0]
-    loc = [str(part) for part in first.get("loc", ())]
-    param = loc[0] if loc else None
-    where = ".".join(loc) if loc else "body"
+    loc = list(first.get("loc", ()))
+    param = str(loc[0]) if loc else None
+    tag_at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag_at is not None:
+        field_loc = [str(part) for part in loc[:tag_at]]
+        hint = _UNION_HINTS.get(field_loc[-1] if field_loc else "", "one of the documented types")
+        return RequestError(f"{'.'.join(field_loc) or 'body'}: must be {hint}", param=param)
+    where = ".".join(str(part) for part in loc) if loc else "body"
     return RequestError(f"{where}: {first.get('msg', 'invalid value')}", param=param)
 
 
@@ -74,48 +109,158 @@ def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
 # ---------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------
+#
+# Types are strict (no "5" for 5, no true for 1) and ranged: every integer fits
+# the int64 it becomes, every float is finite. Ranges that depend on the
+# server (n's cap, the vocabulary) are checked by check_limits before any work.
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+# OpenAI's roles (function is its deprecated spelling of tool).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body: unknown fields are ignored, as OpenAI and vLLM do; types are strict."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# A constraint and the request field it came from (errors name that field).
+Constraint = tuple[StructuredOutputsParams, str]
+
+
+class _SamplingRequest(_Body):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    best_of: int | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[Finite, Field(ge=0.0)] | None = None
+    top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+    n: PositiveInt = 1
+    best_of: PositiveInt | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[Finite, Field(gt=0.0)] = 1.0
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: NonNegativeInt = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Finite = 1.0
     cache_salt: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The one output constraint the request asks for, if any; RequestError when several are given."""
+        found = [c for c in (self._response_format_constraint(), self._extra_body_constraint(), *self._guided()) if c]
+        if len(found) > 1:
+            raise RequestError(
+                f"{found[1][1]}: only one output constraint per request (also got {found[0][1]})", param=found[1][1]
+            )
+        return found[0] if found else None
+
+    def _response_format_constraint(self) -> Constraint | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError("response_format: json_schema.schema is required for type json_schema",
+                               param="response_format")
+        return _constraint("response_format", json=fmt.json_schema.schema_)
+
+    def _extra_body_constraint(self) -> Constraint | None:
+        if self.structured_outputs is None:
+            return None
+        try:
+            return StructuredOutputsParams(**self.structured_outputs), "structured_outputs"
+        except TypeError as exc:
+            raise RequestError(f"structured_outputs: unknown field ({exc})", param="structured_outputs") from None
+
+    def _guided(self) -> list[Constraint]:
+        fields = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        return [
+            _constraint(name, **{kind: getattr(self, name)}) for name, kind in fields.items()
+            if getattr(self, name) is not None
+        ]
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
+        """The server's caps on counts, and token ids within the vocabulary, before any work."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.use_beam_search:
+            width = max(self.n, self.best_of or 0)
+            if width > limits.max_beam_width:
+                param = "best_of" if (self.best_of or 0) > self.n else "n"
+                raise RequestError(
+                    f"{param}: beam search with {width} beams exceeds the server's limit of "
+                    f"{limits.max_beam_width}", param=param,
+                )
+        else:
+            for name in ("n", "best_of"):
+                value = getattr(self, name)
+                if value is not None and value > limits.max_n:
+                    raise RequestError(
+                        f"{name}: must be <= {limits.max_n} (the server's limit on samples per prompt), "
+                        f"got {value}", param=name,
+                    )
+        check_at_most("stop", len(stop), limits.max_stop, "stop strings")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > limits.max_stop_chars:
+            raise RequestError(
+                f"stop: each stop string may have at most {limits.max_stop_chars} characters, got {longest}",
+                param="stop",
+            )
+        if self.stop_token_ids:
+            check_at_most("stop_token_ids", len(self.stop_token_ids), limits.max_stop_token_ids, "stop token ids")
+            check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        if self.logit_bias:
+            check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
+            check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -123,15 +268,19 @@ class _SamplingRequest(BaseModel):
         try:
             return {int(token): float(bias) for token, bias in self.logit_bias.items()}
         except ValueError:
-            raise RequestError("logit_bias keys must be token ids", param="logit_bias") from None
+            raise RequestError(
+                "logit_bias: keys must be token ids (decimal integers as strings)", param="logit_bias"
+            ) from None
 
     def _build_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams | BeamSearchParams:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+        constraint = self.constraint()
+        structured = constraint[0] if constraint else None
         if self.use_beam_search:
-            return self._beam_params(max_tokens)
+            return self._beam_params(max_tokens, structured)
         return SamplingParams(
             n=self.n,
             best_of=self.best_of,
@@ -154,9 +303,10 @@ class _SamplingRequest(BaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
+            structured_outputs=structured,
         )
 
-    def _beam_params(self, max_tokens: int) -> BeamSearchParams:
+    def _beam_params(self, max_tokens: int, structured: StructuredOutputsParams | None) -> BeamSearchParams:
         if self.n < 1:
             raise RequestError(f"n: must be an integer >= 1, got {self.n}", param="n")
         if self.best_of is not None and self.best_of < self.n:
@@ -171,20 +321,30 @@ class _SamplingRequest(BaseModel):
             length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
+            structured_outputs=structured,
         )
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+def _constraint(field: str, **kwargs) -> Constraint:
+    """StructuredOutputsParams built from one request field; its errors name that field."""
+    try:
+        return StructuredOutputsParams(**kwargs), field
+    except RequestError as exc:
+        message = str(exc).split(": ", 1)[-1]
+        raise RequestError(f"{field}: {message}", param=field) from None
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     suffix: str | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt as a non-empty list of single prompts (text or token ids)."""
+    def prompts(self, max_prompts: int | None = None) -> list[str | list[int]]:
+        """The prompt as a non-empty list of single prompts (text or token ids), at most ``max_prompts``."""
         prompt = self.prompt
         if isinstance(prompt, str):
             prompts: list = [prompt]
@@ -194,6 +354,8 @@ class CompletionRequest(_SamplingRequest):
             prompts = list(prompt)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise RequestError("prompt must not be empty", param="prompt")
+        if max_prompts is not None:
+            check_at_most("prompt", len(prompts), max_prompts, "prompts")
         return prompts
 
     def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
@@ -209,20 +371,46 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessageParam(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message; fields beyond these (tool calls, ...) are kept for the chat template."""
 
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageParam]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_specs(self) -> list[ToolSpec]:
+        return parse_tools(self.tools)
+
+    def resolved_tool_choice(self) -> ToolChoice:
+        return resolve_tool_choice(self.tool_specs(), self.tool_choice)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (none when tool_choice is 'none')."""
+        return self.tools if self.tools and self.resolved_tool_choice().mode != "none" else None
+
+    def constraint(self) -> Constraint | None:
+        """response_format / structured_outputs, or the grammar a required or named tool_choice implies."""
+        base = super().constraint()
+        tools = tool_constraint(self.tool_specs(), self.resolved_tool_choice())
+        if tools is None:
+            return base
+        if base is not None:
+            raise RequestError(f"tool_choice: a required or named tool_choice cannot be combined with {base[1]}",
+                               param="tool_choice")
+        return tools, "tool_choice"
 
     def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:
@@ -253,7 +441,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._build_params(max_tokens, logprobs, None)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
@@ -261,9 +449,18 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+# The request bodies of each route, for the OpenAPI document.
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 
 
 def check_max_tokens(max_tokens: int, param: str = "max_tokens") -> None:
@@ -332,9 +529,32 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallObject(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCallObject):
+    index: int
+
+
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallObject] | None = None  # left out of the JSON when there are none
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatTopLogprob(BaseModel):
@@ -374,6 +594,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

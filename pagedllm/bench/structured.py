@@ -1,0 +1,170 @@
+"""``pagedllm bench structured``: the cost of grammar-constrained decoding.
+
+One engine, one invocation: the workload unconstrained, then every request
+under one JSON schema, then unconstrained again (the two unconstrained runs
+bracket the constrained one, so drift on a shared machine shows). The schema
+asks for at least ``MIN_ITEMS`` strings, so no request can finish it before
+max_tokens and all runs generate the same number of tokens. Mask time per
+step is the host time spent filling the bitmasks (per sequence, xgrammar's
+fill) and applying them (one batched op), summed over the constrained run's
+steps; accept time is the matchers' advance past each sampled token.
+Grammar compile time is measured on a 20-field schema: first use, then the
+cached lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pagedllm.bench import report
+from pagedllm.bench.workloads import add_workload_arguments, workload_from_args
+
+MIN_ITEMS = 64
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": MIN_ITEMS}},
+    "required": ["notes"],
+}
+
+
+def twenty_field_schema(nonce: str) -> dict:
+    kinds = [{"type": "integer"}, {"type": "string", "maxLength": 32}, {"type": "boolean"},
+             {"type": "number"}, {"enum": ["low", "medium", "high"]}]
+    properties = {f"field_{i:02d}": kinds[i % len(kinds)] for i in range(20)}
+    return {"type": "object", "description": nonce, "properties": properties, "required": list(properties)}
+
+
+@dataclass
+class MaskClock:
+    """Host seconds in bitmask fill+apply and in matcher accepts, and how many steps had a mask."""
+
+    fill_s: float = 0.0
+    apply_s: float = 0.0
+    accept_s: float = 0.0
+    num_steps: int = 0
+    num_rows: int = 0
+    _undo: list = field(default_factory=list)
+
+    def install(self) -> None:
+        """Wraps the three hooks of pagedllm.structured for the duration of a run."""
+        from pagedllm.engine import output_processor
+        from pagedllm.structured.bitmask import GrammarMask
+        from pagedllm.structured.grammar import GrammarState
+
+        fill, apply, accept = output_processor._grammar_mask, GrammarMask.apply, GrammarState.accept
+
+        def timed_fill(jobs, vocab_size):
+            start = time.perf_counter()
+            mask = fill(jobs, vocab_size)
+            if mask is not None:
+                self.fill_s += time.perf_counter() - start
+                self.num_steps += 1
+                self.num_rows += len(mask.rows)
+            return mask
+
+        def timed_apply(mask, logits):
+            start = time.perf_counter()
+            out = apply(mask, logits)
+            self.apply_s += time.perf_counter() - start
+            return out
+
+        def timed_accept(state, token_id):
+            start = time.perf_counter()
+            ok = accept(state, token_id)
+            self.accept_s += time.perf_counter() - start
+            return ok
+
+        output_processor._grammar_mask = timed_fill
+        GrammarMask.apply = timed_apply
+        GrammarState.accept = timed_accept
+        self._undo = [(output_processor, "_grammar_mask", fill), (GrammarMask, "apply", apply),
+                      (GrammarState, "accept", accept)]
+
+    def uninstall(self) -> None:
+        for owner, name, original in self._undo:
+            setattr(owner, name, original)
+
+
+def _timed_generate(llm, prompts, params) -> dict:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall_s = time.perf_counter() - start
+    num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"wall_s": wall_s, "output_tokens": num_output, "output_tok_s": num_output / wall_s,
+            "texts": [o.outputs[0].text for o in outputs]}
+
+
+def _compile_times(compiler) -> dict:
+    from pagedllm.structured import StructuredOutputsParams
+
+    params = StructuredOutputsParams(json=twenty_field_schema(uuid.uuid4().hex))
+    start = time.perf_counter()
+    compiler.compile(params)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiler.compile(StructuredOutputsParams(json=json.loads(json.dumps(params.json))))
+    cached_s = time.perf_counter() - start
+    return {"compile_20_fields_first_ms": first_s * 1e3, "compile_20_fields_cached_ms": cached_s * 1e3}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.cli import add_engine_arguments
+
+    add_workload_arguments(parser, default_workload=True, default_num_prompts=64, default_output_len=None,
+                           with_seed=False)
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.cli import engine_config_from_args
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.structured import StructuredOutputsParams
+
+    workload = workload_from_args(args)
+    print(workload.describe(), file=sys.stderr)
+    llm = LLM.from_engine(LLMEngine(engine_config_from_args(args)))
+    compile_times = _compile_times(llm.llm_engine.grammar_compiler)
+    prompts = [{"prompt_token_ids": p} for p in workload.prompt_token_ids]
+    free = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=workload.ignore_eos)
+    constrained = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=workload.ignore_eos,
+                                 structured_outputs=StructuredOutputsParams(json=LONG_SCHEMA))
+    llm.generate(prompts[:4], constrained, use_tqdm=False)  # warm-up: first compile, first masks
+    runs = {"unconstrained_before": _timed_generate(llm, prompts, free)}
+    clock = MaskClock()
+    clock.install()
+    try:
+        runs["json_schema"] = _timed_generate(llm, prompts, constrained)
+    finally:
+        clock.uninstall()
+    runs["unconstrained_after"] = _timed_generate(llm, prompts, free)
+    num_valid_prefixes = sum(t.startswith('{"notes"') or t.lstrip().startswith("{") for t in runs["json_schema"].pop("texts"))
+    for entry in runs.values():
+        entry.pop("texts", None)
+    steps = max(clock.num_steps, 1)
+    result = {
+        "workload": workload.describe(),
+        "runs": runs,
+        "ratio_vs_mean_unconstrained": runs["json_schema"]["output_tok_s"] / (
+            (runs["unconstrained_before"]["output_tok_s"] + runs["unconstrained_after"]["output_tok_s"]) / 2),
+        "mask_fill_ms_per_step": clock.fill_s / steps * 1e3,
+        "mask_apply_ms_per_step": clock.apply_s / steps * 1e3,
+        "accept_ms_per_step": clock.accept_s / steps * 1e3,
+        "mask_share_of_constrained_wall": (clock.fill_s + clock.apply_s + clock.accept_s) / runs["json_schema"]["wall_s"],
+        "num_masked_steps": clock.num_steps,
+        "mean_masked_rows": clock.num_rows / steps,
+        "num_outputs_starting_as_json": num_valid_prefixes,
+        **compile_times,
+        "env": report.environment(),
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "env"}, indent=2))
+    if args.json:
+        report.write_json(args.json, result)
+    return 0

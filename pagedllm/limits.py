@@ -1,0 +1,125 @@
+"""What one request may cost: the limits checked before any work is done for it.
+
+Two small frozen dataclasses hold every bound, so that a deployment changes
+them in one place (``pagedllm serve`` has a flag for each):
+
+* :class:`RequestLimits` bounds the parameters of one request. The engine
+  checks them in ``add_request``, for the offline API and the server alike.
+* :class:`ServerLimits` bounds what one HTTP client may hold: body size,
+  prompts per request, JSON nesting, open connections, and the time a stream
+  may sit unread or a request may run.
+
+Every check raises :class:`RequestError` whose message names the field and
+the limit, so a client knows what to change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+from pagedllm.errors import ConfigError, RequestError
+
+# Integer fields travel to torch as int64 (seeds included).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+# OpenAI's range for a logit bias.
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on the parameters of one request (counts, not bytes).
+
+    ``max_n`` caps ``n`` and ``best_of`` (the sequences sampled for one
+    prompt); ``max_beam_width`` the beams of a beam search; ``max_stop`` the
+    stop strings and ``max_stop_chars`` the length of each; ``max_stop_token_ids``
+    and ``max_logit_bias`` the entries of those lists; ``max_logprobs`` the
+    top-logprobs per position (OpenAI's 20).
+    """
+
+    max_n: int = 128
+    max_beam_width: int = 32
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        _all_positive(self)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what one HTTP client may hold; sizes in bytes, times in seconds.
+
+    ``max_body_bytes``: larger bodies are refused with 413 before they are read
+    in full. ``max_prompts``: prompts in one ``/v1/completions`` request.
+    ``max_json_depth``: nesting of arrays and objects in a body.
+    ``max_connections``: open HTTP connections; past it new ones get 503.
+    ``stream_stall_timeout_s``: a stream whose client has not taken the last
+    event for this long is aborted and its KV blocks freed.
+    ``request_timeout_s``: the most a request may run, streamed or not
+    (``None``: no limit). ``keep_alive_timeout_s``: an idle connection is closed
+    after this long. ``body_read_timeout_s``: the most a client may take to send
+    its request body.
+    """
+
+    max_body_bytes: int = 4 * 2**20
+    max_prompts: int = 64
+    max_json_depth: int = 32
+    max_connections: int = 1024
+    stream_stall_timeout_s: float = 60.0
+    request_timeout_s: float | None = None
+    keep_alive_timeout_s: float = 5.0
+    body_read_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _all_positive(self)
+
+
+def _all_positive(limits: object) -> None:
+    for f in fields(limits):  # type: ignore[arg-type]
+        value = getattr(limits, f.name)
+        if value is None and "None" in str(f.type):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{f.name} must be a positive number, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be finite, got {value!r}")
+
+
+def _fail(param: str, message: str) -> None:
+    raise RequestError(f"{param}: {message}", param=param)
+
+
+def check_at_most(param: str, count: int, limit: int, what: str) -> None:
+    """``count`` items of ``what`` are allowed up to ``limit``; the message names both."""
+    if count > limit:
+        _fail(param, f"at most {limit} {what} are allowed per request, got {count}")
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_token_ids(token_ids: Iterable[object], vocab_size: int, param: str) -> None:
+    """Every id is an int in [0, vocab_size); the message shows the first bad one."""
+    for position, token in enumerate(token_ids):
+        if not is_int(token) or not 0 <= token < vocab_size:  # type: ignore[operator]
+            _fail(
+                param,
+                f"token ids must be integers in [0, {vocab_size}) (this model's vocabulary); "
+                f"got {token!r} at position {position}",
+            )
+
+
+def check_text(text: str, param: str) -> None:
+    """Text must be encodable as UTF-8 (JSON can carry lone surrogates, which are not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        _fail(param, f"the text is not valid Unicode ({exc.reason} at character {exc.start})")

@@ -1,0 +1,148 @@
+"""Grammar compilation and per-sequence matcher state, on xgrammar.
+
+xgrammar is imported on first use, so ``import pagedllm`` and unconstrained
+requests never pay for it. One ``GrammarCompiler`` serves one tokenizer: it
+builds xgrammar's tokenizer info once (the vocabulary's decoded bytes, the
+EOS ids as the grammar's stop tokens) and keeps compiled grammars in an LRU
+cache keyed by ``GrammarSpec`` (kind + canonical text).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.errors import RequestError
+from pagedllm.structured.params import GrammarSpec, StructuredOutputsParams
+
+DEFAULT_MAX_CACHED_GRAMMARS = 256
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the reason.
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar compiled against one tokenizer; immutable and shared by every sequence using it."""
+
+    spec: GrammarSpec
+    handle: Any  # xgrammar.CompiledGrammar
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _CPP_PREFIX.sub("", text)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe (the server compiles off the engine loop)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 max_cached: int = DEFAULT_MAX_CACHED_GRAMMARS) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size  # the model's logits width (may exceed len(tokenizer))
+        self._stop_token_ids = list(stop_token_ids)
+        self._max_cached = max_cached
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()  # LRU: oldest first
+        self._lock = threading.Lock()
+        self._xgr_compiler = None
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+
+    def _compiler(self):
+        if self._xgr_compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+            )
+            # xgrammar's own cache is off: ours is bounded and keyed by the canonical text.
+            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        return self._xgr_compiler
+
+    def compile(self, params: StructuredOutputsParams, param: str | None = None) -> CompiledGrammar:
+        """The compiled grammar for ``params``; RequestError naming ``param`` when it does not compile."""
+        spec = params.spec()
+        with self._lock:
+            cached = self._cache.get(spec)
+            if cached is not None:
+                self._cache.move_to_end(spec)
+                self.num_cache_hits += 1
+                return cached
+            compiler = self._compiler()
+        try:
+            handle = _compile_spec(compiler, spec)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its reason
+            where = param or params.param
+            raise RequestError(f"{where}: cannot compile the {spec.kind.replace('_', ' ')}: {_reason(exc)}",
+                               param=where) from None
+        compiled = CompiledGrammar(spec, handle)
+        with self._lock:
+            self._cache[spec] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+
+def _compile_spec(compiler, spec: GrammarSpec):
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace, strict_mode=True)
+    if spec.kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.text)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.text)
+    raise AssertionError(f"unknown grammar kind {spec.kind}")
+
+
+class GrammarState:
+    """Where one sequence stands in its grammar: the tokens it has accepted so far.
+
+    Invariant: the matcher has accepted exactly the sequence's generated
+    tokens, in order (the engine calls ``accept`` once per appended token).
+    """
+
+    __slots__ = ("grammar", "matcher")
+
+    def __init__(self, grammar: CompiledGrammar, matcher) -> None:
+        self.grammar = grammar
+        self.matcher = matcher
+
+    @classmethod
+    def start(cls, grammar: CompiledGrammar) -> GrammarState:
+        import xgrammar as xgr
+
+        return cls(grammar, xgr.GrammarMatcher(grammar.handle))
+
+    def fork(self) -> GrammarState:
+        """An independent copy at the same point (for a forked sequence or beam)."""
+        return GrammarState(self.grammar, self.matcher.fork())
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past ``token_id``; False (and no change) when the grammar forbids it."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: nothing more may follow."""
+        return self.matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Writes the allowed next tokens into ``bitmask[row]`` (int32 words, bit j of word w = token 32w+j)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def allows(self, token_id: int) -> bool:
+        """Whether ``token_id`` may come next (a test and debugging aid: fills a one-row mask)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.grammar.handle.tokenizer_info.vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return bool((int(bitmask[0, token_id // 32]) >> (token_id % 32)) & 1)

@@ -1,0 +1,143 @@
+"""Structured outputs and tool calls through a real ``pagedllm serve`` on the default model,
+with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_fixture import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population: int = Field(ge=0)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                                                    "required": ["zone"]}},
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--num-kv-blocks", "512", "--max-num-seqs", "16", "--async-scheduling", "--served-model-name", "default")
+    try:
+        yield proc.wait_ready()
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_parse_with_a_pydantic_model(client):
+    completion = client.chat.completions.parse(
+        model="default", messages=_chat("Tell me about Paris as JSON."), response_format=City,
+        temperature=0, max_tokens=80,
+    )
+    city = completion.choices[0].message.parsed
+    assert isinstance(city, City) and completion.choices[0].finish_reason == "stop"
+
+
+def test_json_object_mode_gives_parseable_json(client):
+    for prompt in ("List two fruits as JSON.", "Describe a dog as JSON.", "hello"):
+        response = client.chat.completions.create(
+            model="default", messages=_chat(prompt), response_format={"type": "json_object"},
+            temperature=0, max_tokens=80
+        )
+        text = response.choices[0].message.content
+        if response.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert text.lstrip().startswith("{")  # cut by max_tokens, still JSON so far
+
+
+def test_regex_and_choice_on_completions_and_chat(client):
+    completion = client.completions.create(
+        model="default", prompt="The year the Berlin wall fell:", max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"regex": r" (19|20)[0-9]{2}"}},
+    )
+    assert re.fullmatch(r" (19|20)[0-9]{2}", completion.choices[0].text)
+    chat = client.chat.completions.create(
+        model="default", messages=_chat("Is the sky blue? Answer yes or no."), max_tokens=5, temperature=0,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert chat.choices[0].message.content in ("yes", "no")
+
+
+def test_named_tool_call_arguments_validate_and_stream_equals_non_stream(client):
+    request = dict(
+        model="default", messages=_chat("What is the weather in Tokyo?"), tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=60,
+    )
+    response = client.chat.completions.create(**request)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city", "unit"}
+    assert arguments["unit"] in ("celsius", "fahrenheit")
+    streamed_name, streamed_args, finish = "", "", None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            streamed_name += delta_call.function.name or ""
+            streamed_args += delta_call.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert (streamed_name, streamed_args, finish) == ("get_weather", call.function.arguments, "tool_calls")
+
+
+def test_required_tool_choice_calls_a_listed_tool(client):
+    response = client.chat.completions.create(
+        model="default", messages=_chat("What time is it in UTC?"), tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required", temperature=0, max_tokens=60,
+    )
+    (call,) = response.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+         "response_format"),
+        ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs.regex"),
+        ({"extra_body": {"guided_grammar": "root ::= "}}, "guided_grammar"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5, **body)
+    assert info.value.status_code == 400 and info.value.body["param"] == param
