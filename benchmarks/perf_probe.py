@@ -8,7 +8,7 @@ Usage (one process per dtype; repeat runs, the machine's cores are shared):
     python benchmarks/perf_probe.py --dtype float32 profile    # torch.profiler table of a decode step
     python benchmarks/perf_probe.py --dtype bfloat16 breakdown # W64 under cProfile, by function
 
-``steps`` times ``ModelRunner.execute`` on synthetic decode batches (every
+``steps`` times the worker's forward pass on synthetic decode batches (every
 sequence at the same context length) without the scheduler, so it isolates
 the forward pass plus input building.
 """
@@ -54,12 +54,23 @@ def decode_batch(batch: int, context: int, block_size: int, first_block: int = 1
     return SimpleNamespace(chunks=chunks, memory_ops=[])
 
 
-def time_steps(runner, out, repeats: int) -> list[float]:
-    runner.execute(out)  # warm-up (and compile, if any)
+def forward(worker, out):
+    """One forward pass of the worker's model over ``out.chunks`` (no sampling)."""
+    from pagedllm.runner.inputs import build_model_inputs
+
+    inputs = build_model_inputs(out.chunks, worker.config.block_size, worker.device)
+    with torch.inference_mode():
+        return worker.model(
+            inputs.input_ids, inputs.positions, worker.kv_cache.layers, inputs.metadata, inputs.logits_indices
+        )
+
+
+def time_steps(worker, out, repeats: int) -> list[float]:
+    forward(worker, out)  # warm-up (and compile, if any)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        runner.execute(out)
+        forward(worker, out)
         times.append(time.perf_counter() - started)
     return times
 
@@ -70,7 +81,7 @@ def cmd_steps(args) -> None:
     print(f"load {load_s:.2f} s, threads {torch.get_num_threads()}, dtype {engine.dtype}")
     for batch, context in [(1, 128), (1, 512), (16, 300), (64, 300), (64, 500)]:
         out = decode_batch(batch, context, engine.config.block_size)
-        times = time_steps(engine.runner, out, args.repeats)
+        times = time_steps(engine.worker, out, args.repeats)
         print(
             f"decode batch {batch:3d} ctx {context:4d}: median {1e3 * statistics.median(times):7.2f} ms"
             f"  min {1e3 * min(times):7.2f} ms"
@@ -80,7 +91,7 @@ def cmd_steps(args) -> None:
                                 needs_logits=True, all_logits=False)],
         memory_ops=[],
     )
-    times = time_steps(engine.runner, prefill, args.repeats)
+    times = time_steps(engine.worker, prefill, args.repeats)
     print(f"prefill 128 tokens: median {1e3 * statistics.median(times):7.2f} ms  min {1e3 * min(times):7.2f} ms")
 
 
@@ -154,10 +165,10 @@ def cmd_profile(args) -> None:
     llm, _ = make_llm(args)
     engine = llm.llm_engine
     out = decode_batch(args.batch, args.context, engine.config.block_size)
-    time_steps(engine.runner, out, 2)
+    time_steps(engine.worker, out, 2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            engine.runner.execute(out)
+            forward(engine.worker, out)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

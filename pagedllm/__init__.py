@@ -5,9 +5,13 @@ CompletionOutput, EngineConfig. ``LLM`` is imported lazily so that
 ``import pagedllm`` stays cheap.
 """
 
-from pagedllm.config import EngineConfig
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.native.threads import set_openmp_defaults
+
+set_openmp_defaults()  # before torch starts its OpenMP runtime (see pagedllm/native/threads.py)
+
+from pagedllm.config import EngineConfig  # noqa: E402
+from pagedllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

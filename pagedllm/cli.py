@@ -64,13 +64,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each decode step before the previous step's tokens are read "
                    "(default: on with CUDA graphs)")
-    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="intra-op threads (per rank with tensor parallelism)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many worker processes (torch.distributed)")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=list(QUANTIZATION_GROUP_SIZES))
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--rope-scaling", type=parse_json_object, default=None,
                    help='HF rope_scaling JSON replacing the model\'s, e.g. \'{"rope_type":"yarn","factor":4.0}\' '
                    "(linear | dynamic | yarn | llama3); lets --max-model-len pass the trained context")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="weights: none (default: dense --dtype), gguf (GGUF Q4_0/Q4_1/Q8_0 served packed), "
                    "int8|int4 (RTN, --quantization-group-size per scale); CPU only")

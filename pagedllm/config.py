@@ -87,6 +87,9 @@ class EngineConfig:
     ``async_scheduling``: schedule and launch each decode step before reading
     the previous step's tokens (stop conditions are then seen one step late);
     ``None`` turns it on where CUDA graphs run.
+    ``tensor_parallel_size``: ranks the model is split over (heads, MLP,
+    vocabulary), one process each, over torch.distributed (gloo on CPU, NCCL
+    on CUDA); each rank takes its share of the CPU cores.
     ``max_logprobs``: the most ``logprobs`` / ``prompt_logprobs`` a request may
     ask for; ``None`` (vLLM's -1) is no cap.
     ``generation_config``: where default sampling parameters come from:
@@ -170,7 +173,13 @@ class EngineConfig:
 
     def _check_not_yet_supported(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
-        _not_yet("tensor_parallel_size", self.tensor_parallel_size, (1,))
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1; leave it unset")
+        if self.tensor_parallel_size > 1 and self.quantization not in (None, "none"):
+            raise ConfigError(
+                f"quantization={self.quantization!r} with tensor_parallel_size > 1 is not supported yet; "
+                "use tensor_parallel_size=1 or quantization='none'"
+            )
         _not_yet("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_CACHE_DTYPES)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(

@@ -103,7 +103,8 @@ ENGINE_NOTES = {
     "max_logprobs": "default 20; -1 (or None) is no cap; 0 is refused; enforced on logprobs and prompt_logprobs",
     "enforce_eager": SAME_NOTE + "turns CUDA graphs off; nothing else is compiled",
     "preemption_mode": SAME_NOTE + "vLLM 0.x's recompute | swap, plus auto",
-    "tensor_parallel_size": "1 only for now; other values raise ConfigError",
+    "tensor_parallel_size": "N worker processes over torch.distributed (gloo on CPU, NCCL on CUDA); "
+                            "no async_scheduling, CUDA graphs or quantization with N > 1 yet",
     "quantization": "None/none (dense weights), gguf (a GGUF's Q4_0/Q4_1/Q8_0 served packed), int8 | int4 "
                     "(RTN weight-only, CPU); others raise ConfigError",
     "kv_cache_dtype": "auto only for now (the model dtype); others raise ConfigError",

@@ -8,14 +8,21 @@ A screenshot of the page under load is written to ``$PAGEDLLM_TEST_ARTIFACTS``
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from chromium_driver import Chromium, ensure_chromium
 from server_fixture import REPO_ROOT, ServerProcess
+
+from pagedllm.kv.snapshot import CellState, decode_field, unpack_cells
 
 pytestmark = pytest.mark.slow
 
@@ -100,6 +107,8 @@ def test_live_page_under_load_matches_the_engine(browser, server):
     blocks = [int(b) for b in table.split(" → ")]
     assert len(blocks) >= 1 and all(0 <= b < NUM_KV_BLOCKS for b in blocks)
     _fresh_frame(browser)
+    browser.wait_for("window.pagedllmDashboard.points.length >= 8", timeout=60)  # some history to chart
+    browser.hover(5, 5)  # the tooltip off the grid for the picture
     artifacts = os.environ.get("PAGEDLLM_TEST_ARTIFACTS", os.path.join(REPO_ROOT, "test-artifacts"))
     os.makedirs(artifacts, exist_ok=True)
     shot = os.path.join(artifacts, "dashboard-live.png")
@@ -121,3 +130,36 @@ def test_live_page_under_load_matches_the_engine(browser, server):
     assert _num(browser, "stat-num_prompt_tokens_total") == metrics["pagedllm:prompt_tokens_total"]
     assert _num(browser, "stat-num_preemptions_total") == metrics["pagedllm:num_preemptions_total"]
     assert _num(browser, "queue-running") == metrics["pagedllm:num_requests_running"] == 0
+
+
+def test_memory_audit_replay_page(browser, tmp_path):
+    html = tmp_path / "replay.html"
+    cmd = [sys.executable, "-m", "pagedllm.cli", "bench", "memory", "--num-prompts", "4", "--output-len", "8",
+           "--kv-tokens", "1024", "--policies", "paged,contiguous-max", "--no-sharing", "--no-warmup",
+           "--html", str(html)]
+    subprocess.run(cmd, cwd=REPO_ROOT, check=True, capture_output=True, timeout=900)
+    text = html.read_text()
+    data = json.loads(re.search(r'<script id="replay-data" type="application/json">(.*?)</script>', text, re.S)
+                      .group(1).replace("<\\/", "</"))
+    assert [run["name"] for run in data["runs"]] == ["paged", "contiguous-max"]
+    for run in data["runs"]:
+        assert len(run["frames"]) == len(run["points"]) > 1  # one frame per engine step (under 400 steps)
+        for frame in run["frames"]:
+            states, _ = unpack_cells(decode_field(frame["snapshot"]["device"]))
+            in_use = np.isin(states, [CellState.USED, CellState.SHARED, CellState.COPIED, CellState.RESERVED])
+            assert int(in_use.sum()) == frame["snapshot"]["counters"]["num_used_blocks"]
+
+    browser.navigate(html.as_uri())
+    browser.wait_for("document.getElementById('grid').dataset.numBlocks === '64'")
+    assert browser.evaluate("document.getElementById('replay-run').options.length") == 2
+    last = len(data["runs"][1]["frames"]) - 1
+    # contiguous-max reserves max_model_len per request: reserved cells show while it runs.
+    browser.evaluate(f"""(() => {{ const run = document.getElementById('replay-run'); run.value = '1';
+        run.dispatchEvent(new Event('change'));
+        const s = document.getElementById('replay-step'); s.value = '{last // 2}';
+        s.dispatchEvent(new Event('input')); return 1; }})()""")
+    browser.wait_for(f"document.getElementById('replay-label').textContent.startsWith('step {last // 2} ')")
+    browser.wait_for("Number(document.getElementById('count-reserved').textContent) > 0")
+    assert browser.evaluate("document.getElementById('replay-step').max") == str(last)
+    browser.evaluate("document.getElementById('replay-play').click()")
+    browser.wait_for(f"Number(document.getElementById('replay-step').value) > {last // 2}")

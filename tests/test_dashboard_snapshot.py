@@ -9,9 +9,10 @@ from pagedllm.engine.sequence import Request, Sequence
 from pagedllm.kv.block_manager import BlockCopy, BlockManager
 from pagedllm.kv.snapshot import (
     CellState,
+    cpu_cells,
     decode_field,
     device_cells,
-    cpu_cells,
+    kv_stats,
     pack_cells,
     snapshot_engine,
     take_snapshot,
@@ -62,6 +63,7 @@ def test_fork_copy_on_write_prefix_hit_cached_and_reserved_cells():
     # Without recent writes the copy target is an ordinary used block.
     assert cells(device_cells(bm))[0][3] is U
     assert bm.take_recent_writes() == []
+    assert kv_stats(bm) == bm.stats()
 
 
 def test_swapped_group_shows_in_the_cpu_pool_and_swap_in_targets_as_copied():
@@ -72,6 +74,7 @@ def test_swapped_group_shows_in_the_cpu_pool_and_swap_in_targets_as_copied():
     bm.check_invariants()
     assert cells(device_cells(bm)) == ([F] * 8, [0] * 8)
     assert cells(cpu_cells(bm)) == ([W, W, F, F], [2, 2, 0, 0])
+    assert kv_stats(bm) == bm.stats()
 
     assert bm.swap_in([0, 1]) == [(0, 2), (1, 3)]
     bm.check_invariants()
@@ -149,6 +152,7 @@ def test_requests_list_their_tables_in_logical_order_with_forks_and_prefix_hits(
     assert in_use == snapshot.counters["num_used_blocks"]
     assert snapshot.counters["num_running_seqs"] == 3
     assert snapshot.counters["num_waiting_listed"] == 1
+    assert kv_stats(bm) == bm.stats()
 
 
 def test_json_carries_the_tables_and_cells_exactly():
@@ -169,4 +173,47 @@ def test_json_carries_the_tables_and_cells_exactly():
     assert tables == [0, 1, 2, 3, 4]
     assert [r["seqs"] for r in data["requests"]] == [[[0, 0, 4, 30, 0]], [[1, 4, 1, 5, 0]]]
     assert cells(snapshot.device_cells)[0] == [U] * 5 + [F] * 7
+    bm.check_invariants()
+
+
+def test_numpy_stats_equal_the_managers_own_under_random_operations():
+    import random
+
+    rng = random.Random(7)
+    bm = BlockManager(64, 8, num_cpu_blocks=32, enable_prefix_caching=True, watermark=0.0)
+    live: list[int] = []
+    next_id = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.3 or not live:
+            tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+            if bm.can_allocate(tokens):
+                bm.allocate(next_id, tokens)
+                bm.cache_full_blocks(next_id, tokens, len(tokens))
+                live.append(next_id)
+                next_id += 1
+        elif op < 0.45:
+            parent = rng.choice(live)
+            if not bm.is_swapped(parent):
+                bm.fork(parent, next_id)
+                live.append(next_id)
+                next_id += 1
+        elif op < 0.75:
+            seq = rng.choice(live)
+            if not bm.is_swapped(seq) and bm.can_append_slots(seq, 3):
+                bm.append_slots(seq, 3)
+        elif op < 0.85:
+            seq = rng.choice(live)
+            if bm.is_swapped(seq) and bm.can_swap_in([seq]):
+                bm.swap_in([seq])
+            elif not bm.is_swapped(seq) and bm.can_swap_out([seq]):
+                bm.swap_out([seq])
+        else:
+            seq = live.pop(rng.randrange(len(live)))
+            bm.free(seq)
+        assert kv_stats(bm) == bm.stats()
+        counts = take_snapshot(bm).cell_counts()
+        in_use = counts["used"] + counts["shared"] + counts["copied"] + counts["reserved"]
+        assert in_use == bm.stats().num_used_blocks
+        assert counts["cached"] == bm.stats().num_cached_blocks
     bm.check_invariants()

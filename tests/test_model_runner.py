@@ -1,4 +1,4 @@
-"""The runner carries out the scheduler's memory operations in the order they were decided."""
+"""The worker carries out the scheduler's memory operations in the order they were decided."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from pagedllm.engine.scheduler import MemoryOpKind, SchedulerOutput
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.worker.worker import apply_memory_ops
 
 
 def test_swap_in_then_out_of_the_same_block_keeps_the_data():
@@ -20,7 +20,7 @@ def test_swap_in_then_out_of_the_same_block_keeps_the_data():
     out.add_memory_op(MemoryOpKind.SWAP_IN, [(0, 2)])  # cpu 0 -> device 2
     out.add_memory_op(MemoryOpKind.COPY, [(2, 3)])  # device 2 -> device 3
     out.add_memory_op(MemoryOpKind.SWAP_OUT, [(2, 1)])  # device 2 -> cpu 1
-    ModelRunner(model=None, kv_cache=cache, block_size=8, device=torch.device("cpu")).apply_memory_ops(out)
+    apply_memory_ops(cache, out.memory_ops)
     for (k_dev, _), (k_cpu, _), want in zip(cache.layers, cache.cpu_layers, saved):
         assert torch.equal(k_dev[2], want) and torch.equal(k_dev[3], want)
         assert torch.equal(k_cpu[1], want)

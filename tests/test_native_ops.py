@@ -142,14 +142,15 @@ def test_rotary_rejects_positions_past_the_table():
     """The native path reads the cos/sin tables by position without bounds checks of
     its own, so the step refuses positions the tables do not have."""
     from pagedllm.models.config import ModelConfig
-    from pagedllm.models.llama import RotaryEmbedding
+    from pagedllm.models.llama import rotary_embedding
 
     config = ModelConfig.from_hf_config(
         {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 100, "max_position_embeddings": 32, "rms_norm_eps": 1e-5}
     )
-    rotary = RotaryEmbedding(config)
+    rotary = rotary_embedding(config)
+    rotary.bind(torch.device("cpu"), torch.float32)
     like = torch.zeros(2, 64)
     with torch.inference_mode():
         rotary.for_step(torch.tensor([0, 31]), like)  # the last position is fine
@@ -236,3 +237,83 @@ def test_using_isa_swaps_the_loaded_kernels_and_restores_them():
         assert cpu_ops.selected_isa() == "scalar" and not cpu_ops.vectorized()
         assert library.vector_width() == 1
     assert cpu_ops.selected_isa() == before
+
+
+# ---------------------------------------------------------------- dtype by what the CPU does
+
+
+def test_native_matmul_probe_follows_onednn():
+    from pagedllm.native import cpu_dtype
+
+    assert cpu_dtype.native_matmul(torch.float32)
+    assert cpu_dtype.native_matmul(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_emulated_bfloat16_is_announced_and_auto_stays_float32(monkeypatch):
+    """On a CPU without native bf16 matmuls, asking for bf16 warns with the reason and
+    the fix; auto and float32 stay silent and resolve to float32."""
+    import warnings
+
+    from pagedllm.engine.llm_engine import resolve_dtype
+    from pagedllm.native import cpu_dtype
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_dtype, "native_matmul", lambda dtype: dtype == torch.float32)
+    with pytest.warns(RuntimeWarning, match=r"no native bfloat16 matmul.*20x slower.*dtype='float32'"):
+        assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.warns(RuntimeWarning, match="no native float16 matmul"):
+        resolve_dtype("float16", cpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_dtype("auto", cpu) == torch.float32
+        assert resolve_dtype("float32", cpu) == torch.float32
+    monkeypatch.setattr(cpu_dtype, "native_matmul", lambda dtype: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_dtype("bfloat16", cpu) == torch.bfloat16  # native: no warning
+
+
+def test_benchmark_environment_names_the_machine_class():
+    from pagedllm.bench import report
+
+    env = report.environment()
+    assert env["native_isa"] == cpu_ops.requested_isa()
+    assert env["native_isa_paths"] == list(ISA_PATHS)
+    assert env["cpu_model"] and isinstance(env["cpu_isa_flags"], list)
+    if "avx2" in ISA_PATHS:
+        assert {"avx2", "fma"} <= set(env["cpu_isa_flags"])
+    assert env["bf16_matmul_native"] == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# ---------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize("user_value", [None, "ACTIVE"])
+def test_importing_pagedllm_makes_openmp_wait_passively_unless_the_user_chose(user_value):
+    code = (
+        "import os, pagedllm, torch; from pagedllm.bench.peers import vllm_env; "
+        "print(os.environ.get('OMP_WAIT_POLICY'), vllm_env().get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if user_value:
+        env["OMP_WAIT_POLICY"] = user_value
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ours, peer = done.stdout.split()
+    if user_value:
+        assert ours == peer == user_value  # the user's choice, for pagedllm and its peers
+    else:
+        assert (ours, peer) == ("PASSIVE", "None")  # the peer keeps its own default
+
+
+def test_bench_compare_names_a_forced_path_or_says_what_is_allowed():
+    import argparse
+
+    from pagedllm.bench import throughput
+
+    args = argparse.Namespace(compare="pagedllm@avx3", hf_batch_size=8, peer_python=None, warmup=False)
+    with pytest.raises(ConfigError, match=r"pagedllm@ISA with ISA one of \['scalar', 'avx2', 'avx512', 'avx512_bf16'\]"):
+        throughput.compare(args, workload=None)
+    args.compare = "vllm@avx2"  # only pagedllm's kernels can be forced
+    with pytest.raises(ConfigError, match="vllm@avx2"):
+        throughput.compare(args, workload=None)

@@ -21,10 +21,11 @@ from test_gguf_loader import _hf_model, _prefill_logits, _state, _write_gguf
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.errors import ConfigError
-from pagedllm.models.llama import Linear
+from pagedllm.layers.linear import LinearBase
 from pagedllm.models.loader import load_model
 from pagedllm.native import quant_ops
 from pagedllm.quant import QuantizedWeight, from_gguf_blocks, quantize_rtn
+from pagedllm.quant.layers import QuantizedEmbedding, QuantizedLinearMethod, QuantizedLMHead
 
 GGUF_TYPES = {"Q4_0": QType.Q4_0, "Q4_1": QType.Q4_1, "Q8_0": QType.Q8_0}
 # int8 activations per 32-block: relative error of a dot product a few tenths of a percent
@@ -137,6 +138,9 @@ def test_engine_config_refuses_unknown_quantization():
         EngineConfig(quantization="fp4")
     with pytest.raises(ConfigError, match="quantization_group_size"):
         EngineConfig(quantization="int4", quantization_group_size=16)
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported yet"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    assert EngineConfig(quantization="none", tensor_parallel_size=2).tensor_parallel_size == 2
 
 
 # ---------------------------------------------------------------- loading a model
@@ -162,6 +166,11 @@ def _load(path, quantization: str, **options):
     )
 
 
+def _packed(layer: LinearBase) -> QuantizedWeight | None:
+    """The packed matrix a linear layer serves, None for a dense one."""
+    return layer.method.weight if isinstance(layer.method, QuantizedLinearMethod) else None
+
+
 @needs_kernels
 def test_gguf_tensors_load_packed_and_match_the_dequantized_model(tmp_path, caplog):
     path = tmp_path / "tiny-q.gguf"
@@ -171,15 +180,17 @@ def test_gguf_tensors_load_packed_and_match_the_dequantized_model(tmp_path, capl
         packed = _load(path, "gguf")
     assert any("Q5_0" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
     layer0, layer1 = packed.model.layers[0], packed.model.layers[1]
-    assert layer0.self_attn.qkv_proj.quantized.format_name == "Q4_1"
-    assert layer0.mlp.gate_up_proj.quantized.format_name == "Q8_0"
-    assert layer0.self_attn.o_proj.quantized.format_name == "Q4_0"
-    assert layer1.mlp.gate_up_proj.quantized is None  # Q5_0: dense
-    assert packed.model.embed_quantized is packed.model.head_quantized  # tied
+    assert _packed(layer0.self_attn.qkv_proj).format_name == "Q4_1"
+    assert _packed(layer0.mlp.gate_up_proj).format_name == "Q8_0"
+    assert _packed(layer0.self_attn.o_proj).format_name == "Q4_0"
+    assert _packed(layer1.mlp.gate_up_proj) is None  # Q5_0: dense
+    embed, head = packed.model.embed_tokens, packed.model.lm_head
+    assert isinstance(embed, QuantizedEmbedding) and isinstance(head, QuantizedLMHead)
+    assert embed.quantized is head.quantized  # tied: one packed matrix
     assert layer0.self_attn.qkv_proj.weight.numel() == 0  # no dense copy kept
     # the packed rows (q/k un-permuted, q|k|v fused) are the dense model's rows
     torch.testing.assert_close(
-        layer0.self_attn.qkv_proj.quantized.dequantize(), dense.model.layers[0].self_attn.qkv_proj.weight,
+        _packed(layer0.self_attn.qkv_proj).dequantize(), dense.model.layers[0].self_attn.qkv_proj.weight,
         rtol=0, atol=0,
     )
     tokens = list(range(3, 60))
@@ -195,9 +206,10 @@ def test_rtn_quantizes_every_linear_layer_embedding_and_head(tmp_path, quantizat
     _write_gguf(path, _state(_hf_model()), {})
     dense = _load(path, "none")
     packed = _load(path, quantization, quantization_group_size=64)
-    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.quantized is not None and m.quantized.format_name == quantization for m in linears)
-    assert packed.model.head_quantized is not None
+    linears = [m for m in packed.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(_packed(m) is not None and _packed(m).format_name == quantization for m in linears)
+    assert isinstance(packed.model.lm_head, QuantizedLMHead)
+    assert packed.model.lm_head.quantized.format_name == quantization
     tokens = list(range(3, 60))
     want, got = _prefill_logits(dense, tokens), _prefill_logits(packed, tokens)
     assert _relative_error(got, want) < (0.02 if quantization == "int8" else 0.3)

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixture import ServerProcess
 
-NUM_CASES = int(os.environ.get("PAGEDLLM_FUZZ_CASES", "120"))
+NUM_CASES = int(os.environ.get("PAGEDLLM_FUZZ_CASES", "80"))
 NUM_SLOW_CASES = int(os.environ.get("PAGEDLLM_FUZZ_SLOW_CASES", "1500"))
 VOCAB = 256
 CASE_TIMEOUT_S = 60.0

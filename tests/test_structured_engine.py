@@ -180,7 +180,7 @@ def test_matcher_state_survives_forced_preemption(tiny_model_dir, mode):
     roomy = _llm(tiny_model_dir)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     # Too few blocks for all six at once: requests are preempted mid-JSON and resumed.
-    extra = {"swap_space": 8 * 2**20} if mode == "swap" else {}
+    extra = {"swap_space_bytes": 8 * 2**20} if mode == "swap" else {}
     tight = _llm(tiny_model_dir, kv_cache_memory=None, num_kv_blocks=24, preemption_mode=mode, **extra)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.get_stats().num_preemptions_total > 0

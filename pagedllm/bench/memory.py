@@ -116,14 +116,20 @@ def _warm_up(engine) -> None:
         engine.step()
 
 
-def audit_policy(config, workload: Workload, warmup: bool = True) -> dict:
-    """Run the workload under ``config`` (an EngineConfig); census after every step."""
+def audit_policy(config, workload: Workload, warmup: bool = True, replay: ReplayRecorder | None = None) -> dict:
+    """Run the workload under ``config`` (an EngineConfig); census after every step.
+
+    With ``replay``, a KV snapshot is also taken after every step (not charged
+    to ``engine_s``) for ``--html``.
+    """
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.sampling_params import SamplingParams
 
     engine = LLMEngine(config)
     if warmup:
         _warm_up(engine)
+    if replay is not None:
+        replay.start_run(engine)
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     final_lens: dict[str, int] = {}
     for i, prompt in enumerate(workload.prompt_token_ids):
@@ -141,6 +147,8 @@ def audit_policy(config, workload: Workload, warmup: bool = True) -> dict:
                 num_output += sum(len(c.token_ids) for c in output.outputs)
                 num_errors += sum(1 for c in output.outputs if c.finish_reason == "error")
         censuses.append(take_census(engine, final_lens))
+        if replay is not None:
+            replay.record(engine, time.perf_counter() - start)
     stats = engine.block_manager.stats()
     return {
         "kv_policy": config.kv_policy,
@@ -157,6 +165,66 @@ def audit_policy(config, workload: Workload, warmup: bool = True) -> dict:
         "num_kv_blocks": stats.num_blocks,
         "num_errors": num_errors,
     }
+
+
+# ---- replay (--html) -----------------------------------------------------------
+
+MAX_REPLAY_FRAMES = 400  # per run; longer runs keep evenly spaced steps
+
+
+class ReplayRecorder:
+    """KV snapshots after every engine step of each audited run, for the dashboard's replay mode."""
+
+    def __init__(self) -> None:
+        self.runs: list[dict] = []
+        self._last_tokens = 0
+
+    def start_run(self, engine) -> None:
+        from pagedllm.server.dashboard import engine_settings
+
+        engine.block_manager.take_recent_writes()  # the warm-up's copies are not part of the run
+        name = engine.config.kv_policy
+        if any(run["name"] == name for run in self.runs):  # paged again, under another headroom
+            name += f", headroom {engine.config.num_headroom_tokens}"
+        self.runs.append({"name": name, "settings": engine_settings(engine), "frames": [], "points": []})
+        self._last_tokens = engine.num_generation_tokens_total
+
+    def record(self, engine, step_s: float) -> None:
+        from pagedllm.kv.snapshot import snapshot_engine
+
+        run = self.runs[-1]
+        snapshot = snapshot_engine(engine, engine.block_manager.take_recent_writes())
+        step = len(run["points"])
+        c = snapshot.counters
+        held = c["num_slots_holding_tokens"] + c["num_slots_saved_by_sharing"]
+        new_tokens = engine.num_generation_tokens_total - self._last_tokens
+        self._last_tokens = engine.num_generation_tokens_total
+        run["points"].append({
+            "step": step, "kv_usage": c["usage"],
+            "shared_saving": c["num_slots_saved_by_sharing"] / held if held else 0.0,
+            "prefix_hit_rate": c["prefix_cache_hit_rate"] if c["prefix_cache_queries"] else None,
+            "preemptions": c["num_preemptions_total"], "batch_size": c["num_running_seqs"],
+            "gen_tok_s": new_tokens / step_s if step_s > 0 else 0.0,
+        })
+        run["frames"].append({"step": step, "snapshot": snapshot.to_json()})
+
+    def data(self) -> dict:
+        """The replay page's data: every run, thinned to MAX_REPLAY_FRAMES frames (points all kept)."""
+        runs = []
+        for run in self.runs:
+            frames = run["frames"]
+            if len(frames) > MAX_REPLAY_FRAMES:
+                stride = len(frames) / MAX_REPLAY_FRAMES
+                frames = [frames[int(k * stride)] for k in range(MAX_REPLAY_FRAMES - 1)] + [frames[-1]]
+            # a frame's step indexes the run's points, so the chart cursor sits at its step
+            runs.append({**run, "frames": frames})
+        return {"runs": runs}
+
+    def write_html(self, path: str) -> None:
+        from pagedllm.server.dashboard import render_page
+
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render_page("replay", self.data()))
 
 
 # ---- sharing ---------------------------------------------------------------------
@@ -259,6 +327,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sharing-beam", type=_int_list, default=[2, 4, 8], help="beam widths")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="a few short requests before each run")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    g.add_argument(
+        "--html", default=None, metavar="FILE.html",
+        help="write the dashboard's view of every audited run as an offline replay (step slider, play)",
+    )
     g.add_argument("--plot", default=None, metavar="FILE.png", help="KV usage per policy (matplotlib)")
     g.add_argument("--sharing-plot", default=None, metavar="FILE.png", help="sharing savings (matplotlib)")
     g.add_argument("--sweep-plot", default=None, metavar="FILE.png", help="block-size sweep (matplotlib)")
@@ -287,10 +359,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--policies {args.policies!r}: choose from {list(KV_POLICIES)}")
     print(workload.describe(), file=sys.stderr)
     result: dict = {"workload": workload.describe(), "policies": {}}
+    replay = ReplayRecorder() if args.html else None
     for policy in policies:
         print(f"auditing {policy} ...", file=sys.stderr, flush=True)
-        result["policies"][policy] = audit_policy(audit_config(args, args.block_size, policy), workload, args.warmup)
-    result["paged_headroom"] = audit_headrooms(args, workload)
+        config = audit_config(args, args.block_size, policy)
+        result["policies"][policy] = audit_policy(config, workload, args.warmup, replay)
+    result["paged_headroom"] = audit_headrooms(args, workload, replay)
     config = audit_config(args, args.block_size, policies[0])
     result.update(kv_tokens=config.num_kv_blocks * config.block_size, max_model_len=config.max_model_len)
     print(format_policies(result))
@@ -308,17 +382,20 @@ def run(args: argparse.Namespace) -> int:
         print(format_sharing(result["sharing"]))
     result["env"] = report.environment()
     _write_outputs(args, result)
+    if replay is not None:
+        replay.write_html(args.html)
+        print(f"replay of {len(replay.runs)} run(s) written to {args.html}", file=sys.stderr)
     return 0
 
 
-def audit_headrooms(args: argparse.Namespace, workload: Workload) -> dict:
+def audit_headrooms(args: argparse.Namespace, workload: Workload, replay: ReplayRecorder | None = None) -> dict:
     """Paged KV under each ``--headroom-tokens`` value, keyed by the value as a string."""
     runs = {}
     for num_tokens in args.headroom_tokens:
         print(f"auditing paged, headroom {num_tokens} tokens ...", file=sys.stderr, flush=True)
         config = audit_config(args, args.block_size, "paged")
         config = dataclasses.replace(config, num_headroom_tokens=num_tokens)
-        runs[str(num_tokens)] = audit_policy(config, workload, args.warmup)
+        runs[str(num_tokens)] = audit_policy(config, workload, args.warmup, replay)
     return runs
 
 

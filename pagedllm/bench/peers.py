@@ -172,7 +172,9 @@ def export_hf_dir(model: str | None) -> Path:
 
 
 def vllm_env(num_cpus: int | None = None) -> dict:
-    env = dict(os.environ)
+    from pagedllm.native.threads import without_pagedllm_defaults
+
+    env = without_pagedllm_defaults(dict(os.environ))
     cpus = num_cpus or os.cpu_count() or 1
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cpus - 1}")
     for key, value in VLLM_CPU_ENV.items():

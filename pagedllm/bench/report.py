@@ -102,12 +102,42 @@ def environment() -> dict:
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": platform.machine(),
+        **machine_class(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         # other work on the machine skews every figure: keep the evidence with them
         "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+_ISA_FLAG_PREFIXES = ("sse4", "avx", "fma", "f16c", "amx", "neon", "asimd", "sve")
+
+
+def machine_class() -> dict:
+    """The CPU a figure was measured on, and the native kernel path it ran.
+
+    Figures compare only within one class: the CPU model, its vector ISA flags,
+    whether torch has native bf16 matmuls there, and the dispatched path of
+    pagedllm's native kernels (``PAGEDLLM_CPU_ISA`` forces one)."""
+    import torch
+
+    from pagedllm.native import cpu_ops
+
+    flags = sorted(f for f in cpu_ops.cpu_flags() if f.startswith(_ISA_FLAG_PREFIXES))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count()
+    return {
+        "cpu_model": cpu_ops.cpu_model(),
+        "cpu_isa_flags": flags,
+        "bf16_matmul_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "native_isa": cpu_ops.selected_isa(),
+        "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
+        "cpus_allowed": cores,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
 
 

@@ -669,6 +669,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-interval", type=float, default=METRICS_INTERVAL_S,
                    help="seconds between reads of the server's /metrics during the load (0: none)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    k = parser.add_argument_group("soak (with --duration; against --base-url)")
+    k.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="soak for S seconds: sessions back to back, disconnects and bad requests alongside")
+    k.add_argument("--num-sessions", type=int, default=None, help="stop starting sessions after this many")
+    k.add_argument("--disconnect-fraction", type=float, default=0.1,
+                   help="share of soak sessions that hang up after their first token")
+    k.add_argument("--bad-request-rate", type=float, default=2.0, help="bad requests per second during the soak")
     g.add_argument("--markdown", default=None, metavar="FILE", help="write the results as a Markdown table")
     _add_compare_arguments(parser)
     add_workload_arguments(
@@ -713,6 +720,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give either --base-url or --compare, not both")
     workload = workload_from_args(args)
     print(workload.describe(), file=sys.stderr)
+    if args.duration is not None:
+        return run_soak_from_args(args, workload)
     if args.compare:
         return run_compare(args, workload)
     result = asyncio.run(
@@ -729,6 +738,30 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).write_text(format_markdown([result]) + "\n")
     return 0 if result["errors"] == 0 else 1
+
+
+def run_soak_from_args(args: argparse.Namespace, workload: Workload) -> int:
+    from pagedllm.bench import soak
+
+    if not args.base_url:
+        raise ConfigError("--duration soaks a running server: give --base-url")
+    if not 0.0 <= args.disconnect_fraction <= 1.0:
+        raise ConfigError(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
+    settings = soak.SoakSettings(
+        duration_s=args.duration, num_sessions=args.num_sessions, concurrency=args.max_concurrency or 32,
+        disconnect_fraction=args.disconnect_fraction, bad_request_rate=args.bad_request_rate,
+        metrics_interval_s=args.metrics_interval or METRICS_INTERVAL_S,
+    )
+    result = asyncio.run(
+        soak.run_soak(args.base_url, args.model, workload, settings, args.api_key, args.seed, args.timeout)
+    )
+    result["base_url"] = args.base_url
+    result["env"] = report.environment()
+    result["loadavg_1m"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    print(soak.format_soak(result))
+    if args.json:
+        report.write_json(args.json, result)
+    return 0 if soak.soak_ok(result) else 1
 
 
 # ---- presenting ---------------------------------------------------------------

@@ -290,13 +290,22 @@ def summarize(records, sampler: ServerSampler, first: dict, idle: dict, duration
         "peak_kv_usage": sampler.peak("kv_cache_usage_perc"),
         "final_kv_usage": final_usage,
         "num_kv_blocks": num_kv_blocks,
-        "leaked_blocks": (round(final_usage * num_kv_blocks) if final_usage is not None and num_kv_blocks else None),
+        "leaked_blocks": _leaked_blocks(final_usage, num_kv_blocks),
         "idle_after_load": not idle.get("num_requests_running") and not idle.get("num_requests_waiting"),
         "preemptions": (preempt_last - preempt_first if preempt_first is not None and preempt_last is not None else None),
         "ttft_ms": _percentiles(ttft),
         "tpot_ms": _percentiles(tpot),
         "server_rss": _rss_summary(rss),
     }
+
+
+def _leaked_blocks(final_usage: float | None, num_kv_blocks: int | None) -> int | None:
+    """Blocks still in use once idle: 0 when the usage gauge reads 0, else needs the cache size."""
+    if final_usage is None:
+        return None
+    if final_usage == 0:
+        return 0
+    return round(final_usage * num_kv_blocks) if num_kv_blocks else None
 
 
 def _percentiles(values: list[float]) -> dict | None:
@@ -402,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pagedllm bench sessions: error: {exc}", file=sys.stderr)
         return 1
-    failed = any(r["sessions"]["errored"] or r["leaked_blocks"] or not r["idle_after_load"] for r in results)
+    failed = any(r["sessions"]["errored"] or r["leaked_blocks"] != 0 or not r["idle_after_load"] for r in results)
     return 1 if failed else 0
 
 

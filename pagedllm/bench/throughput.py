@@ -182,16 +182,23 @@ def run_backend(args: argparse.Namespace, workload: Workload) -> ThroughputResul
 
 def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
     """Run each backend of ``--compare`` in a fresh process on the same workload file."""
+    from pagedllm.native.cpu_ops import ISA_ENV, ISA_PATHS
+
     backends = [b.strip() for b in args.compare.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
+    # pagedllm@ISA runs pagedllm with its native kernels forced to that path (PAGEDLLM_CPU_ISA)
+    specs = [b.partition("@") for b in backends]
+    unknown = [b for b, (name, _, isa) in zip(backends, specs)
+               if name not in BACKENDS or (isa and (name != "pagedllm" or isa not in ISA_PATHS))]
     if unknown or not backends:
-        raise ConfigError(f"--compare {args.compare!r}: choose from {list(BACKENDS)}")
+        raise ConfigError(
+            f"--compare {args.compare!r}: choose from {list(BACKENDS)}, or pagedllm@ISA with ISA one of {list(ISA_PATHS)}"
+        )
     results = []
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as tmp:
         workload_file = Path(tmp) / "workload.json"
         workload.save(workload_file)
-        for backend in backends:
-            out = Path(tmp) / f"{backend}.json"
+        for label, (backend, _, isa) in zip(backends, specs):
+            out = Path(tmp) / f"{backend}-{isa or 'default'}.json"
             cmd = [
                 sys.executable, "-m", "pagedllm.cli", "bench", "throughput",
                 "--backend", backend, "--workload", str(workload_file), "--json", str(out),
@@ -202,13 +209,14 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
             if not args.warmup:
                 cmd.append("--no-warmup")
             cmd += engine_argv(args)
-            print(f"running {backend} ...", file=sys.stderr, flush=True)
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            env = {**os.environ, ISA_ENV: isa} if isa else None
+            print(f"running {label} ...", file=sys.stderr, flush=True)
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode != 0 or not out.is_file():
                 raise ConfigError(
-                    f"the {backend} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+                    f"the {label} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
                 )
-            results.append(report.read_json(out))
+            results.append({**report.read_json(out), "backend": label})
     return results
 
 
@@ -233,7 +241,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def format_results(results: list[dict], workload: Workload) -> str:
-    base = next((r for r in results if r["backend"] == "pagedllm"), None)
+    base = next((r for r in results if r["backend"].partition("@")[0] == "pagedllm"), None)
     rows = []
     for r in results:
         ratio = r["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None

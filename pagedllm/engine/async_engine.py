@@ -430,6 +430,8 @@ class AsyncLLMEngine:
         """One engine step; on failure every in-flight request gets an error output."""
         try:
             outputs = self.engine.step()
+        except EngineDeadError:
+            raise  # a worker is gone: the loop stops and new work is refused
         except Exception as exc:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._active))
             self._abort_all("error", f"the engine failed while running this request: {exc}")

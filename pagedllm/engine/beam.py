@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.structured.beams import constrain_beam_logprobs
+from pagedllm.step import BeamCandidates
 
 _NEG = -1.0e9
 
@@ -49,27 +49,27 @@ class BeamState:
         )
 
 
-def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandidates]]) -> None:
+    """One step of the request's beams from each beam's best 2W continuations (the worker's).
+
+    The 2W best continuations over all beams are among the union of each
+    beam's 2W best, so ranking the candidates equals ranking the whole
+    ``[num_beams, vocab]`` score matrix.
+    """
     params = request.params
     state: BeamState = request.beam or BeamState.start(params.beam_width)
     request.beam = state
     width = state.width
     beams = [seq for seq, _ in rows]
-    index = torch.tensor([r for _, r in rows], device=logits.device)
-    step_logits = logits.index_select(0, index).float()
-    if params.temperature > 0:
-        step_logits = step_logits / params.temperature
-    log_probs = torch.log_softmax(step_logits, dim=-1).cpu()  # [num_beams, vocab]
-    if request.grammar is not None:
-        log_probs = constrain_beam_logprobs(
-            [seq.grammar for seq in beams], log_probs, _at_limit(processor, request, beams[0]), _stop_ids(processor, params)
-        )
-    vocab = log_probs.shape[1]
+    num_candidates = min(len(c.token_ids) for _, c in rows)
+    candidate_ids = [c.token_ids[:num_candidates] for _, c in rows]
+    log_probs = torch.tensor([c.logprobs[:num_candidates] for _, c in rows])  # [num_beams, 2W]
     accumulated = (log_probs + state.running_scores[:, None]).view(-1)
     top_scores, top_index = torch.topk(accumulated, k=min(2 * width, accumulated.numel()))
-    parents = (top_index // vocab).tolist()
-    tokens = (top_index % vocab).tolist()
+    parents = (top_index // num_candidates).tolist()
+    tokens = [candidate_ids[p][i % num_candidates] for p, i in zip(parents, top_index.tolist())]
 
+    # (with a grammar, the worker masked each beam's forbidden continuations to -inf first)
     gen_len = beams[0].num_output_tokens + 1  # length of every candidate
     ends = _candidate_ends(processor, request, beams[0], tokens, gen_len)
     _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len)
@@ -99,19 +99,19 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, int]], log
     processor.count_new_tokens(request, len(request.seqs))
 
 
-def _at_limit(processor, request: Request, beam: Sequence) -> bool:
-    """Whether the next token is the last by length (every beam has the same length)."""
-    return beam.num_output_tokens + 1 >= request.params.max_tokens or beam.num_tokens + 1 >= processor.max_model_len
+def at_limit(request: Request, beam: Sequence, max_model_len: int) -> bool:
+    """Whether the beam's next token is its last by length (every beam has the same length)."""
+    return beam.num_tokens + 1 >= request.final_num_tokens(max_model_len)
 
 
-def _stop_ids(processor, params) -> set[int]:
-    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(processor.eos_token_ids))
+def stop_ids(params, eos_token_ids) -> set[int]:
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
 def _candidate_ends(processor, request: Request, beam: Sequence, tokens: list[int], gen_len: int) -> torch.Tensor:
-    at_limit = _at_limit(processor, request, beam)
-    stop_ids = _stop_ids(processor, request.params)
-    return torch.tensor([at_limit or t in stop_ids for t in tokens], dtype=torch.bool)
+    limit = at_limit(request, beam, processor.max_model_len)
+    stops = stop_ids(request.params, processor.eos_token_ids)
+    return torch.tensor([limit or t in stops for t in tokens], dtype=torch.bool)
 
 
 def _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len) -> None:
@@ -173,7 +173,6 @@ def _advance_beams(processor, request: Request, beams: list[Sequence], parents: 
         if seq.grammar is not None:
             accepted = seq.grammar.accept(token)
             assert accepted, "the beam's mask allowed a token its grammar rejects"
-
     request.seqs = new_seqs
 
 

@@ -9,36 +9,49 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.base import get_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.engine.output_processor import OutputProcessor, PendingSample
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
-from pagedllm.engine.sequence import FinishReason, Request, Sequence
+from pagedllm.engine.sequence import FinishReason, Request, Sequence, new_seq_id
+from pagedllm.engine.step_builder import StepBuilder
 from pagedllm.errors import ConfigError, RequestError
-from pagedllm.kv import memory_budget
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
+from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
-from pagedllm.models.loader import load_model
-from pagedllm.models.paths import model_display_name
 from pagedllm.outputs import RequestMetrics, RequestOutput
-from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
+from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults and resolvers are imported from here)
+    DEFAULT_CPU_KV_MEMORY,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    Worker,
+    resolve_device,
+    resolve_dtype,
+)
 
 logger = logging.getLogger("pagedllm")
 
-DEFAULT_CPU_KV_MEMORY = 4 * 2**30
-# Stands in for a token still being drawn on the device; never read as input
-# (the runner feeds the real token from the device) and replaced once read.
+# Holds the place of a token still being drawn on the device, for the
+# scheduler's counts; never sent to the worker (which feeds the real token
+# from the device) and replaced once read.
 _PLACEHOLDER_TOKEN = 0
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-def _has_live_job(sample: PendingSample) -> bool:
-    return any(not seq.is_finished and not request.is_finished for request, seq in sample.jobs)
+_DEFERRED = object()  # _launch_ahead ran the forward pass only (see Worker.forward_only)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose tokens are drawn on the device and not read yet (the worker holds them)."""
+
+    jobs: list[tuple[Request, Sequence]]  # who gets a token from it, in row order
+
+
+def _has_live_job(step: LaunchedStep) -> bool:
+    return any(not seq.is_finished and not request.is_finished for request, seq in step.jobs)
 
 
 @dataclass
@@ -52,25 +65,15 @@ class EngineStats:
     num_preemptions_total: int
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} requested but CUDA is not available on this machine")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # CPU: float32 keeps greedy outputs equal to the reference; bf16 is opt-in.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class LLMEngine:
-    """``limits`` bounds what one request may ask for (``RequestLimits()`` with the
-    config's ``max_logprobs`` when None)."""
+    """Requests in, one scheduling iteration per ``step()``, outputs out.
+
+    The engine schedules, forks, checks stop conditions and detokenizes; the
+    model, the KV tensors and the sampler belong to its :class:`Worker`,
+    which it drives with plain step messages (pagedllm.step). ``limits``
+    bounds what one request may ask for (``RequestLimits()`` with the
+    config's ``max_logprobs`` when None).
+    """
 
     def __init__(self, config: EngineConfig, limits: RequestLimits | None = None) -> None:
         start = time.monotonic()
@@ -80,19 +83,21 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
-        loaded = load_model(
-            config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
-            rope_scaling=config.rope_scaling,
-            quantization=config.quantization or "none", quantization_group_size=config.quantization_group_size,
-        )
-        self.model_config = loaded.config
-        self.model_path = loaded.path
-        self.model_name = model_display_name(loaded.path)
-        self.tokenizer = Tokenizer.load(loaded.path)
-        self.kv_cache = self._make_kv_cache()
+        self.model_path = resolve_model_path(config.model)
+        self.model_name = model_display_name(self.model_path)
+        self.tokenizer = Tokenizer.load(self.model_path)
+        eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        if config.tensor_parallel_size > 1:
+            from pagedllm.worker.executor import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(config, eos_token_ids)
+            self.worker = self.executor.worker  # rank 0, in this process
+        else:
+            self.worker = Worker(config, eos_token_ids)
+            self.worker.init_kv_cache(*self.worker.num_kv_blocks_for_config())
+            self.executor = self.worker
+        self.device, self.dtype = self.worker.device, self.worker.dtype
+        self.model_config = self.worker.model_config
         self.max_model_len = self._resolve_max_model_len()
         self.block_manager = BlockManager(
             self.kv_cache.num_blocks,
@@ -112,18 +117,22 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
-        if self._use_cuda_graphs():
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self.processor = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.device)
+        if self.executor.uses_cuda_graphs():
+            self.worker.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        # Ranks other than 0 do not sample, so under tensor parallelism every token is sent.
+        self.steps = StepBuilder(
+            self.scheduler, new_seq_id, self.model_config.vocab_size, self.max_model_len,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids), send_sampled_tokens=config.tensor_parallel_size > 1,
+        )
+        self.processor = OutputProcessor(self.scheduler, self.steps, self.tokenizer, self.max_model_len)
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer.hf, self.model_config.vocab_size, list(self.tokenizer.eos_token_ids)
         )
         # Default: on where it pays, with CUDA graphs (the device runs while the host schedules).
         self.async_scheduling = (
-            config.async_scheduling if config.async_scheduling is not None else self._use_cuda_graphs()
+            config.async_scheduling if config.async_scheduling is not None else self.executor.uses_cuda_graphs()
         )
-        self._in_flight: PendingSample | None = None
+        self._in_flight: LaunchedStep | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens_total = 0
@@ -133,6 +142,16 @@ class LLMEngine:
             time.monotonic() - start, self.model_name, self.device, self.dtype,
             self.kv_cache.num_blocks, config.block_size, self.max_model_len,
         )
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (tensor parallelism); the engine is unusable after."""
+        if self.executor is not self.worker:
+            self.executor.shutdown()
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """Rank 0's KV tensors (every rank holds the same number of blocks)."""
+        return self.worker.kv_cache
 
     @classmethod
     def from_config(cls, config: EngineConfig, limits: RequestLimits | None = None) -> LLMEngine:
@@ -144,44 +163,6 @@ class LLMEngine:
         return self.model_config.vocab_size
 
     # ---- start-up ---------------------------------------------------------
-
-    def _make_kv_cache(self) -> KVCache:
-        mc, cfg = self.model_config, self.config
-        shape = dict(
-            num_layers=mc.num_layers, block_size=cfg.block_size, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, dtype=self.dtype,
-        )
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        else:
-            memory = cfg.kv_cache_memory or self._default_kv_memory()
-            num_blocks = KVCache.num_blocks_for_memory(memory, **shape)
-        if num_blocks < 1:
-            raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
-        num_cpu_blocks = cfg.swap_space_bytes // KVCache.bytes_per_block(**shape)
-        return KVCache(num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks, **shape)
-
-    def _use_cuda_graphs(self) -> bool:
-        # The Triton decode kernel sizes its grid from host ints that stay valid
-        # across replays; the reference backend reads per-step host lists.
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.attn_backend.name == "triton"
-
-    def _default_kv_memory(self) -> int:
-        if self.config.gpu_memory_utilization is not None:
-            return self._kv_memory_for_utilization(self.config.gpu_memory_utilization)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.5)
-        return DEFAULT_CPU_KV_MEMORY
-
-    def _kv_memory_for_utilization(self, utilization: float) -> int:
-        mc, cfg = self.model_config, self.config
-        reserve = memory_budget.activation_reserve_bytes(
-            num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, cfg.max_num_seqs),
-            max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
-            intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
-        )
-        return memory_budget.kv_bytes_for_utilization(utilization, memory_budget.measure(self.device), reserve)
 
     def _resolve_max_model_len(self) -> int:
         """The explicit max_model_len once checked, else the largest one that is safe.
@@ -329,13 +310,10 @@ class LLMEngine:
                 self.scheduler.finish_request(request, FinishReason.ABORT)
         if self._in_flight is not None and not _has_live_job(self._in_flight):
             self._in_flight = None  # nothing left to read from it
+            self.executor.collect()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        s = self.scheduler
-        return len(s.waiting) + len(s.running) + len(s.swapped)
 
     # ---- one iteration ----------------------------------------------------
 
@@ -345,9 +323,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {r.request_id: r for r in out.failed}
         if not out.is_empty:
-            logits, inputs = self.runner.execute(out)
+            result = self.executor.execute(self.steps.build(out))
             self.scheduler.on_step_computed(out)
-            for request in self.processor.process(out, logits, inputs.row_counts):
+            for request in self.processor.process(out, result):
                 touched[request.request_id] = request
         return self._outputs(touched)
 
@@ -357,11 +335,12 @@ class LLMEngine:
     # tokens, so building inputs and launching kernels overlap the device's
     # work and the wait for N's tokens is (mostly) over by the time they are
     # read. Each sequence that draws a token in N gets a placeholder at the
-    # end of its token_ids; N+1 reads the real token from N's output tensor
-    # on the device, and the placeholder is filled when N's tokens are read,
-    # in the same step() call: between calls token_ids hold no placeholder.
-    # Stop conditions are seen one step late; a sequence that stopped in N has
-    # computed one position in N+1 that nobody reads.
+    # end of its token_ids (for the scheduler's counts only: the step message
+    # says the worker holds that token, and the worker feeds it from N's
+    # output on the device); the placeholder is filled when N's tokens are
+    # read, in the same step() call: between calls token_ids hold no
+    # placeholder. Stop conditions are seen one step late; a sequence that
+    # stopped in N has computed one position in N+1 that nobody reads.
     #
     # Only the steady decode state runs ahead: every running sequence drew a
     # token in N, none needs the host between steps (can_sample_ahead), and
@@ -376,31 +355,38 @@ class LLMEngine:
             touched.update((r.request_id, r) for r in out.failed)
             if out.is_empty:
                 return self._outputs(touched)
-            logits, inputs = self.runner.execute(out)
-            self.scheduler.on_step_computed(out)
-            current = self.processor.start_sampling(out, logits, inputs.row_counts)
-            if current is None:
-                touched.update((r.request_id, r) for r in self.processor.process(out, logits, inputs.row_counts))
+            step = self.steps.build(out)
+            if not self.processor.can_launch(out):
+                result = self.executor.execute(step)
+                self.scheduler.on_step_computed(out)
+                touched.update((r.request_id, r) for r in self.processor.process(out, result))
                 return self._outputs(touched)
+            self.executor.launch(step)
+            self.scheduler.on_step_computed(out)
+            current = LaunchedStep(self.processor.launched_jobs(out))
         ahead = self._launch_ahead(current, touched)
-        touched.update((r.request_id, r) for r in self.processor.finish_sampling(current))
+        touched.update((r.request_id, r) for r in self.processor.finish_launched(current.jobs, self.executor.collect()))
         for _, seq in current.jobs:  # a request the scheduler failed above still holds its placeholder
             if seq.awaits_token:
                 seq.token_ids.pop()
                 seq.awaits_token = False
         if ahead is not None:
-            out, logits, inputs, sample = ahead
+            out, result, launched = ahead
             self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are real now
-            if sample is None:
-                touched.update((r.request_id, r) for r in self.processor.process(out, logits, inputs.row_counts))
-            elif _has_live_job(sample):
-                self._in_flight = sample
+            if result is _DEFERRED:
+                result = self.executor.sample_deferred(self.steps.grammar_masks(out))
+            if result is not None:
+                touched.update((r.request_id, r) for r in self.processor.process(out, result))
+            elif _has_live_job(launched):
+                self._in_flight = launched
+            else:
+                self.executor.collect()  # nobody reads it
         return self._outputs(touched)
 
-    def _launch_ahead(self, current: PendingSample, touched: dict[str, Request]):
-        """Schedule and launch the step after ``current`` before its tokens are read, if safe.
+    def _launch_ahead(self, current: LaunchedStep, touched: dict[str, Request]):
+        """Schedule and run the step after ``current`` before its tokens are read, if safe.
 
-        Returns (scheduler output, logits, inputs, device-side sample or None), or None.
+        Returns (scheduler output, its result or None when launched, the launched step or None), or None.
         """
         scheduler = self.scheduler
         live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
@@ -412,7 +398,9 @@ class LLMEngine:
         if num_running != len(live) or self.block_manager.get_num_free_blocks() < len(live):
             return None
         # A sequence whose token being drawn is its last by length gets no next step.
-        growing = [seq for request, seq in live if not self._last_by_length(request, seq)]
+        growing = [
+            seq for request, seq in live if seq.num_tokens + 1 < request.final_num_tokens(self.max_model_len)
+        ]
         if not growing:
             return None
         for seq in growing:
@@ -422,23 +410,16 @@ class LLMEngine:
         touched.update((r.request_id, r) for r in out.failed)
         if out.is_empty:
             return None
-        source_row = current.row_of()
-        dst, src, row = [], [], 0
-        for chunk, (_, seq) in zip(out.chunks, out.entries):
-            row += len(chunk.token_ids)
-            if seq.awaits_token and chunk.start_pos + len(chunk.token_ids) == seq.num_tokens:
-                dst.append(row - 1)
-                src.append(source_row[seq.seq_id])
-        logits, inputs = self.runner.execute(out, (dst, src, current.token_ids))
+        step = self.steps.build(out)
         self.num_overlapped_steps += 1
-        return out, logits, inputs, self.processor.start_sampling(out, logits, inputs.row_counts)
-
-    def _last_by_length(self, request: Request, seq: Sequence) -> bool:
-        """Whether the token now being drawn for ``seq`` ends it at max_tokens or max_model_len."""
-        max_tokens = request.params.max_tokens
-        if max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens:
-            return True
-        return seq.num_tokens + 1 >= self.max_model_len
+        if any(seq.grammar is not None and seq.awaits_token for _, seq in out.entries):
+            # a grammar's mask needs the token still being drawn: sample once it is read
+            self.executor.forward_only(step)
+            return out, _DEFERRED, None
+        if not self.processor.can_launch(out):
+            return out, self.executor.execute(step), None
+        self.executor.launch(step)
+        return out, None, LaunchedStep(self.processor.launched_jobs(out))
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []

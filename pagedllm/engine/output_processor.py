@@ -1,69 +1,21 @@
-"""After the forward pass: sample, append tokens, fork samples, check stop conditions.
+"""After the worker's step: append its tokens, fork samples, rank beams, check stop conditions.
 
-Works on whole steps: the sampler sees every row of the batch at once; the
-per-sequence Python here is bookkeeping (append, stop checks, detokenize).
+The worker samples (pagedllm.worker); what comes back is plain data
+(:class:`~pagedllm.step.StepResult`): tokens and the logprobs asked for.
+The per-sequence Python here is bookkeeping (append, stop checks, detokenize).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
-import torch
-
 from pagedllm.engine.beam import beam_output, beam_step
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
+from pagedllm.engine.step_builder import StepBuilder
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingRow,
-    compute_logprobs,
-    on_device,
-    top_k_logprobs,
-)
-from pagedllm.structured.bitmask import GrammarMask, grammar_mask
+from pagedllm.step import PromptLogprob, SampledToken, StepResult
 from pagedllm.structured.grammar import GrammarState
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class PendingSample:
-    """A step's tokens drawn on the device and not read yet (see ``OutputProcessor.start_sampling``)."""
-
-    jobs: list[tuple[Request, Sequence]]  # row i of the tensors belongs to jobs[i]
-    token_ids: torch.Tensor  # [rows] int64, on the device: the next step's inputs come from here
-    logprobs: torch.Tensor  # [rows] fp32: each chosen token's logprob
-    ready: torch.cuda.Event | None = None  # on CUDA: recorded after the copies to the host below
-    host_token_ids: torch.Tensor | None = None  # pinned host copies, read once ``ready``
-    host_logprobs: torch.Tensor | None = None
-
-    def start_copy_to_host(self) -> None:
-        """Queue the copies to pinned host memory now, right behind the sampling kernels.
-
-        Reading a CUDA tensor later with .tolist() would wait for everything
-        queued on the stream by then, the next step's forward pass included.
-        """
-        if not self.token_ids.is_cuda:
-            return
-        self.host_token_ids = torch.empty(self.token_ids.shape, dtype=self.token_ids.dtype, pin_memory=True)
-        self.host_logprobs = torch.empty(self.logprobs.shape, dtype=self.logprobs.dtype, pin_memory=True)
-        self.host_token_ids.copy_(self.token_ids, non_blocking=True)
-        self.host_logprobs.copy_(self.logprobs, non_blocking=True)
-        self.ready = torch.cuda.Event()
-        self.ready.record()
-
-    def read(self) -> tuple[list[int], list[float]]:
-        """(tokens, logprobs) on the host; waits only for this step's own work."""
-        if self.ready is None:
-            return self.token_ids.tolist(), self.logprobs.tolist()
-        self.ready.synchronize()
-        return self.host_token_ids.tolist(), self.host_logprobs.tolist()
-
-    def row_of(self) -> dict[int, int]:
-        """seq_id -> row, for the sequences that get a token from this step."""
-        return {seq.seq_id: i for i, (_, seq) in enumerate(self.jobs)}
 
 
 def can_sample_ahead(request: Request) -> bool:
@@ -85,35 +37,12 @@ def can_sample_ahead(request: Request) -> bool:
     )
 
 
-def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``; no copy when that is every row in order."""
-    if rows == list(range(logits.shape[0])):
-        return logits
-    return logits.index_select(0, on_device(rows, logits.device))
-
-
-def _grammar_mask(jobs, vocab_size: int) -> GrammarMask | None:
-    """The step's token bitmask for the (request, seq, ...) jobs; None when none is constrained."""
-    return grammar_mask([job[1].grammar for job in jobs], vocab_size)
-
-
-def sample_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
-    """Per-sequence generator: sample i of a seeded request draws from its own stream."""
-    if seed is None:
-        return None
-    stream_seed = seed if sample_index == 0 else hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.Generator(device=device).manual_seed(stream_seed)
-
-
 class OutputProcessor:
-    def __init__(
-        self, scheduler: Scheduler, tokenizer: Tokenizer, max_model_len: int, device: torch.device
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, steps: StepBuilder, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.scheduler = scheduler
-        self.device = device
+        self.steps = steps
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.sampler = Sampler()
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._num_new_tokens = 0
 
@@ -138,7 +67,6 @@ class OutputProcessor:
         params = request.params
         if request.is_beam_search:
             return
-        seq.generator = sample_generator(params.seed, seq.sample_index, self.device)
         if params.logprobs is not None:
             seq.logprobs = []
         if params.detokenize:
@@ -153,100 +81,75 @@ class OutputProcessor:
 
     # ---- one step ---------------------------------------------------------
 
-    def process(self, out: SchedulerOutput, logits: torch.Tensor, row_counts: list[int]) -> list[Request]:
-        """Consume the step's logits; returns the requests that changed."""
-        jobs: list[tuple[Request, Sequence, int]] = []  # (request, seq, logits row)
-        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
+    def process(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Consume the step's result; returns the requests that changed."""
+        sampled = {token.seq_id: token for token in result.sampled}
+        beams = {candidates.seq_id: candidates for candidates in result.beams}
+        beam_rows: dict[str, list] = {}
         touched: dict[str, Request] = {}
-        row = 0
-        for chunk, (request, seq), count in zip(out.chunks, out.entries, row_counts):
+        for chunk, (request, seq) in zip(out.chunks, out.entries):
             if chunk.all_logits:
-                self._record_prompt_logprobs(request, chunk, logits[row : row + count])
+                self._record_prompt_logprobs(request, result.prompt_logprobs.get(seq.seq_id, []))
             if chunk.needs_logits and not seq.is_finished and not request.is_finished:
                 if request.is_beam_search:
-                    beam_rows.setdefault(request.request_id, []).append((seq, row + count - 1))
+                    beam_rows.setdefault(request.request_id, []).append((seq, beams[seq.seq_id]))
                 else:
-                    jobs.extend(self._fan_out(request, seq, row + count - 1))
+                    for target in self._fan_out(request, seq):
+                        self._accept(request, target, sampled[target.seq_id])
                 touched[request.request_id] = request
-            row += count
-        if jobs:
-            self._sample(jobs, logits)
         for rid, rows in beam_rows.items():
-            beam_step(self, touched[rid], rows, logits)
+            beam_step(self, touched[rid], rows)
         return list(touched.values())
 
-    def start_sampling(self, out: SchedulerOutput, logits: torch.Tensor, row_counts: list[int]) -> PendingSample | None:
-        """Draw the step's tokens without reading them back, when every row allows it.
-
-        None when some row needs the host now (see ``can_sample_ahead``); then
-        ``process`` handles the step as usual. Otherwise ``finish_sampling``
-        reads the tokens later, so the host can schedule and launch the next
-        step while this one still runs on the device.
-        """
-        jobs: list[tuple[Request, Sequence]] = []
-        rows: list[int] = []
-        row = 0
-        for chunk, (request, seq), count in zip(out.chunks, out.entries, row_counts):
+    def can_launch(self, out: SchedulerOutput) -> bool:
+        """Whether the step's tokens may be read later (see ``can_sample_ahead``): every row
+        allows it and some sequence draws a token."""
+        has_job = False
+        for chunk, (request, seq) in zip(out.chunks, out.entries):
             if chunk.all_logits or not can_sample_ahead(request):
-                return None
+                return False
             if seq.grammar is not None and seq.awaits_token:
-                return None  # its mask needs the token still being drawn; process() runs once it is read
-            if chunk.needs_logits and not seq.is_finished and not request.is_finished:
-                jobs.append((request, seq))
-                rows.append(row + count - 1)
-            row += count
-        if not jobs:
-            return None
-        token_ids, logprobs = self.sampler.sample_tensors(
-            _select_rows(logits, rows), self._sampling_rows(jobs), _grammar_mask(jobs, logits.shape[1])
-        )
-        pending = PendingSample(jobs, token_ids, logprobs)
-        pending.start_copy_to_host()
-        return pending
+                return False  # its mask needs the token still being drawn
+            has_job = has_job or (chunk.needs_logits and not seq.is_finished and not request.is_finished)
+        return has_job
 
-    def finish_sampling(self, pending: PendingSample) -> list[Request]:
-        """Read the drawn tokens and append them; returns the requests that changed.
+    def launched_jobs(self, out: SchedulerOutput) -> list[tuple[Request, Sequence]]:
+        """The (request, sequence) pairs that draw a token in a launched step."""
+        return [
+            (request, seq) for chunk, (request, seq) in zip(out.chunks, out.entries)
+            if chunk.needs_logits and not seq.is_finished and not request.is_finished
+        ]
+
+    def finish_launched(self, jobs: list[tuple[Request, Sequence]], result: StepResult) -> list[Request]:
+        """Append a launched step's tokens; returns the requests that changed.
 
         A sequence that finished or was aborted since the step was launched
         gets nothing: the step computed a position it will never use.
         """
-        tokens, logprobs = pending.read()  # waits for the device
+        sampled = {token.seq_id: token for token in result.sampled}
         touched: dict[str, Request] = {}
-        for (request, seq), token, logprob in zip(pending.jobs, tokens, logprobs):
+        for request, seq in jobs:
             if seq.is_finished or request.is_finished:
                 continue
-            self._accept(request, seq, token, logprob, None)
+            self._accept(request, seq, sampled[seq.seq_id])
             touched[request.request_id] = request
         return list(touched.values())
 
-    def _fan_out(self, request: Request, seq: Sequence, row: int) -> list[tuple[Request, Sequence, int]]:
-        """The first token of an n>1 request: fork the prompt's sequence into its samples."""
-        num_samples = request.params.num_samples  # a sampling request: beams never come here
-        if request.forked or num_samples == 1:
-            return [(request, seq, row)]
+    def _fan_out(self, request: Request, seq: Sequence) -> list[Sequence]:
+        """The first token of an n>1 request: fork the prompt's sequence into its samples
+        (under the ids the step gave their draws)."""
+        child_ids = self.steps.fork_ids.pop(seq.seq_id, None)
+        if request.forked or request.params.num_samples == 1 or child_ids is None:
+            return [seq]
         request.forked = True
-        jobs = [(request, seq, row)]
-        for index in range(1, num_samples):
-            child = seq.fork(index)
+        targets = [seq]
+        for index, child_id in enumerate(child_ids, start=1):
+            child = seq.fork(index, seq_id=child_id)
             self._init_seq_state(request, child)
             self.scheduler.fork_seq(seq, child)
             request.seqs.append(child)
-            jobs.append((request, child, row))
-        return jobs
-
-    def _sampling_rows(self, jobs) -> list[SamplingRow]:
-        """What the sampler needs of each (request, seq, ...) job: the sequence's own token list, not a copy."""
-        eos_token_ids = self.eos_token_ids
-        return [
-            SamplingRow(job[0].params, job[1].token_ids, job[1].prompt_len, job[1].generator, eos_token_ids)
-            for job in jobs
-        ]
-
-    def _sample(self, jobs: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> None:
-        logits = _select_rows(logits, [row for _, _, row in jobs])
-        result = self.sampler(logits, self._sampling_rows(jobs), _grammar_mask(jobs, logits.shape[1]))
-        for i, (request, seq, _) in enumerate(jobs):
-            self._append(request, seq, result, i)
+            targets.append(child)
+        return targets
 
     def count_new_tokens(self, request: Request, num_tokens: int) -> None:
         """Token accounting and first/last-token times for the request's metrics."""
@@ -256,14 +159,8 @@ class OutputProcessor:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
 
-    def _append(self, request: Request, seq: Sequence, result: SamplerOutput, i: int) -> None:
-        token = result.token_ids[i]
-        position = self._position_logprobs(token, result, i) if seq.logprobs is not None else None
-        self._accept(request, seq, token, result.logprobs[i], position)
-
-    def _accept(
-        self, request: Request, seq: Sequence, token: int, logprob: float, position: dict[int, Logprob] | None
-    ) -> None:
+    def _accept(self, request: Request, seq: Sequence, sampled: SampledToken) -> None:
+        token = sampled.token_id
         if seq.awaits_token:
             # The next step was scheduled before this token was read; it holds
             # the token's place (LLMEngine's overlapped steps).
@@ -271,10 +168,10 @@ class OutputProcessor:
             seq.awaits_token = False
         else:
             seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
+        seq.cumulative_logprob += sampled.logprob
         self.count_new_tokens(request, 1)
-        if position is not None:
-            seq.logprobs.append(position)
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._position_logprobs(sampled))
         if seq.grammar is not None and not seq.grammar.accept(token):
             self._fail_grammar(request, seq, token)
             return
@@ -288,13 +185,12 @@ class OutputProcessor:
         seq.grammar = None
         self.scheduler.finish_seq(request, seq)
 
-    def _position_logprobs(self, token: int, result: SamplerOutput, i: int) -> dict[int, Logprob]:
+    def _position_logprobs(self, sampled: SampledToken) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
-        for rank, (tid, lp) in enumerate(result.top_logprobs[i] if result.top_logprobs else [], start=1):
+        for rank, (tid, lp) in enumerate(sampled.top_logprobs or [], start=1):
             entry[tid] = Logprob(lp, rank, self.tokenizer.id_to_piece(tid))
-        if token not in entry:
-            rank = result.ranks[i] if result.ranks else None
-            entry[token] = Logprob(result.logprobs[i], rank, self.tokenizer.id_to_piece(token))
+        if sampled.token_id not in entry:
+            entry[sampled.token_id] = Logprob(sampled.logprob, sampled.rank, self.tokenizer.id_to_piece(sampled.token_id))
         return entry
 
     def _check_stop(self, request: Request, seq: Sequence, token: int, stop_str: str | None) -> None:
@@ -309,9 +205,7 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.STOP
         elif seq.grammar is not None and seq.grammar.is_terminated:
             seq.finish_reason = FinishReason.STOP  # the grammar took its stop token: nothing may follow
-        elif params.max_tokens is not None and num_output_tokens >= params.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        elif seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens >= request.final_num_tokens(self.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
         else:
             return
@@ -320,27 +214,18 @@ class OutputProcessor:
         if request.is_finished:
             request.metrics.finished_time = time.monotonic()
 
-    def _record_prompt_logprobs(self, request: Request, chunk, logits: torch.Tensor) -> None:
-        """Logprobs of prompt tokens 1.. from the logits at positions 0..; token 0 gets None."""
-        k = request.params.prompt_logprobs
+    def _record_prompt_logprobs(self, request: Request, entries: list[PromptLogprob]) -> None:
+        """Logprobs of prompt tokens 1..; token 0 gets None. A recomputed chunk adds nothing twice."""
         if request.prompt_logprobs is None:
             request.prompt_logprobs = [None]
-        prompt = request.prompt_token_ids
-        logprobs = compute_logprobs(logits)
-        top_vals, top_ids = top_k_logprobs(logprobs, k) if k else (None, None)
-        for j in range(logits.shape[0]):
-            pos = chunk.start_pos + j + 1
-            if pos >= len(prompt) or len(request.prompt_logprobs) > pos:
+        for e in entries:
+            if len(request.prompt_logprobs) != e.position:
                 continue
-            token = prompt[pos]
-            row = logprobs[j]
             entry: dict[int, Logprob] = {}
-            if top_ids is not None:
-                for rank, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist()), start=1):
-                    entry[tid] = Logprob(lp, rank, self.tokenizer.id_to_piece(tid))
-            if token not in entry:
-                rank = int((row > row[token]).sum().item()) + 1
-                entry[token] = Logprob(float(row[token]), rank, self.tokenizer.id_to_piece(token))
+            for rank, (tid, lp) in enumerate(e.top_logprobs, start=1):
+                entry[tid] = Logprob(lp, rank, self.tokenizer.id_to_piece(tid))
+            if e.token_id not in entry:
+                entry[e.token_id] = Logprob(e.logprob, e.rank, self.tokenizer.id_to_piece(e.token_id))
             request.prompt_logprobs.append(entry)
 
     # ---- outputs ----------------------------------------------------------

@@ -23,7 +23,6 @@ The scheduler decides; it never touches tensors. Its output is plain data
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections import deque
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import DEFAULT_NUM_HEADROOM_TOKENS
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.kv.block_manager import BlockManager
+from pagedllm.step import MemoryOp, MemoryOpKind  # noqa: F401  (re-exported for callers of the scheduler)
 
 logger = logging.getLogger("pagedllm")
 
@@ -46,18 +46,6 @@ class ScheduledChunk:
     block_table: list[int]
     needs_logits: bool  # the chunk completes the sequence: sample from its last position
     all_logits: bool = False  # logits at every position (prompt logprobs)
-
-
-class MemoryOpKind(enum.Enum):
-    SWAP_OUT = "swap_out"  # pairs are (device block, cpu block)
-    SWAP_IN = "swap_in"  # pairs are (cpu block, device block)
-    COPY = "copy"  # pairs are (src, dst) device blocks: copy-on-write
-
-
-@dataclass
-class MemoryOp:
-    kind: MemoryOpKind
-    pairs: list[tuple[int, int]]
 
 
 @dataclass
@@ -122,6 +110,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self._freed_seq_ids: list[int] = []  # since the last take_freed_seq_ids(): the worker forgets them
 
     # ---- queue management -------------------------------------------------
 
@@ -151,7 +140,13 @@ class Scheduler:
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent.seq_id, child.seq_id)
 
+    def take_freed_seq_ids(self) -> list[int]:
+        """Sequences given up since the last call (may repeat an id); the step tells the worker."""
+        freed, self._freed_seq_ids = self._freed_seq_ids, []
+        return freed
+
     def free_seq(self, seq: Sequence) -> None:
+        self._freed_seq_ids.append(seq.seq_id)
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
 
@@ -367,8 +362,7 @@ class Scheduler:
         policy = self.config.kv_policy
         if policy == "paged":
             return None
-        max_tokens = request.params.max_tokens or (self.config.max_model_len - seq.prompt_len)
-        want = seq.prompt_len + max_tokens
+        want = request.final_num_tokens(self.config.max_model_len)
         if policy == "contiguous-max":
             want = self.config.max_model_len
         elif policy == "contiguous-pow2":
@@ -425,15 +419,9 @@ class Scheduler:
         limit = int(self.config.max_headroom_fraction * self.block_manager.num_blocks)
         return min(num_headroom_blocks, limit)
 
-    def _final_len(self, request: Request, seq: Sequence) -> int:
-        """The most tokens the sequence can reach: prompt + max_tokens, within max_model_len."""
-        limit = self.config.max_model_len
-        max_tokens = request.params.max_tokens
-        return limit if max_tokens is None else min(seq.prompt_len + max_tokens, limit)
-
     def _growth_blocks(self, request: Request, seq: Sequence, num_held_blocks: int) -> int:
         """Blocks beyond ``num_held_blocks`` that ``seq`` needs for its next num_headroom_tokens tokens."""
-        target = min(seq.num_tokens + self.config.num_headroom_tokens, self._final_len(request, seq))
+        target = min(seq.num_tokens + self.config.num_headroom_tokens, request.final_num_tokens(self.config.max_model_len))
         return max(0, math.ceil(target / self.block_manager.block_size) - num_held_blocks)
 
     def _running_headroom_blocks(self) -> int:

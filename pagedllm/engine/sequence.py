@@ -12,8 +12,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -46,7 +44,6 @@ class Sequence:
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
-    generator: torch.Generator | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer when detokenizing
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -75,9 +72,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def fork(self, sample_index: int) -> Sequence:
-        """A copy that continues independently (its own id, generator and detokenizer state)."""
+    def fork(self, sample_index: int, seq_id: int | None = None) -> Sequence:
+        """A copy that continues independently (its own id and detokenizer state)."""
         child = Sequence(
+            seq_id=next(_seq_ids) if seq_id is None else seq_id,
             prompt_len=self.prompt_len,
             token_ids=list(self.token_ids),
             sample_index=sample_index,
@@ -131,6 +129,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
+    def final_num_tokens(self, max_model_len: int) -> int:
+        """The most tokens a sequence of this request reaches: prompt + max_tokens, within
+        max_model_len. A sequence that reaches it ends by length (the one place that says so)."""
+        max_tokens = self.params.max_tokens
+        limit = len(self.prompt_token_ids) + max_tokens if max_tokens is not None else max_model_len
+        return min(limit, max_model_len)
+
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
 
@@ -146,3 +151,7 @@ class Request:
             metrics=self.metrics,
             error=self.error,
         )
+
+def new_seq_id() -> int:
+    """A sequence id not used before in this process."""
+    return next(_seq_ids)

@@ -38,6 +38,7 @@ from operator import attrgetter
 import numpy as np
 
 from pagedllm.kv.block_manager import BlockManager, _cdiv, _SeqBlocks
+from pagedllm.kv.stats import KVCacheStats
 
 REF_SHIFT = 3  # a packed cell is state | min(ref_count, MAX_PACKED_REF) << REF_SHIFT
 MAX_PACKED_REF = 31
@@ -230,9 +231,52 @@ def request_view(bm: BlockManager, request, status: str) -> RequestView:
     )
 
 
+def _block_fills(seqs: list[_SeqBlocks], num_blocks: int, block_size: int) -> np.ndarray:
+    """[num_blocks] slots holding a token per block, max over the tables pointing at it (vectorised)."""
+    lengths = np.fromiter((len(seq.block_table) for seq in seqs), dtype=np.int64, count=len(seqs))
+    num_slots = np.fromiter((seq.num_slots for seq in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(seq.block_table for seq in seqs), dtype=np.int64, count=int(lengths.sum())
+    )
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    index_in_table = np.arange(len(flat)) - starts  # logical block index of each table entry
+    entry_fill = np.clip(np.repeat(num_slots, lengths) - index_in_table * block_size, 0, block_size)
+    fills = np.zeros(num_blocks, dtype=np.int64)
+    np.maximum.at(fills, flat, entry_fill)
+    return fills
+
+
+def kv_stats(bm: BlockManager) -> KVCacheStats:
+    """``bm.stats()``, computed with numpy: O(table entries) in C rather than in Python."""
+    device = [seq for seq in bm._seqs.values() if not seq.swapped]
+    refs = _ref_counts(device, bm.num_blocks)
+    num_used = int(np.count_nonzero(refs))
+    num_holding = int(_block_fills(device, bm.num_blocks, bm.block_size).sum())
+    pool = bm._pool
+    return KVCacheStats(
+        block_size=bm.block_size,
+        num_blocks=bm.num_blocks,
+        num_free_blocks=pool.get_num_free_blocks(),
+        num_used_blocks=num_used,
+        num_cached_blocks=pool.get_num_cached_blocks(),
+        peak_used_blocks=bm._peak_used_blocks,
+        num_shared_blocks=int(np.count_nonzero(refs > 1)),
+        num_allocated_slots=num_used * bm.block_size,
+        num_slots_holding_tokens=num_holding,
+        num_slots_saved_by_sharing=sum(seq.num_slots for seq in device) - num_holding,
+        peak_blocks_without_sharing=bm._peak_table_entries,
+        prefix_cache_queries=bm._num_prefix_queries,
+        prefix_cache_hits=bm._num_prefix_hits,
+        num_preemptions=bm._num_preemptions,
+        num_cpu_blocks=bm.num_cpu_blocks,
+        num_free_cpu_blocks=bm._cpu_pool.get_num_free_blocks(),
+        num_swapped_out_seqs=len(bm._seqs) - len(device),
+    )
+
+
 def counters_of(bm: BlockManager) -> dict[str, float]:
-    """The block manager's KVCacheStats as a flat dict of numbers (O(table entries))."""
-    stats = bm.stats()
+    """The block manager's KVCacheStats as a flat dict of numbers."""
+    stats = kv_stats(bm)
     values = {name: getattr(stats, name) for name in stats.__dataclass_fields__}
     values.update(usage=stats.usage, slot_utilization=stats.slot_utilization,
                   prefix_cache_hit_rate=stats.prefix_cache_hit_rate)

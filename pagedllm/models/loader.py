@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.attention.base import AttentionBackend
+from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.paths import resolve_model_path
@@ -48,6 +49,7 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     rope_scaling: dict | None = None,
+    tp: TensorParallelGroup = SINGLE_PROCESS,
     quantization: str = "none",
     quantization_group_size: int = 32,
 ) -> LoadedModel:
@@ -57,8 +59,9 @@ def load_model(
     ``quantization``: "none" (dense ``dtype`` weights), "gguf" (a GGUF's Q4_0 /
     Q4_1 / Q8_0 tensors kept packed), "int8" / "int4" (round-to-nearest
     weight-only, ``quantization_group_size`` weights per scale, of every linear
-    layer, the embedding and the LM head). Raises ConfigError for a setting
-    that does not apply to this model, ModelLoadError naming what is missing,
+    layer, the embedding and the LM head), served by
+    :mod:`pagedllm.quant.layers`; single-process only. Raises ConfigError for
+    a setting that does not apply to this model, ModelLoadError naming what is missing,
     UnsupportedModelError for an architecture pagedllm does not implement.
     """
     started = time.perf_counter()
@@ -68,6 +71,8 @@ def load_model(
         raise ConfigError(f"quantization='gguf' needs a .gguf model, got {path}; use int8 or int4 for other checkpoints")
     if quantization != "none" and device.type != "cpu":
         raise ConfigError(f"quantization={quantization!r} runs on the CPU only; use quantization='none' on {device}")
+    if quantization != "none" and tp.size > 1:
+        raise ConfigError(f"quantization={quantization!r} with tensor parallelism is not supported yet; use TP=1")
     if path.suffix == ".gguf":
         from pagedllm.models.gguf_loader import load_gguf_checkpoint
 
@@ -79,7 +84,7 @@ def load_model(
         weights = _safetensors_weights(path)
     model_cls = resolve_architecture(hf_config)
     config = ModelConfig.from_hf_config(hf_config, rope_scaling=rope_scaling)
-    module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device)
+    module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device, tp=tp)
     module.load_weights(weights)
     if quantization in ("int8", "int4"):
         quantize_model(module, bits=8 if quantization == "int8" else 4, group_size=quantization_group_size)
@@ -99,10 +104,12 @@ def load_model(
 def quantize_model(module: torch.nn.Module, *, bits: int, group_size: int) -> None:
     """Replace every quantizable weight of a loaded model by its RTN-quantized packed form."""
     from pagedllm.quant import quantize_rtn
+    from pagedllm.quant.layers import install_quantized, quantizable_weights
 
     params = dict(module.named_parameters())
-    for name in module.quantizable_weights():
-        module.set_quantized(name, quantize_rtn(params[name].data, bits, group_size))
+    names = quantizable_weights(module)
+    install_quantized(module, {name: quantize_rtn(params[name].data, bits, group_size) for name in names})
+    module.bind_kernels()
 
 
 def build_model(
@@ -112,10 +119,11 @@ def build_model(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TensorParallelGroup = SINGLE_PROCESS,
 ) -> torch.nn.Module:
-    """An uninitialised model of ``dtype`` on ``device``: every parameter must be loaded."""
+    """An uninitialised model of ``dtype`` on ``device`` (this rank's shard): every parameter must be loaded."""
     with torch.device("meta"):
-        module = model_cls(config, attn_backend)
+        module = model_cls(config, attn_backend, tp)
     module = module.to_empty(device=device)
     return module.to(dtype)
 

@@ -20,11 +20,10 @@ from pagedllm.config import EngineConfig
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's weights as held in memory: dense parameters plus packed matrices (tied once)."""
-    from pagedllm.quant import QuantizedWeight
+    from pagedllm.quant.layers import quantized_weights
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    packed = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, QuantizedWeight)}
-    return total + sum(w.nbytes for w in packed.values())
+    return total + sum(w.nbytes for w in quantized_weights(model))
 
 
 def run_one(quantization: str, args: argparse.Namespace) -> dict:
@@ -41,7 +40,7 @@ def run_one(quantization: str, args: argparse.Namespace) -> dict:
         "ttft_ms": 1000 * latency["ttft_s"]["median"],
     }
     engine = LLMEngine(config)
-    row["weight_mb"] = weight_bytes(engine.runner.model) / 1e6
+    row["weight_mb"] = weight_bytes(engine.worker.model) / 1e6
     del engine
     gc.collect()
     if args.w64:

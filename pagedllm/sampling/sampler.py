@@ -133,6 +133,14 @@ class Sampler:
         return token_ids, chosen
 
 
+def sample_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
+    """Per-sequence generator: sample i of a seeded request draws from its own stream."""
+    if seed is None:
+        return None
+    stream_seed = seed if sample_index == 0 else hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
+    return torch.Generator(device=device).manual_seed(stream_seed)
+
+
 def on_device(values: list, device: torch.device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``device``; on CUDA through pinned memory.
 
@@ -153,7 +161,13 @@ def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Bias, min_tokens ban and penalties; returns a new tensor only when something applies."""
+    """Bias, min_tokens ban and penalties; returns a new tensor only when something applies.
+
+    The order is the pipeline's: additive bias, then bans (the min_tokens ban
+    here; a per-row allowed-token mask, such as a grammar's bitmask, is one
+    more ban applied at this point, before penalties and temperature), then
+    penalties.
+    """
     vocab = logits.shape[1]
     bias = _sparse_entries(rows, vocab, _bias_entries)
     banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -53,6 +53,7 @@ class EngineStatsCollector(Collector):
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs)
         yield self._gauge("num_requests_swapped", "Requests swapped out to CPU.", stats.num_swapped_reqs)
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = all).", kv.usage)
+        yield self._gauge("kv_used_blocks", "KV blocks held by requests (cached free blocks excluded).", kv.num_used_blocks)
         yield self._gauge("kv_shared_blocks", "KV blocks referenced by more than one sequence.", kv.num_shared_blocks)
         yield self._gauge(
             "kv_slots_holding_tokens_ratio",
@@ -77,6 +78,7 @@ class ServerMetrics:
     def __init__(self, stats_source: Callable[[], object], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(stats_source, model_name))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open fds
         labels = ["model_name"]
         self._ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time to first token, from request arrival.",

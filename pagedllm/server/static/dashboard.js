@@ -422,7 +422,7 @@ function startReplay(dash, data) {
     slider.value = String(k);
     const frame = run.frames[k];
     $("replay-label").textContent = `step ${frame.step} of ${run.frames[run.frames.length - 1].step} (frame ${k + 1}/${run.frames.length})`;
-    showing = showing.then(() => dash.show(frame.snapshot)).then(() => dash.charts.draw(run.points, "step", k));
+    showing = showing.then(() => dash.show(frame.snapshot)).then(() => dash.charts.draw(run.points, "step", frame.step));
     $("status").textContent = `replay · ${run.name}`;
   };
   const pickRun = (k) => {

@@ -1,0 +1,140 @@
+"""The native paged-attention kernel per ISA path against this machine's limits.
+
+    python benchmarks/attention_kernel.py [--json FILE] [--paths scalar,avx2,...]
+
+Shapes are SmolLM2-135M's (9 query / 3 KV heads, head_dim 64, block 16).
+Decode: a batch of 64 sequences of context 340, every layer its own cache
+(30 layers, 1.0 GB of fp32 K/V, more than the caches hold), so each call
+streams its K/V from memory as in a W64 decode step; the figure is the K/V
+bytes read per second, set against a measured read bandwidth (a
+float32 ``sum`` over 1 GiB on all threads). Prefill: one 300-token prompt, one
+layer, causal; the figure is GFLOP/s (4 * head_dim flops per query head per
+visible key), set against a float32 matmul's rate. ``torch`` is the
+PyTorch path of TorchAttentionBackend (SDPA for prefill, the gathered-context
+decode) for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from attention_reference import make_paged_batch  # noqa: E402
+
+from pagedllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from pagedllm.bench import report  # noqa: E402
+from pagedllm.native import cpu_ops  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth_gbs(repeats: int) -> float:
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
+    x.sum()
+    return x.numel() * 4 / best_of(lambda: x.sum(), repeats) / 1e9
+
+
+def matmul_gflops(dtype: torch.dtype, repeats: int) -> float:
+    a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+    a @ b
+    return 2 * 2048**3 / best_of(lambda: a @ b, repeats) / 1e9
+
+
+def decode_layers(dtype: torch.dtype, layers: int = 30, batch: int = 64, context: int = 340):
+    """``layers`` independent decode batches (one token per sequence) and their caches."""
+    specs = [(context - 1, 1)] * batch
+    out = []
+    for layer in range(layers):
+        b = make_paged_batch(specs, block_size=BLOCK, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                             head_dim=HEAD_DIM, dtype=dtype, seed=layer)
+        md = b.metadata
+        TorchAttentionBackend().write_kv(b.new_key, b.new_value, b.k_cache, b.v_cache, md.slot_mapping)
+        out.append(b)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
+    return out, kv_bytes
+
+
+def run_kernel(batch, use_native: bool):
+    md = batch.metadata
+    backend = TorchAttentionBackend(use_native=use_native)
+    return lambda: backend.forward(batch.query, batch.k_cache, batch.v_cache, md, batch.scale)
+
+
+def measure_path(path: str, dtype: torch.dtype, repeats: int, decode, kv_bytes, prefill) -> dict:
+    use_native = path != "torch"
+    calls = [run_kernel(b, use_native) for b in decode]
+
+    def all_layers():
+        for call in calls:
+            call()
+
+    all_layers()
+    decode_s = best_of(all_layers, repeats) / len(calls)
+    prefill_call = run_kernel(prefill, use_native)
+    prefill_call()
+    prefill_s = best_of(prefill_call, repeats)
+    n = prefill.metadata.query_lens_host[0]
+    flops = 4 * HEAD_DIM * HEADS * n * (n + 1) / 2
+    return {
+        "path": path, "dtype": str(dtype).removeprefix("torch."),
+        "decode_ms_per_layer": decode_s * 1e3, "decode_gbs": kv_bytes / decode_s / 1e9,
+        "prefill_ms": prefill_s * 1e3, "prefill_gflops": flops / prefill_s / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--paths", default=",".join([*cpu_ops.cpu_isa_paths(), "torch"]))
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    assert cpu_ops.available(), "the native kernels did not build"
+    limits = {
+        "read_gbs": read_bandwidth_gbs(args.repeats),
+        "matmul_gflops_fp32": matmul_gflops(torch.float32, args.repeats),
+        "matmul_gflops_bf16": matmul_gflops(torch.bfloat16, args.repeats),
+    }
+    print(json.dumps(limits), flush=True)
+    rows = []
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        decode, kv_bytes = decode_layers(dtype)
+        prefill = make_paged_batch([(0, 300)], block_size=BLOCK, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                                   head_dim=HEAD_DIM, dtype=dtype, seed=99)
+        md = prefill.metadata
+        TorchAttentionBackend().write_kv(prefill.new_key, prefill.new_value, prefill.k_cache,
+                                         prefill.v_cache, md.slot_mapping)
+        for path in args.paths.split(","):
+            if path == "torch":
+                row = measure_path(path, dtype, args.repeats, decode, kv_bytes, prefill)
+            else:
+                with cpu_ops.using_isa(path):
+                    row = measure_path(path, dtype, args.repeats, decode, kv_bytes, prefill)
+            row["decode_pct_of_read_bw"] = 100 * row["decode_gbs"] / limits["read_gbs"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:  # after every row: a run cut short keeps what it measured
+                report.write_json(args.json, {"limits": limits, "results": rows, "env": report.environment(),
+                                              "threads": torch.get_num_threads(), "pid": os.getpid()})
+        del decode
+
+
+if __name__ == "__main__":
+    main()

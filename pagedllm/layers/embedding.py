@@ -1,0 +1,77 @@
+"""Token embedding and LM head, both split by vocabulary across tensor-parallel ranks.
+
+Rank ``r`` holds the rows of token ids ``[start, end)`` (:func:`shard_range`
+of the vocabulary). The embedding looks up the ids it holds, writes zeros for
+the others and all-reduces; the LM head computes its ids' logits and gathers
+them into the full ``[rows, vocab]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
+from pagedllm.layers.linear import DenseLinearMethod, _copy_checked, dense_matmul
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``ids [T] -> [T, hidden]``; this rank's weight is ``[end - start, hidden]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup = SINGLE_PROCESS) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_start, self.vocab_end = tp.shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(held, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight)
+        out.masked_fill_(~held.unsqueeze(1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
+        _copy_checked(self.weight.data, tensor[self.vocab_start : self.vocab_end], what)
+
+
+class ParallelLMHead(nn.Module):
+    """``hidden [N, hidden] -> logits [N, vocab]`` float32, over this rank's vocabulary rows.
+
+    Tied to an embedding, it multiplies by the embedding's weight (no
+    parameter of its own); either way its matmul kernel is chosen by
+    :func:`dense_matmul` like a dense linear layer's.
+    """
+
+    num_parts = 1
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup = SINGLE_PROCESS,
+        tied: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_start, self.vocab_end = tp.shard(vocab_size)
+        self._tied = [tied] if tied is not None else []  # a list: not registered as a submodule
+        if tied is None:
+            DenseLinearMethod().create_weights(self, hidden_size, self.vocab_end - self.vocab_start, bias=False)
+        self.matmul = None
+
+    @property
+    def weight_tensor(self) -> Tensor:
+        return self._tied[0].weight if self._tied else self.weight
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.matmul = dense_matmul(self.weight_tensor)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = self.matmul(hidden, self.weight_tensor, None)  # [N, vocab_local]
+        return self.tp.all_gather_columns(logits, self.vocab_size).float()
+
+    def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
+        _copy_checked(self.weight.data, tensor[self.vocab_start : self.vocab_end], what)

@@ -1,0 +1,57 @@
+"""Which floating-point formats this CPU computes natively, for dtype resolution.
+
+torch runs bfloat16 (and float16) matmuls on the CPU through oneDNN only where
+the CPU has instructions for them (AVX-512-BF16 or AMX for bf16; AVX-512-FP16
+or AMX-FP16 for fp16). Elsewhere it emulates them, and the matmuls, most of a
+forward pass, become about 20x slower than float32. ``dtype="auto"`` picks
+float32 on every CPU; :func:`check_cpu_dtype` says so loudly when a user asks
+for a 16-bit dtype that this CPU would emulate.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+
+@functools.cache
+def native_matmul(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU matmuls in ``dtype`` run on native instructions here."""
+    if dtype == torch.float32:
+        return True
+    mkldnn = torch.ops.mkldnn
+    if dtype == torch.bfloat16:
+        return bool(mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(getattr(mkldnn, "_is_mkldnn_fp16_supported", lambda: False)())
+    return False
+
+
+def emulated_dtype_message(dtype: torch.dtype) -> str | None:
+    """Why ``dtype`` will be slow on this CPU, or None when its matmuls are native."""
+    if native_matmul(dtype):
+        return None
+    from pagedllm.native.cpu_ops import cpu_model
+
+    name = str(dtype).removeprefix("torch.")
+    return (
+        f"dtype={name}: this CPU ({cpu_model()}) has no native {name} matmul "
+        f"(torch.ops.mkldnn reports none), so torch emulates it and the model's matmuls run "
+        f"about 20x slower than in float32; weights and KV cache would take half the memory. "
+        f"Use dtype='float32' or 'auto' (float32 on this CPU) for speed."
+    )
+
+
+def check_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Warn (a RuntimeWarning and a log line) when ``dtype`` is emulated on this CPU."""
+    if device.type != "cpu":
+        return
+    message = emulated_dtype_message(dtype)
+    if message is not None:
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

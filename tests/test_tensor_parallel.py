@@ -1,0 +1,84 @@
+"""Tensor parallelism over torch.distributed (gloo on the CPU): TP=2 against TP=1, and failures.
+
+The oracle is the single-process engine on the same model in float32: greedy
+tokens must be equal. Both tests start real worker processes
+(torch.multiprocessing) and are slow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.distributed import head_shard
+from pagedllm.errors import ConfigError, EngineDeadError
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Here is a list of three fruits: apple,",
+    "In 1969, the first humans to walk on the Moon were",
+]
+
+
+def _llm(tp: int, **options) -> LLM:
+    options.setdefault("kv_cache_memory", 64 * 2**20)
+    return LLM(dtype="float32", device="cpu", tensor_parallel_size=tp, **options)
+
+
+def _run(llm: LLM) -> list:
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    samples = llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12), use_tqdm=False)
+    shared = llm.generate([PROMPTS[2] + " banana,"] * 2, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    beams = llm.beam_search([PROMPTS[3]], BeamSearchParams(beam_width=3, max_tokens=10))
+    llm.llm_engine.block_manager.check_invariants()
+    return [
+        [o.outputs[0].token_ids for o in greedy],
+        [c.token_ids for c in samples[0].outputs],
+        [o.outputs[0].token_ids for o in shared],
+        [c.token_ids for c in beams[0].outputs],
+    ]
+
+
+def test_head_shards_cover_every_head_once_or_replicate_kv():
+    # SmolLM2: 9 query heads over 3 KV heads, on 2 ranks: whole KV groups, uneven
+    shards = [head_shard(9, 3, 2, r) for r in range(2)]
+    assert [(s.q_start, s.num_q, s.kv_start, s.num_kv) for s in shards] == [(0, 3, 0, 1), (3, 6, 1, 2)]
+    # more ranks than KV heads: each KV head replicated, its query heads split
+    shards = [head_shard(8, 2, 4, r) for r in range(4)]
+    assert [(s.q_start, s.num_q, s.kv_start) for s in shards] == [(0, 2, 0), (2, 2, 0), (4, 2, 1), (6, 2, 1)]
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        head_shard(9, 3, 4, 0)
+
+
+@pytest.mark.slow
+def test_tp2_greedy_equals_tp1_on_the_default_model():
+    tp2 = _llm(2)
+    try:
+        got = _run(tp2)
+        # a small cache forces preemption by recompute on every rank alike
+        tight = _llm(1, kv_cache_memory=None, num_kv_blocks=10, max_num_seqs=4, num_headroom_tokens=0)
+        want = _run(tight)
+    finally:
+        tp2.llm_engine.shutdown()
+    assert got == want
+
+
+@pytest.mark.slow
+def test_killing_a_worker_ends_the_engine_and_leaves_no_process():
+    llm = _llm(2)
+    engine = llm.llm_engine
+    (process,) = engine.executor.processes
+    llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    os.kill(process.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker"):
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    assert time.monotonic() - started < 30
+    assert not process.is_alive()
+    with pytest.raises(EngineDeadError):  # and it stays dead
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4), use_tqdm=False)
