@@ -16,6 +16,8 @@ from pagedllm.config import (
     DEFAULT_NUM_HEADROOM_TOKENS,
     DTYPE_ALIASES,
     KV_POLICIES,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATIONS,
     PREEMPTION_MODES,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
@@ -65,11 +67,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="intra-op threads (per rank with tensor parallelism)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes (torch.distributed)")
+    g.add_argument("--quantization-group-size", type=int, default=32, choices=list(QUANTIZATION_GROUP_SIZES))
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--rope-scaling", type=parse_json_object, default=None,
                    help='HF rope_scaling JSON replacing the model\'s, e.g. \'{"rope_type":"yarn","factor":4.0}\' '
                    "(linear | dynamic | yarn | llama3); lets --max-model-len pass the trained context")
-    g.add_argument("--quantization", "-q", default=None, help="not supported yet (the weights' own format is used)")
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                   help="weights: none (default: dense --dtype), gguf (GGUF Q4_0/Q4_1/Q8_0 served packed), "
+                   "int8|int4 (RTN, --quantization-group-size per scale); CPU only")
     g.add_argument("--kv-cache-dtype", default="auto", help="only 'auto' (the model dtype) for now")
     g.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: auto (the model's generation_config.json or GGUF "
@@ -142,6 +147,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         num_threads=args.num_threads,
+        quantization_group_size=args.quantization_group_size,
         seed=args.seed,
         rope_scaling=args.rope_scaling,
         # `pagedllm serve --max-logprobs` (a request limit) also sets the engine's cap

@@ -22,13 +22,15 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's other spellings of the same dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 # Tokens of growth per running sequence kept free when admitting (one block at
 # the default block size); measured in docs/benchmarks.md, "KV memory audit".
 DEFAULT_NUM_HEADROOM_TOKENS = 16
 # vLLM's default cap on logprobs / prompt_logprobs per request.
 DEFAULT_MAX_LOGPROBS = 20
-SUPPORTED_QUANTIZATIONS = (None,)
+SUPPORTED_QUANTIZATIONS = (None, *QUANTIZATIONS)
 SUPPORTED_KV_CACHE_DTYPES = ("auto",)
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding generation_config.json
 GIB = 2**30
@@ -79,6 +81,9 @@ class EngineConfig:
     left afterwards still cover that many more tokens of every running sequence
     (none past its max_tokens, and never more than a tenth of the cache in all);
     0 admits whenever the prompt fits.
+    ``quantization``: None or "none" (dense weights of ``dtype``), "gguf" (a GGUF's
+    Q4_0/Q4_1/Q8_0 tensors served packed), "int8"/"int4" (weight-only RTN with
+    ``quantization_group_size`` weights per scale); CPU only.
     ``async_scheduling``: schedule and launch each decode step before reading
     the previous step's tokens (stop conditions are then seen one step late);
     ``None`` turns it on where CUDA graphs run.
@@ -114,6 +119,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
+    quantization_group_size: int = 32
     seed: int = 0
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS
     tensor_parallel_size: int = 1
@@ -132,6 +138,8 @@ class EngineConfig:
         _choice("dtype", self.dtype, SUPPORTED_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("kv_policy", self.kv_policy, KV_POLICIES)
+        _not_yet("quantization", self.quantization, SUPPORTED_QUANTIZATIONS)
+        _choice("quantization_group_size", self.quantization_group_size, QUANTIZATION_GROUP_SIZES)
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ConfigError(f"device={self.device!r} is not supported; use 'auto', 'cpu' or 'cuda[:N]'")
         _positive("num_kv_blocks", self.num_kv_blocks)
@@ -167,7 +175,11 @@ class EngineConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1; leave it unset")
-        _not_yet("quantization", self.quantization, SUPPORTED_QUANTIZATIONS)
+        if self.tensor_parallel_size > 1 and self.quantization not in (None, "none"):
+            raise ConfigError(
+                f"quantization={self.quantization!r} with tensor_parallel_size > 1 is not supported yet; "
+                "use tensor_parallel_size=1 or quantization='none'"
+            )
         _not_yet("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_CACHE_DTYPES)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError(

@@ -104,8 +104,9 @@ ENGINE_NOTES = {
     "enforce_eager": SAME_NOTE + "turns CUDA graphs off; nothing else is compiled",
     "preemption_mode": SAME_NOTE + "vLLM 0.x's recompute | swap, plus auto",
     "tensor_parallel_size": "N worker processes over torch.distributed (gloo on CPU, NCCL on CUDA); "
-                            "no async_scheduling or CUDA graphs with N > 1 yet",
-    "quantization": "None only for now (quantised GGUF weights are dequantised at load); others raise ConfigError",
+                            "no async_scheduling, CUDA graphs or quantization with N > 1 yet",
+    "quantization": "None/none (dense weights), gguf (a GGUF's Q4_0/Q4_1/Q8_0 served packed), int8 | int4 "
+                    "(RTN weight-only, CPU); others raise ConfigError",
     "kv_cache_dtype": "auto only for now (the model dtype); others raise ConfigError",
     "generation_config": SAME_NOTE + "auto | vllm | a folder, as vLLM; reads temperature, top_p, top_k, min_p, "
                          "repetition_penalty, max_new_tokens (GGUF: general.sampling.*)",

@@ -103,9 +103,19 @@ def unpermute_for_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(weight.shape)
 
 
-def load_gguf_checkpoint(path: Path, *, use_cache: bool = True) -> GGUFCheckpoint:
+def load_gguf_checkpoint(path: Path, *, use_cache: bool = True, keep_quantized: bool = False) -> GGUFCheckpoint:
     """Read ``path`` (from the dequantized cache when valid, else from the GGUF
-    itself, then populate the cache). Raises ModelLoadError / UnsupportedModelError."""
+    itself, then populate the cache). Raises ModelLoadError / UnsupportedModelError.
+
+    ``keep_quantized``: tensors of a type with a quantized kernel (Q4_0, Q4_1,
+    Q8_0) come as :class:`pagedllm.quant.QuantizedWeight` repacked from their
+    blocks, never dequantized; others are dequantized (with a warning naming
+    the type when it is a quantized one). Repacking is fast: no cache."""
+    if keep_quantized:
+        started = time.perf_counter()
+        hf_config, tensors = read_gguf(path, keep_quantized=True)
+        logger.info("read %d tensors of %s as stored in %.1f s", len(tensors), path.name, time.perf_counter() - started)
+        return GGUFCheckpoint(hf_config, iter(tensors.items()), from_cache=False)
     cache_file = _cache_file(path)
     if use_cache and cache_file.is_file():
         try:
@@ -125,8 +135,9 @@ def load_gguf_checkpoint(path: Path, *, use_cache: bool = True) -> GGUFCheckpoin
     return GGUFCheckpoint(hf_config, iter(tensors.items()), from_cache=False)
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Parse a GGUF file into (HF config dict, HF-named tensors in HF row order)."""
+def read_gguf(path: Path, *, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:
+    """Parse a GGUF file into (HF config dict, HF-named tensors in HF row order);
+    ``keep_quantized`` as in :func:`load_gguf_checkpoint`."""
     import gguf
 
     try:
@@ -136,7 +147,8 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     tensor_names = {t.name for t in reader.tensors}
     hf_config = gguf_hf_config(reader, tensor_names)
     arch = hf_config["model_type"]
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
+    warned: set[str] = set()
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue
@@ -144,12 +156,37 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if name is None:
             logger.warning("GGUF tensor %s has no counterpart in the model; skipped", tensor.name)
             continue
-        value = _dequantize(tensor)
+        value = _quantized(tensor, warned) if keep_quantized else _dequantize(tensor)
         if arch in _ROPE_PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
             key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
-            value = unpermute_for_rope(value, hf_config[key]).contiguous()
+            heads = hf_config[key]
+            if isinstance(value, torch.Tensor):
+                value = unpermute_for_rope(value, heads).contiguous()
+            else:  # a QuantizedWeight: its rows are permuted whole, blocks untouched
+                value = value.map_rows(lambda rows: unpermute_for_rope(rows, heads))
         tensors[name] = value
     return hf_config, tensors
+
+
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _quantized(tensor: Any, warned: set[str]) -> Any:
+    """A 2-D tensor of a type with a kernel as a QuantizedWeight (rows = GGUF's outer
+    dimension); anything else dequantized, warning once per quantized type without a kernel."""
+    from gguf import GGMLQuantizationType as QType
+
+    from pagedllm.quant import GGUF_BLOCK_BYTES, from_gguf_blocks
+
+    qtype = QType(tensor.tensor_type).name
+    if qtype in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:
+        return from_gguf_blocks(qtype, np.asarray(tensor.data), int(tensor.shape[0]))
+    if qtype not in _FLOAT_TYPES and qtype not in warned:
+        warned.add(qtype)
+        logger.warning(
+            "GGUF tensor type %s has no quantized kernel: its tensors (first: %s) are dequantized", qtype, tensor.name
+        )
+    return _dequantize(tensor)
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

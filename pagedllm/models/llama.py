@@ -34,6 +34,7 @@ from pagedllm.layers import (
 )
 from pagedllm.layers.linear import _copy_checked
 from pagedllm.models.config import ModelConfig
+from pagedllm.quant.formats import QuantizedWeight
 
 logger = logging.getLogger("pagedllm")
 
@@ -204,10 +205,13 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ModelLoadError on a shape mismatch or when any parameter is left
         unset; names this model has no use for (rotary buffers, a tied lm_head)
-        are skipped with a debug log.
+        are skipped with a debug log. Packed tensors (:class:`QuantizedWeight`)
+        replace their layer's dense weight (see :func:`pagedllm.quant.layers.install_quantized`).
         """
         params = dict(self.named_parameters())
+        expected = set(self._expected_pieces())
         loaded: set[str] = set()
+        quantized: dict[str, dict[int, QuantizedWeight]] = {}  # parameter -> fused part -> packed rows
         for hf_name, tensor in weights:
             target = self._map_hf_name(hf_name)
             if target is None:
@@ -219,16 +223,24 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_name, _, leaf = name.rpartition(".")
             module = self.get_submodule(module_name)
-            if hasattr(module, "load_weight"):
+            if isinstance(tensor, QuantizedWeight):  # a GGUF tensor kept packed (quantization="gguf")
+                quantized.setdefault(name, {})[part] = tensor
+            elif hasattr(module, "load_weight"):
                 module.load_weight(leaf, tensor, part, hf_name)
             else:
                 _copy_checked(params[name].data, tensor, hf_name)
             loaded.add(f"{name}@{part}")
-        missing = sorted(set(self._expected_pieces()) - loaded)
+        missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(
                 f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}"
             )
+        if quantized:
+            from pagedllm.quant.layers import install_quantized
+
+            packed = {name: QuantizedWeight.cat_rows([parts[p] for p in sorted(parts)])
+                      for name, parts in quantized.items()}
+            install_quantized(self, packed)
         self.bind_kernels()
 
     def _map_hf_name(self, hf_name: str) -> tuple[str, int] | None:

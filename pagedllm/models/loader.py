@@ -19,7 +19,7 @@ import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.paths import resolve_model_path
 from pagedllm.models.registry import resolve_architecture
@@ -50,20 +50,33 @@ def load_model(
     attn_backend: AttentionBackend,
     rope_scaling: dict | None = None,
     tp: TensorParallelGroup = SINGLE_PROCESS,
+    quantization: str = "none",
+    quantization_group_size: int = 32,
 ) -> LoadedModel:
     """Load ``model`` (HF directory, .gguf file, or None for the default model);
     ``rope_scaling`` replaces the checkpoint's (ConfigError if malformed).
 
-    Raises ModelLoadError naming what is missing, UnsupportedModelError for an
-    architecture pagedllm does not implement.
+    ``quantization``: "none" (dense ``dtype`` weights), "gguf" (a GGUF's Q4_0 /
+    Q4_1 / Q8_0 tensors kept packed), "int8" / "int4" (round-to-nearest
+    weight-only, ``quantization_group_size`` weights per scale, of every linear
+    layer, the embedding and the LM head), served by
+    :mod:`pagedllm.quant.layers`; single-process only. Raises ConfigError for
+    a setting that does not apply to this model, ModelLoadError naming what is missing,
+    UnsupportedModelError for an architecture pagedllm does not implement.
     """
     started = time.perf_counter()
     path = resolve_model_path(model)
     device = torch.device(device)
+    if quantization == "gguf" and path.suffix != ".gguf":
+        raise ConfigError(f"quantization='gguf' needs a .gguf model, got {path}; use int8 or int4 for other checkpoints")
+    if quantization != "none" and device.type != "cpu":
+        raise ConfigError(f"quantization={quantization!r} runs on the CPU only; use quantization='none' on {device}")
+    if quantization != "none" and tp.size > 1:
+        raise ConfigError(f"quantization={quantization!r} with tensor parallelism is not supported yet; use TP=1")
     if path.suffix == ".gguf":
         from pagedllm.models.gguf_loader import load_gguf_checkpoint
 
-        checkpoint = load_gguf_checkpoint(path)
+        checkpoint = load_gguf_checkpoint(path, keep_quantized=quantization == "gguf")
         hf_config, weights, generation_config = checkpoint.hf_config, checkpoint.weights, {}
     else:
         hf_config = _read_json(path / "config.json", required=True)
@@ -73,16 +86,30 @@ def load_model(
     config = ModelConfig.from_hf_config(hf_config, rope_scaling=rope_scaling)
     module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device, tp=tp)
     module.load_weights(weights)
+    if quantization in ("int8", "int4"):
+        quantize_model(module, bits=8 if quantization == "int8" else 4, group_size=quantization_group_size)
     module.eval()
     logger.info(
-        "loaded %s (%s, %s, %s) in %.2f s",
+        "loaded %s (%s, %s, %s weights, %s) in %.2f s",
         path.name,
         config.architecture,
         str(dtype).removeprefix("torch."),
+        quantization,
         device,
         time.perf_counter() - started,
     )
     return LoadedModel(module, config, path, hf_config, generation_config)
+
+
+def quantize_model(module: torch.nn.Module, *, bits: int, group_size: int) -> None:
+    """Replace every quantizable weight of a loaded model by its RTN-quantized packed form."""
+    from pagedllm.quant import quantize_rtn
+    from pagedllm.quant.layers import install_quantized, quantizable_weights
+
+    params = dict(module.named_parameters())
+    names = quantizable_weights(module)
+    install_quantized(module, {name: quantize_rtn(params[name].data, bits, group_size) for name in names})
+    module.bind_kernels()
 
 
 def build_model(

@@ -133,6 +133,7 @@ class Worker:
         loaded = load_model(
             config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
             rope_scaling=config.rope_scaling, tp=tp,
+            quantization=config.quantization or "none", quantization_group_size=config.quantization_group_size,
         )
         self.model = loaded.model
         self.model_config = loaded.config

@@ -1,0 +1,219 @@
+"""Weight-only quantized matrices: each format one class, all on one packed layout.
+
+Every format stores a ``[out, in]`` matrix as
+
+    w[n, k] = scales[n, k // G] * (q[n, k] - zero) + mins[n, k // G]    (no mins: 0)
+
+with unsigned codes ``q`` (4 or 8 bits), float16 scales/mins per group of
+``G`` weights and one integer zero point per format. The codes are packed
+as :mod:`pagedllm.native.quant_ops` reads them (4-bit: per 64-weight group,
+byte ``i`` holds weight ``i`` in its low nibble and weight ``32 + i`` in its
+high one); ``in`` is padded to a multiple of 64 and of ``G`` with groups whose
+scale and min are 0. Resident bytes equal the GGUF blocks' bytes for Q4_0,
+Q4_1 and Q8_0 (plus padding, none for widths that are multiples of 64).
+
+``apply(x)`` runs the native kernel (activations quantized per 32 to int8 on
+the fly); ``dequantize()`` is the float32 reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pagedllm.errors import ConfigError
+from pagedllm.native import quant_ops
+
+logger = logging.getLogger("pagedllm")
+
+GROUP_SIZES = (32, 64, 128)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """``[N, Kp]`` uint8 codes 0..15 (Kp a multiple of 64) -> ``[N, Kp / 2]`` packed bytes."""
+    rows, width = codes.shape
+    groups = codes.reshape(rows, width // 64, 2, 32)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(rows, width // 2)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_nibbles`."""
+    rows, half = packed.shape
+    groups = packed.reshape(rows, half // 32, 1, 32)
+    return torch.cat([groups & 0x0F, groups >> 4], dim=2).reshape(rows, half * 2)
+
+
+@dataclass
+class QuantizedWeight:
+    """One packed ``[out_features, in_features]`` matrix (see the module docstring)."""
+
+    format_name: str  # "Q4_0", "Q4_1", "Q8_0", "int4", "int8"
+    bits: int
+    zero: int
+    group_size: int
+    in_features: int
+    qweight: Tensor  # [N, Kp / 2] (4-bit) or [N, Kp] (8-bit) uint8
+    scales: Tensor  # [N, Kp / G] float16
+    mins: Tensor | None  # [N, Kp / G] float16
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def padded_in(self) -> int:
+        return self.scales.shape[1] * self.group_size
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the packed matrix."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
+
+    # ---- compute
+
+    def apply(self, x: Tensor) -> Tensor:
+        """``x [T, in] -> [T, out]`` in x's dtype (activations quantized per 32 to int8)."""
+        if x.device.type != "cpu" or not quant_ops.available():
+            return F.linear(x, self.dequantize().to(x.device, x.dtype))
+        y = quant_ops.gemm(x.float().contiguous(), *self._kernel_args())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` [T] in float32 ``[T, in]``: an embedding lookup that never unpacks the whole matrix."""
+        if not quant_ops.available():
+            return self.dequantize_rows(ids)
+        return quant_ops.dequantize_rows(ids.to(torch.int64), *self._kernel_args(), self.in_features)
+
+    def _kernel_args(self) -> tuple:
+        return (self.qweight, self.scales, self.mins, self.bits, self.group_size, self.zero, self.padded_in)
+
+    # ---- the reference
+
+    def codes(self) -> Tensor:
+        """``[N, Kp]`` int16 codes, unpacked."""
+        q = unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight
+        return q.to(torch.int16)
+
+    def dequantize(self) -> Tensor:
+        """The float32 ``[out, in]`` matrix this format represents."""
+        return self.dequantize_rows(None)
+
+    def dequantize_rows(self, ids: Tensor | None) -> Tensor:
+        qweight, scales = self.qweight, self.scales
+        mins = self.mins
+        if ids is not None:
+            qweight, scales = qweight[ids], scales[ids]
+            mins = None if mins is None else mins[ids]
+        q = unpack_nibbles(qweight) if self.bits == 4 else qweight
+        rows = q.shape[0]
+        grouped = (q.to(torch.float32) - self.zero).reshape(rows, -1, self.group_size)
+        w = grouped * scales.float()[:, :, None]
+        if mins is not None:
+            w = w + mins.float()[:, :, None]
+        return w.reshape(rows, -1)[:, : self.in_features].contiguous()
+
+    # ---- row operations (fusing q/k/v and gate/up, undoing llama.cpp's rope permutation)
+
+    def map_rows(self, fn) -> QuantizedWeight:
+        """The same format with ``fn`` applied to every per-row tensor (``fn`` acts on dim 0)."""
+        return QuantizedWeight(
+            self.format_name, self.bits, self.zero, self.group_size, self.in_features,
+            fn(self.qweight).contiguous(), fn(self.scales).contiguous(),
+            None if self.mins is None else fn(self.mins).contiguous(),
+        )
+
+    @staticmethod
+    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Stack matrices of one format by rows (``[q | k | v]``)."""
+        first = parts[0]
+        layout = (first.format_name, first.group_size, first.in_features)
+        if any((p.format_name, p.group_size, p.in_features) != layout for p in parts):
+            raise ValueError("only matrices of one format, group size and width can be fused")
+        return QuantizedWeight(
+            first.format_name, first.bits, first.zero, first.group_size, first.in_features,
+            torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+            None if first.mins is None else torch.cat([p.mins for p in parts]),
+        )
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+# llama.cpp block layouts: bytes per block of 32 weights.
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def from_gguf_blocks(format_name: str, blocks: np.ndarray, in_features: int) -> QuantizedWeight:
+    """Repack a GGUF tensor's raw blocks (uint8 ``[N, in / 32 * block_bytes]``) without
+    dequantizing: the codes are reordered, the float16 scales and mins kept bit for bit."""
+    if format_name not in GGUF_BLOCK_BYTES:
+        raise ConfigError(f"GGUF type {format_name} has no quantized kernel")
+    rows = blocks.shape[0]
+    num_blocks = in_features // 32
+    raw = np.asarray(blocks, dtype=np.uint8).reshape(rows, num_blocks, GGUF_BLOCK_BYTES[format_name])
+    padded = _round_up(in_features, 64)
+    pad_blocks = (padded - in_features) // 32
+    scales = _pad_cols(torch.from_numpy(raw[:, :, 0:2].copy().view(np.float16).reshape(rows, num_blocks)), pad_blocks)
+    if format_name == "Q8_0":
+        codes = (raw[:, :, 2:] ^ np.uint8(0x80)).reshape(rows, in_features)  # int8 q -> q + 128 as uint8
+        codes = _pad_cols(torch.from_numpy(np.ascontiguousarray(codes)), padded - in_features)
+        return QuantizedWeight("Q8_0", 8, 128, 32, in_features, codes, scales, None)
+    first = 2 if format_name == "Q4_0" else 4
+    nibbles = raw[:, :, first:]  # [N, B, 16]: byte j holds weight j (low) and j + 16 (high)
+    codes = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=2).reshape(rows, in_features)
+    if padded != in_features:
+        codes = np.pad(codes, ((0, 0), (0, padded - in_features)))
+    groups = codes.reshape(rows, padded // 64, 2, 32)
+    qweight = torch.from_numpy(np.ascontiguousarray((groups[:, :, 0] | (groups[:, :, 1] << np.uint8(4))).reshape(rows, padded // 2)))
+    if format_name == "Q4_0":
+        return QuantizedWeight("Q4_0", 4, 8, 32, in_features, qweight, scales, None)
+    mins = _pad_cols(torch.from_numpy(raw[:, :, 2:4].copy().view(np.float16).reshape(rows, num_blocks)), pad_blocks)
+    return QuantizedWeight("Q4_1", 4, 0, 32, in_features, qweight, scales, mins)
+
+
+def _pad_cols(t: Tensor, extra: int) -> Tensor:
+    return t if extra == 0 else F.pad(t, (0, extra))
+
+
+# ---------------------------------------------------------------- round to nearest (float checkpoints)
+
+
+def quantize_rtn(weight: Tensor, bits: int, group_size: int) -> QuantizedWeight:
+    """Round-to-nearest weight-only quantization of a float ``[out, in]`` matrix.
+
+    int8: symmetric, scale = max|w| / 127 per group. int4: asymmetric, scale =
+    (max - min) / 15 and min per group. Scales and mins are rounded to float16
+    first and the codes computed against the rounded values.
+    """
+    if bits not in (4, 8):
+        raise ConfigError(f"RTN quantization has 4 or 8 bits, not {bits}")
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(f"quantization group size {group_size} is not supported; choose one of {list(GROUP_SIZES)}")
+    rows, in_features = weight.shape
+    padded = _round_up(in_features, max(64, group_size))
+    w = _pad_cols(weight.detach().float(), padded - in_features).reshape(rows, -1, group_size)
+    if bits == 8:
+        scales = (w.abs().amax(-1) / 127).to(torch.float16)
+        inv = torch.where(scales > 0, 1 / scales.float(), torch.zeros(()))
+        codes = (w * inv[:, :, None]).round().clamp(-127, 127).to(torch.int16) + 128
+        return QuantizedWeight("int8", 8, 128, group_size, in_features,
+                               codes.to(torch.uint8).reshape(rows, padded), scales, None)
+    low, high = w.amin(-1), w.amax(-1)
+    mins = low.to(torch.float16)
+    scales = ((high - mins.float()) / 15).to(torch.float16)
+    inv = torch.where(scales > 0, 1 / scales.float(), torch.zeros(()))
+    codes = ((w - mins.float()[:, :, None]) * inv[:, :, None]).round().clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight("int4", 4, 0, group_size, in_features,
+                           pack_nibbles(codes.reshape(rows, padded)), scales, mins)
