@@ -84,6 +84,17 @@ def _is_empty_final(chunk: dict) -> bool:
     return all(not c.get("text") and c.get("finish_reason") is not None for c in choices)
 
 
+async def sse_chunks(response):
+    """The JSON objects of an OpenAI-style SSE stream (its ``data:`` lines), up to ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def send_request(client, url: str, payload: dict, record: RequestRecord) -> RequestRecord:
     """POST one streaming completion and time its chunks into ``record``.
 
@@ -101,13 +112,7 @@ async def send_request(client, url: str, payload: dict, record: RequestRecord) -
                 body = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {body[:200]}"
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     record.error = str(chunk["error"])[:200]
                     return record

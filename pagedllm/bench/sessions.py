@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.bench import report
+from pagedllm.bench.serve import sse_chunks
 from pagedllm.errors import ConfigError
 
 # Words user turns are drawn from: common English, about one token each for a BPE vocabulary.
@@ -103,13 +104,7 @@ async def _stream_turn(client, url: str, payload: dict, record: TurnRecord, stop
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")
             raise _Refused(response.status_code, body[:200])
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_chunks(response):
             if "error" in chunk:
                 raise RuntimeError(str(chunk["error"])[:200])
             if chunk.get("usage"):

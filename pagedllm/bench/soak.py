@@ -21,12 +21,12 @@ p99 drift from the first full window to the last.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
 from pagedllm.bench import report
+from pagedllm.bench.serve import sse_chunks
 from pagedllm.bench.workloads import Workload
 
 WARMUP_S = 60.0
@@ -91,13 +91,7 @@ async def _session(client, url: str, payload: dict, session: Session, t0: float)
             if response.status_code != 200:
                 session.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     session.error = str(chunk["error"])[:200]
                     return
