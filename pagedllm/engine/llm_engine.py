@@ -87,42 +87,15 @@ class LLMEngine:
         self.model_name = model_display_name(self.model_path)
         self.tokenizer = Tokenizer.load(self.model_path)
         eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        if config.tensor_parallel_size > 1:
-            from pagedllm.worker.executor import MultiprocExecutor
-
-            self.executor = MultiprocExecutor(config, eos_token_ids)
-            self.worker = self.executor.worker  # rank 0, in this process
-        else:
-            self.worker = Worker(config, eos_token_ids)
-            self.worker.init_kv_cache(*self.worker.num_kv_blocks_for_config())
-            self.executor = self.worker
-        self.device, self.dtype = self.worker.device, self.worker.dtype
-        self.model_config = self.worker.model_config
+        self._start_workers(eos_token_ids)
         self.max_model_len = self._resolve_max_model_len()
-        self.block_manager = BlockManager(
-            self.kv_cache.num_blocks,
-            config.block_size,
-            num_cpu_blocks=self.kv_cache.num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=budget,
-                max_model_len=self.max_model_len,
-                preemption_mode=config.preemption_mode,
-                kv_policy=config.kv_policy,
-                num_headroom_tokens=config.num_headroom_tokens,
-            ),
-            self.block_manager,
-        )
+        self.block_manager, self.scheduler = self._make_scheduler()
         if self.executor.uses_cuda_graphs():
             self.worker.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         # Ranks other than 0 do not sample, so under tensor parallelism every token is sent.
         self.steps = StepBuilder(
             self.scheduler, new_seq_id, self.model_config.vocab_size, self.max_model_len,
-            eos_token_ids=tuple(self.tokenizer.eos_token_ids), send_sampled_tokens=config.tensor_parallel_size > 1,
+            eos_token_ids=eos_token_ids, send_sampled_tokens=config.tensor_parallel_size > 1,
         )
         self.processor = OutputProcessor(self.scheduler, self.steps, self.tokenizer, self.max_model_len)
         self.grammar_compiler = GrammarCompiler(
@@ -142,6 +115,41 @@ class LLMEngine:
             time.monotonic() - start, self.model_name, self.device, self.dtype,
             self.kv_cache.num_blocks, config.block_size, self.max_model_len,
         )
+
+    def _start_workers(self, eos_token_ids: tuple[int, ...]) -> None:
+        """The worker (rank 0 in this process) and, under tensor parallelism, the other ranks."""
+        config = self.config
+        if config.tensor_parallel_size > 1:
+            from pagedllm.worker.executor import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(config, eos_token_ids)
+            self.worker = self.executor.worker  # rank 0, in this process
+        else:
+            self.worker = Worker(config, eos_token_ids)
+            self.worker.init_kv_cache(*self.worker.num_kv_blocks_for_config())
+            self.executor = self.worker
+        self.device, self.dtype = self.worker.device, self.worker.dtype
+        self.model_config = self.worker.model_config
+
+    def _make_scheduler(self) -> tuple[BlockManager, Scheduler]:
+        """The block manager over the worker's KV pool, and the scheduler that owns it."""
+        config = self.config
+        block_manager = BlockManager(
+            self.kv_cache.num_blocks,
+            config.block_size,
+            num_cpu_blocks=self.kv_cache.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            preemption_mode=config.preemption_mode,
+            kv_policy=config.kv_policy,
+            num_headroom_tokens=config.num_headroom_tokens,
+        )
+        return block_manager, Scheduler(scheduler_config, block_manager)
 
     def shutdown(self) -> None:
         """Stop the worker processes, if any (tensor parallelism); the engine is unusable after."""
