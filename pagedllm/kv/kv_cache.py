@@ -78,6 +78,20 @@ class KVCache:
         per_block = KVCache.bytes_per_block(**block_kwargs)
         return max(0, int(memory_bytes) // per_block)
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor that holds per-block KV state, each indexed by physical block on dim 0.
+
+        Today that is each layer's K and V cache; formats that keep more per
+        block (scales of a quantized cache) add their tensors here, so block
+        copies, swaps and any backing store move a block by moving slice
+        ``[block_id]`` of every tensor in this list, in this order.
+        """
+        return [t for layer in self.layers for t in layer]
+
+    def cpu_block_tensors(self) -> list[torch.Tensor]:
+        """The CPU swap pool's tensors, parallel to :meth:`block_tensors` (empty without a pool)."""
+        return [t for layer in self.cpu_layers for t in layer]
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy every slot of block ``src`` into block ``dst`` in every layer, per ``(src, dst)`` pair.
 
@@ -88,9 +102,8 @@ class KVCache:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
-        for k_cache, v_cache in self.layers:
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+        for tensor in self.block_tensors():
+            tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def swap_out(self, mapping: Sequence[tuple[int, int]]) -> None:
         """Copy device blocks into CPU pool blocks: ``(device_block, cpu_block)`` pairs."""
@@ -99,9 +112,8 @@ class KVCache:
         self._require_cpu_pool()
         dev_idx = torch.tensor([d for d, _ in mapping], dtype=torch.int64, device=self.device)
         cpu_idx = torch.tensor([c for _, c in mapping], dtype=torch.int64)
-        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers, strict=True):
-            k_cpu.index_copy_(0, cpu_idx, k_dev.index_select(0, dev_idx).cpu())
-            v_cpu.index_copy_(0, cpu_idx, v_dev.index_select(0, dev_idx).cpu())
+        for dev, cpu in zip(self.block_tensors(), self.cpu_block_tensors(), strict=True):
+            cpu.index_copy_(0, cpu_idx, dev.index_select(0, dev_idx).cpu())
 
     def swap_in(self, mapping: Sequence[tuple[int, int]]) -> None:
         """Copy CPU pool blocks back to device blocks: ``(cpu_block, device_block)`` pairs."""
@@ -110,9 +122,8 @@ class KVCache:
         self._require_cpu_pool()
         cpu_idx = torch.tensor([c for c, _ in mapping], dtype=torch.int64)
         dev_idx = torch.tensor([d for _, d in mapping], dtype=torch.int64, device=self.device)
-        for (k_dev, v_dev), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers, strict=True):
-            k_dev.index_copy_(0, dev_idx, k_cpu.index_select(0, cpu_idx).to(self.device))
-            v_dev.index_copy_(0, dev_idx, v_cpu.index_select(0, cpu_idx).to(self.device))
+        for dev, cpu in zip(self.block_tensors(), self.cpu_block_tensors(), strict=True):
+            dev.index_copy_(0, dev_idx, cpu.index_select(0, cpu_idx).to(self.device))
 
     def _require_cpu_pool(self) -> None:
         if not self.cpu_layers:
