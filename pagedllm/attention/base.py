@@ -10,6 +10,15 @@ its block table. For a sequence, its new tokens sit at positions
 KV cache layout per layer: ``k_cache`` and ``v_cache`` each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. The slot of the token at
 position ``p`` of a sequence is ``table[p // block_size] * block_size + p % block_size``.
+
+Quantized KV (``kv_cache_dtype`` other than ``auto``): the cache tensors hold
+8-bit codes (``torch.int8``, ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``;
+the cache tensor's dtype names the format) and ``k_scale``/``v_scale``, each
+``[num_blocks, block_size, num_kv_heads]`` float16, hold one scale per slot and
+KV head: the stored vector ``x`` of a token and head is ``code.float() * scale``.
+Backends quantize on write (scale = absmax / the format's largest code, rounded
+to float16 first and then used to quantize) and dequantize inside attention.
+Unquantized caches pass ``k_scale=None, v_scale=None``.
 """
 
 from __future__ import annotations
@@ -68,6 +77,8 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens], -1 = skip
+        k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float16
+        v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
     @abstractmethod
@@ -78,6 +89,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # quantized caches only, as in write_kv
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
