@@ -12,6 +12,11 @@ Dispatch per forward pass:
 - otherwise: the varlen causal kernel, which also handles decode rows mixed
   into a prefill batch.
 
+Quantized KV (int8, fp8_e4m3, fp8_e5m2; ``base.py``): ``write_kv`` quantizes
+as it scatters, and both attention kernels dequantize each K/V tile in
+registers (no dequantized copy of the cache). Unquantized caches compile the
+kernels with ``KV_FORMAT="none"``, which removes every quantized branch.
+
 CUDA graphs: the kernels read lengths, tables and slots from device tensors;
 the host only sizes grids (decode: ``num_seqs``, ``num_kv_heads`` and the split
 count planned from ``max_seq_len``). Any split count is correct for any
@@ -71,8 +76,10 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens], -1 = skip
+        k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float16
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        _write_kv(key, value, k_cache, v_cache, slot_mapping)
+        _write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -81,6 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # quantized caches only, as in write_kv
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # The interpreter truncates fp32 -> bf16 stores; let torch round instead.
         out_dtype = torch.float32 if interpreting_bf16(query.dtype) else query.dtype
@@ -96,13 +105,13 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode(
                 query, k_cache, v_cache,
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                scale, num_splits, out, self.decode_tiling,
+                scale, num_splits, out, self.decode_tiling, k_scale, v_scale,
             )
         else:
             paged_prefill(
                 query, k_cache, v_cache,
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                scale, metadata.max_query_len, out,
+                scale, metadata.max_query_len, out, k_scale, v_scale,
             )
         return out.to(query.dtype)
 

@@ -1,8 +1,16 @@
-"""Launch-time choices shared by the attention kernels."""
+"""Launch-time choices and tile helpers shared by the attention kernels.
+
+Quantized KV (``attention/base.py``): the cache holds 8-bit codes and a float16
+scale per slot and KV head. The kernels take the format as the constexpr
+``KV_FORMAT`` ("none", "int8", "fp8_e4m3", "fp8_e5m2"); with "none" every
+quantized branch is compiled out and the scale arguments are never read, so
+unquantized caches run the same code as before quantization existed.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,8 +56,53 @@ def check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
     if k_cache.shape[3] != head_dim or head_dim < 16:
         raise ValueError(f"head_dim {head_dim} must match the cache's {k_cache.shape[3]} and be >= 16")
-    if query.dtype != k_cache.dtype:
+    if query.dtype != k_cache.dtype and k_cache.dtype not in KV_FORMATS:
         raise ValueError(f"query is {query.dtype} but the KV cache is {k_cache.dtype}")
+
+
+# Cache dtype -> the kernels' KV_FORMAT name, for quantized caches.
+KV_FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+@dataclass(frozen=True)
+class KVScaleArgs:
+    """What a launcher passes a kernel about the cache's format.
+
+    kv_format: the ``KV_FORMAT`` constexpr. k_scale/v_scale: the
+    ``[num_blocks, block_size, num_kv_heads]`` float16 scales, or (format
+    "none") the caches themselves as placeholder pointers the kernel never
+    reads. strides: the scales' (block, slot, head) strides, shared by both.
+    """
+
+    kv_format: str
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    strides: tuple[int, int, int]
+
+
+def kv_scale_args(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads] float16
+    v_scale: torch.Tensor | None,
+) -> KVScaleArgs:
+    """Check that the scales match the cache's format and shape; a mismatch is a caller bug."""
+    kv_format = KV_FORMATS.get(k_cache.dtype)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if kv_format is None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"a {k_cache.dtype} KV cache is not quantized; pass k_scale=None, v_scale=None")
+        return KVScaleArgs("none", k_cache, v_cache, (0, 0, 0))
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {k_cache.dtype} (quantized) KV cache needs k_scale and v_scale")
+    expected = tuple(k_cache.shape[:3])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tuple(s.shape) != expected or s.dtype != torch.float16:
+            raise ValueError(f"{name} must be float16 of shape {list(expected)}, not {s.dtype} {list(s.shape)}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must share one layout")
+    return KVScaleArgs(kv_format, k_scale, v_scale, tuple(k_scale.stride()))
 
 
 @triton.jit
@@ -71,6 +124,39 @@ def load_kv_tile(
 
 
 @triton.jit
+def load_quantized_kv_tile(
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_sb, stride_ss, stride_sh,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """K codes, dequantized V rows and K scales of a quantized cache at positions ``pos``.
+
+    Returns ``k_codes`` ``[len(pos), D]`` (the codes as ``DOT_DTYPE``: exact,
+    every 8-bit code fits fp16 and bf16), ``v`` ``[len(pos), D]`` (code *
+    scale in fp32, then ``DOT_DTYPE``) and ``k_scale`` ``[len(pos)]`` fp32: the
+    caller multiplies scores by it after the dot, one product per key instead
+    of one per element. fp8 codes load as Triton's fp8 types and convert with
+    the hardware instruction on sm_89+ (the interpreter converts them exactly
+    too). Rows where ``pos_ok`` is false are zeros with scale 0. Only this
+    ``[BLOCK_N, D]`` tile is ever dequantized, in registers.
+    """
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    slot_off = block * stride_cb + offset * stride_cs + kv_head * stride_ch  # [BLOCK_N]
+    kv_off = slot_off[:, None] + dims[None, :] * stride_cd  # [BLOCK_N, D]
+    kv_mask = pos_ok[:, None] & dim_ok[None, :]
+    scale_off = block * stride_sb + offset * stride_ss + kv_head * stride_sh  # [BLOCK_N]
+    k_scale = tl.load(k_scale_ptr + scale_off, mask=pos_ok, other=0.0).to(tl.float32)
+    v_scale = tl.load(v_scale_ptr + scale_off, mask=pos_ok, other=0.0).to(tl.float32)
+    k_codes = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v_codes = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    v = (v_codes * v_scale[:, None]).to(DOT_DTYPE)
+    return k_codes, v, k_scale
+
+
+@triton.jit
 def online_softmax_step(
     q, k, v, visible, m_i, l_i, acc, qk_scale,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -89,4 +175,26 @@ def online_softmax_step(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def quantized_softmax_step(
+    q, k_codes, v, k_scale, visible, m_i, l_i, acc, qk_scale,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``online_softmax_step`` for a tile from ``load_quantized_kv_tile``.
+
+    The dot runs on the K codes; each key's column of scores is then scaled by
+    its ``k_scale`` ([BLOCK_N] fp32), which equals the dot with dequantized K
+    (the scale is constant over head_dim). ``v`` is already dequantized.
+    """
+    s = tl.dot(q, tl.trans(k_codes), input_precision=DOT_PRECISION)  # [rows, BLOCK_N]
+    s = s * (k_scale * qk_scale)[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -26,8 +26,11 @@ from pagedllm.attention.kernels.common import (
     LOG2E,
     check_attention_inputs,
     dot_operands,
+    kv_scale_args,
     load_kv_tile,
+    load_quantized_kv_tile,
     online_softmax_step,
+    quantized_softmax_step,
 )
 
 
@@ -43,9 +46,12 @@ def _decode_split_kernel(
     part_m_ptr,  # [num_seqs, num_heads, num_splits] fp32; written when SPLIT
     part_l_ptr,  # [num_seqs, num_heads, num_splits] fp32
     part_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16; read only when KV_FORMAT != "none"
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,  # shared by k_cache and v_cache
+    stride_sb, stride_ss, stride_sh,  # shared by k_scale and v_scale
     stride_bt,
     stride_ot, stride_oh, stride_od,
     num_heads,
@@ -59,6 +65,7 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr,  # write partial state instead of the final output
     DOT_DTYPE: tl.constexpr,  # operand dtype for tl.dot (see common.dot_operands)
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,  # "none" or the 8-bit format of the codes (common.KV_FORMATS)
 ):
     """Attention of one query-head group over one chunk of one sequence's context.
 
@@ -68,7 +75,8 @@ def _decode_split_kernel(
     tokens ``[p * chunk, min((p + 1) * chunk, seq_len))`` ``BLOCK_N`` at a time,
     gathering each token's K/V row through ``block_tables[s]``. Softmax runs
     online in fp32. With ``SPLIT`` it stores (m, l, acc) for the merge kernel;
-    otherwise (one split) it stores ``acc / l`` straight into ``out``.
+    otherwise (one split) it stores ``acc / l`` straight into ``out``. A
+    quantized cache's tiles are dequantized in registers as they are loaded.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,14 +110,24 @@ def _decode_split_kernel(
     for start in range(ctx_start, ctx_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
         pos_ok = pos < ctx_end
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head_off,
-            stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
-        )  # [BLOCK_N, D] each
         # Every tile holds at least one valid position, so the running max stays finite.
-        m_i, l_i, acc = online_softmax_step(
-            q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
-        )
+        if KV_FORMAT == "none":
+            k, v = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head_off,
+                stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
+            )  # [BLOCK_N, D] each
+            m_i, l_i, acc = online_softmax_step(
+                q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
+            )
+        else:
+            k_codes, v, k_scale = load_quantized_kv_tile(
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, pos, pos_ok, dims, dim_ok,
+                kv_head.to(tl.int64), stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+                BLOCK_SIZE, DOT_DTYPE,
+            )  # [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N]
+            m_i, l_i, acc = quantized_softmax_step(
+                q, k_codes, v, k_scale, pos_ok[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
+            )
 
     if SPLIT:
         part_row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [GROUP_PAD]
@@ -229,12 +247,19 @@ def paged_decode(
     num_splits: int,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     tiling: DecodeTiling | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp16; quantized caches
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention (every sequence has one query token, or none) into ``out``."""
+    """Decode attention (every sequence has one query token, or none) into ``out``.
+
+    A quantized cache (int8 / fp8 codes, ``attention/base.py``) comes with its
+    ``k_scale``/``v_scale``; the kernel dequantizes tile by tile.
+    """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_attention_inputs(query, k_cache, v_cache)
+    scales = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
     dot_dtype, dot_precision = dot_operands(query.dtype)
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -246,10 +271,11 @@ def paged_decode(
         part_m = part_l = part_acc = out  # unused by the kernel
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        out, part_m, part_l, part_acc,
+        out, part_m, part_l, part_acc, scales.k_scale, scales.v_scale,
         scale * LOG2E,
         *query.stride(),
         *k_cache.stride(),
+        *scales.strides,
         block_tables.stride(0),
         *out.stride(),
         num_heads,
@@ -263,6 +289,7 @@ def paged_decode(
         SPLIT=split,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        KV_FORMAT=scales.kv_format,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )

@@ -22,8 +22,11 @@ from pagedllm.attention.kernels.common import (
     LOG2E,
     check_attention_inputs,
     dot_operands,
+    kv_scale_args,
     load_kv_tile,
+    load_quantized_kv_tile,
     online_softmax_step,
+    quantized_softmax_step,
 )
 
 
@@ -36,9 +39,12 @@ def _prefill_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16; read only when KV_FORMAT != "none"
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,  # shared by k_cache and v_cache
+    stride_sb, stride_ss, stride_sh,  # shared by k_scale and v_scale
     stride_bt,
     stride_ot, stride_oh, stride_od,
     head_dim,
@@ -51,6 +57,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     DOT_DTYPE: tl.constexpr,  # operand dtype for tl.dot (see common.dot_operands)
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,  # "none" or the 8-bit format of the codes (common.KV_FORMATS)
 ):
     """Causal attention of one query tile of one sequence, for one KV head's group.
 
@@ -61,7 +68,8 @@ def _prefill_kernel(
     ``r // GROUP_PAD``, head ``r % GROUP_PAD``. It walks context positions
     ``0 .. last query position of the tile`` ``BLOCK_N`` at a time through
     ``block_tables[s]``, masks keys after each row's position, keeps an fp32
-    online softmax, and stores the normalised rows into ``out``.
+    online softmax, and stores the normalised rows into ``out``. A quantized
+    cache's tiles are dequantized in registers as they are loaded.
     """
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -99,14 +107,24 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_ok = pos < kv_end
-        k, v = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head_off,
-            stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
-        )  # [BLOCK_N, D] each
         causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]  # [BLOCK_M, BLOCK_N]
         # Position 0 is in the first tile and visible to every row, so after
         # the first step m_i is finite and fully masked later tiles add nothing.
-        m_i, l_i, acc = online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION)
+        if KV_FORMAT == "none":
+            k, v = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head_off,
+                stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
+            )  # [BLOCK_N, D] each
+            m_i, l_i, acc = online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION)
+        else:
+            k_codes, v, k_scale = load_quantized_kv_tile(
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, pos, pos_ok, dims, dim_ok,
+                kv_head.to(tl.int64), stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
+                BLOCK_SIZE, DOT_DTYPE,
+            )  # [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N]
+            m_i, l_i, acc = quantized_softmax_step(
+                q, k_codes, v, k_scale, causal, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
+            )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
@@ -148,21 +166,29 @@ def paged_prefill(
     scale: float,
     max_query_len: int,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp16; quantized caches
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention through the block tables into ``out``."""
+    """Causal varlen attention through the block tables into ``out``.
+
+    A quantized cache comes with its ``k_scale``/``v_scale`` (as in ``paged_decode``).
+    """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     check_attention_inputs(query, k_cache, v_cache)
+    scales = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
     dot_dtype, dot_precision = dot_operands(query.dtype)
     tiling = PrefillTiling.default(group, query.dtype, block_size)
     grid = (num_seqs, triton.cdiv(max_query_len, tiling.block_q), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scales.k_scale, scales.v_scale,
         scale * LOG2E,
         *query.stride(),
         *k_cache.stride(),
+        *scales.strides,
         block_tables.stride(0),
         *out.stride(),
         head_dim,
@@ -175,6 +201,7 @@ def paged_prefill(
         BLOCK_N=tiling.block_n,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        KV_FORMAT=scales.kv_format,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )
