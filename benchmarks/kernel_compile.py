@@ -5,7 +5,8 @@ compute; it does not check that they compile. A ``tl.dot`` shape the GPU
 compiler rejects, a tile that needs more shared memory than the SM has, or
 register spills only show up in the real compiler, which needs no GPU: only a
 target. This script drives the real launchers (``write_kv``, ``paged_decode``
-with and without split-K, ``paged_prefill``) over the configurations the engine
+with and without split-K, ``paged_prefill``; unquantized and with int8 / fp8
+KV caches) over the configurations the engine
 and ``benchmarks/gpu_check.py`` launch, with Triton's active driver replaced
 by one that reports the target GPU. Each launch's specialization (argument
 types, constexprs, alignment, options) is recorded by Triton's JIT cache hook
@@ -47,6 +48,9 @@ MAX_REGISTERS = 255
 HEAD_SHAPES = [(9, 3, 64), (32, 8, 128), (32, 8, 64), (8, 8, 128)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BLOCK_SIZES = [8, 16, 32]
+# Quantized KV cache formats (cache dtype), launched with 16-bit queries.
+KV_FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+QUANTIZED_QUERY_DTYPES = [torch.bfloat16, torch.float16]
 
 
 @dataclass
@@ -113,8 +117,6 @@ def drive_launchers(recorder: LaunchRecorder, *, quick: bool) -> None:
     the engine makes at full size.
     """
     from pagedllm.attention.kernels.paged_decode import DecodeTiling, paged_decode
-    from pagedllm.attention.kernels.paged_prefill import paged_prefill
-    from pagedllm.attention.kernels.write_kv import write_kv
 
     shapes = HEAD_SHAPES[:2] if quick else HEAD_SHAPES
     block_sizes = [16] if quick else BLOCK_SIZES
@@ -122,16 +124,14 @@ def drive_launchers(recorder: LaunchRecorder, *, quick: bool) -> None:
         for dtype in DTYPES:
             for block_size in block_sizes:
                 tag = f"h{num_heads}/kv{num_kv_heads} d{head_dim} {str(dtype).removeprefix('torch.')} bs{block_size}"
-                b = _tiny_batch(num_heads, num_kv_heads, head_dim, dtype, block_size)
-                recorder.launch = f"write_kv {tag}"
-                write_kv(b["key"], b["key"], b["k_cache"], b["v_cache"], b["slots"])
-                for splits in (1, 4):
-                    recorder.launch = f"paged_decode {splits}-split {tag}"
-                    paged_decode(b["query"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], b["starts"],
-                                 0.1, splits, b["out"])
-                recorder.launch = f"paged_prefill {tag}"
-                paged_prefill(b["query"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], b["starts"],
-                              0.1, 1, b["out"])
+                _drive_attention(recorder, tag, _tiny_batch(num_heads, num_kv_heads, head_dim, dtype, block_size))
+            if dtype not in QUANTIZED_QUERY_DTYPES:
+                continue
+            for fmt, cache_dtype in KV_FORMATS.items():
+                for block_size in block_sizes:
+                    tag = f"h{num_heads}/kv{num_kv_heads} d{head_dim} {str(dtype).removeprefix('torch.')} bs{block_size}"
+                    b = _tiny_batch(num_heads, num_kv_heads, head_dim, dtype, block_size, cache_dtype)
+                    _drive_attention(recorder, f"{tag} kv {fmt}", b)
     # The decode tilings gpu_check.py sweeps at its bandwidth shape.
     b = _tiny_batch(32, 8, 128, torch.bfloat16, 16)
     tilings = [DecodeTiling(block_n=n, num_warps=w) for n in (32, 64, 128) for w in (4, 8)]
@@ -143,14 +143,39 @@ def drive_launchers(recorder: LaunchRecorder, *, quick: bool) -> None:
                          0.1, splits, b["out"], tiling)
 
 
-def _tiny_batch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> dict:
+def _drive_attention(recorder: LaunchRecorder, tag: str, b: dict) -> None:
+    """write_kv, decode with and without split-K, and prefill on one tiny batch."""
+    from pagedllm.attention.kernels.paged_decode import paged_decode
+    from pagedllm.attention.kernels.paged_prefill import paged_prefill
+    from pagedllm.attention.kernels.write_kv import write_kv
+
+    scales = (b["k_scale"], b["v_scale"])
+    recorder.launch = f"write_kv {tag}"
+    write_kv(b["key"], b["key"], b["k_cache"], b["v_cache"], b["slots"], *scales)
+    for splits in (1, 4):
+        recorder.launch = f"paged_decode {splits}-split {tag}"
+        paged_decode(b["query"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], b["starts"],
+                     0.1, splits, b["out"], None, *scales)
+    recorder.launch = f"paged_prefill {tag}"
+    paged_prefill(b["query"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], b["starts"],
+                  0.1, 1, b["out"], *scales)
+
+
+def _tiny_batch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                cache_dtype: torch.dtype | None = None) -> dict:
+    """Tensors for one launch of each kernel; ``cache_dtype`` (int8 / fp8) makes a quantized cache."""
     num_seqs, blocks_per_seq = 2, 2
+    cache_shape = (num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim)
+    quantized = cache_dtype is not None
+    scale = torch.zeros(cache_shape[:3], dtype=torch.float16) if quantized else None
     return {
+        "k_scale": scale,
+        "v_scale": None if scale is None else scale.clone(),
         "query": torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype),  # [tokens, H, D]
         "out": torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype),
         "key": torch.zeros(num_seqs, num_kv_heads, head_dim, dtype=dtype),  # [tokens, KH, D]
-        "k_cache": torch.zeros(num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype=dtype),
-        "v_cache": torch.zeros(num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype=dtype),
+        "k_cache": torch.zeros(cache_shape, dtype=cache_dtype or dtype),
+        "v_cache": torch.zeros(cache_shape, dtype=cache_dtype or dtype),
         "tables": torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, blocks_per_seq),
         "lens": torch.full((num_seqs,), block_size + 1, dtype=torch.int32),
         "starts": torch.arange(num_seqs + 1, dtype=torch.int32),

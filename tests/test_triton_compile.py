@@ -77,6 +77,17 @@ def test_every_launch_compiles_for_sm90_without_spills(tmp_path):
             assert {f"paged_decode 1-split {tag}", f"paged_decode 4-split {tag}"} <= found["_decode_split_kernel"]
             assert f"paged_decode 4-split {tag}" in found["_decode_merge_kernel"]
             assert f"paged_prefill {tag}" in found["_prefill_kernel"]
+    # Quantized caches (int8 / fp8 codes with float16 scales) reach every kernel that reads the cache.
+    for fmt in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        for dtype in ("bfloat16", "float16"):
+            for shape in ("h9/kv3 d64", "h32/kv8 d128"):
+                tag = f"{shape} {dtype} bs16 kv {fmt}"
+                assert f"write_kv {tag}" in found["_write_kv_kernel"]
+                assert {f"paged_decode 1-split {tag}", f"paged_decode 4-split {tag}"} <= found["_decode_split_kernel"]
+                assert f"paged_prefill {tag}" in found["_prefill_kernel"]
+    # (the merge kernel reads only fp32 partials: the unquantized launch's specialization serves)
+    int8_decode = next(k for k in kernels if k["launch"] == "paged_decode 1-split h32/kv8 d128 bfloat16 bs16 kv int8")
+    assert int8_decode["constexprs"]["KV_FORMAT"] == "int8" and int8_decode["constexprs"]["DOT_DTYPE"] == "bf16"
     # 16-bit dots run on tensor cores: the compiled operands are the cache dtype.
     bf16_decode = next(k for k in kernels if k["launch"] == "paged_decode 1-split h32/kv8 d128 bfloat16 bs16")
     assert bf16_decode["constexprs"]["DOT_DTYPE"] == "bf16"

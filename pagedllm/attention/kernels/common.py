@@ -131,16 +131,16 @@ def load_quantized_kv_tile(
     BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """K codes, dequantized V rows and K scales of a quantized cache at positions ``pos``.
+    """K/V codes and scales of a quantized cache at context positions ``pos``.
 
-    Returns ``k_codes`` ``[len(pos), D]`` (the codes as ``DOT_DTYPE``: exact,
-    every 8-bit code fits fp16 and bf16), ``v`` ``[len(pos), D]`` (code *
-    scale in fp32, then ``DOT_DTYPE``) and ``k_scale`` ``[len(pos)]`` fp32: the
-    caller multiplies scores by it after the dot, one product per key instead
-    of one per element. fp8 codes load as Triton's fp8 types and convert with
-    the hardware instruction on sm_89+ (the interpreter converts them exactly
-    too). Rows where ``pos_ok`` is false are zeros with scale 0. Only this
-    ``[BLOCK_N, D]`` tile is ever dequantized, in registers.
+    Returns ``k_codes``, ``v_codes`` ``[len(pos), D]`` as ``DOT_DTYPE`` (exact:
+    every int8, e4m3 and e5m2 value is a float16 and a bfloat16) and
+    ``k_scale``, ``v_scale`` ``[len(pos)]`` fp32. The scales are applied to the
+    scores and probabilities (``quantized_softmax_step``), one product per key
+    instead of one per element, so no dequantized tile is ever materialised.
+    fp8 codes load as Triton's fp8 types, whose conversion is one hardware
+    instruction on sm_89+ and exact in the interpreter. Rows where ``pos_ok``
+    is false are zeros with scale 0.
     """
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
@@ -151,9 +151,8 @@ def load_quantized_kv_tile(
     k_scale = tl.load(k_scale_ptr + scale_off, mask=pos_ok, other=0.0).to(tl.float32)
     v_scale = tl.load(v_scale_ptr + scale_off, mask=pos_ok, other=0.0).to(tl.float32)
     k_codes = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    v_codes = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    v = (v_codes * v_scale[:, None]).to(DOT_DTYPE)
-    return k_codes, v, k_scale
+    v_codes = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    return k_codes, v_codes, k_scale, v_scale
 
 
 @triton.jit
@@ -180,14 +179,22 @@ def online_softmax_step(
 
 @triton.jit
 def quantized_softmax_step(
-    q, k_codes, v, k_scale, visible, m_i, l_i, acc, qk_scale,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q, k_codes, v_codes, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_PROBS: tl.constexpr,
 ):
     """``online_softmax_step`` for a tile from ``load_quantized_kv_tile``.
 
-    The dot runs on the K codes; each key's column of scores is then scaled by
-    its ``k_scale`` ([BLOCK_N] fp32), which equals the dot with dequantized K
-    (the scale is constant over head_dim). ``v`` is already dequantized.
+    Scores: the dot runs on the K codes and each key's column is then scaled
+    by its ``k_scale`` (equal to the dot with dequantized K: the scale is
+    constant over head_dim). Values, ``sum_j p_j * v_scale_j * code_j``, one of two ways:
+
+    - ``SCALE_PROBS``: ``dot(p * v_scale, codes)``, one product per (row, key):
+      the cheaper way when rows are few (decode: one query-head group). Only for
+      bf16 / fp32 operands, whose range holds ``p * v_scale``; in fp16 it would
+      fall into subnormals.
+    - otherwise: the V tile is dequantized in registers (code * scale in fp32,
+      then ``DOT_DTYPE``, values of the model dtype's magnitude): one product
+      per (key, dim); fewer live registers when the rows are many (prefill).
     """
     s = tl.dot(q, tl.trans(k_codes), input_precision=DOT_PRECISION)  # [rows, BLOCK_N]
     s = s * (k_scale * qk_scale)[None, :]
@@ -196,5 +203,11 @@ def quantized_softmax_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    if SCALE_PROBS:
+        p_scaled = p * v_scale[None, :]
+        pv = tl.dot(p_scaled.to(DOT_DTYPE), v_codes, input_precision=DOT_PRECISION)  # [rows, D]
+    else:
+        v = (v_codes.to(tl.float32) * v_scale[:, None]).to(DOT_DTYPE)  # [BLOCK_N, D]
+        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc

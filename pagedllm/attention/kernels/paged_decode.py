@@ -66,6 +66,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,  # operand dtype for tl.dot (see common.dot_operands)
     DOT_PRECISION: tl.constexpr,
     KV_FORMAT: tl.constexpr,  # "none" or the 8-bit format of the codes (common.KV_FORMATS)
+    SCALE_PROBS: tl.constexpr,  # quantized V: scale probabilities, not the V tile (common.quantized_softmax_step)
 ):
     """Attention of one query-head group over one chunk of one sequence's context.
 
@@ -120,13 +121,14 @@ def _decode_split_kernel(
                 q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
             )
         else:
-            k_codes, v, k_scale = load_quantized_kv_tile(
+            k_codes, v_codes, k_scale, v_scale = load_quantized_kv_tile(
                 k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, pos, pos_ok, dims, dim_ok,
                 kv_head.to(tl.int64), stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
                 BLOCK_SIZE, DOT_DTYPE,
-            )  # [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N]
+            )  # [BLOCK_N, D] codes each, [BLOCK_N] scales each
             m_i, l_i, acc = quantized_softmax_step(
-                q, k_codes, v, k_scale, pos_ok[None, :], m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
+                q, k_codes, v_codes, k_scale, v_scale, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                DOT_DTYPE, DOT_PRECISION, SCALE_PROBS,
             )
 
     if SPLIT:
@@ -226,13 +228,18 @@ class DecodeTiling:
     num_stages: int = 2
 
     @staticmethod
-    def default(block_size: int, dtype: torch.dtype) -> DecodeTiling:
+    def default(block_size: int, dtype: torch.dtype, quantized: bool = False) -> DecodeTiling:
         # 64 tokens x 128 dims of bf16 K plus V is 32 KiB per step; fp32 halves
         # the tile to keep the same bytes in flight, and spreads it over 8 warps:
         # its IEEE dots run on FMA units, and with 4 warps they spill registers
         # at head_dim 128 (benchmarks/kernel_compile.py, sm_90).
         if dtype == torch.float32:
             return DecodeTiling(block_n=max(32, block_size), num_warps=8)
+        if quantized:
+            # 8-bit codes: twice the tokens for the same bytes per step. The codes'
+            # conversion needs registers; of the shapes tried on sm_90 only 8 warps
+            # compiled without spills for every format and head dim (64, 128).
+            return DecodeTiling(block_n=max(128, block_size), num_warps=8)
         return DecodeTiling(block_n=max(64, block_size))
 
 
@@ -263,7 +270,7 @@ def paged_decode(
     group = num_heads // num_kv_heads
     dot_dtype, dot_precision = dot_operands(query.dtype)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    tiling = tiling or DecodeTiling.default(block_size, query.dtype)
+    tiling = tiling or DecodeTiling.default(block_size, query.dtype, scales.kv_format != "none")
     split = num_splits > 1
     if split:
         part_m, part_l, part_acc = _split_partials(num_seqs, num_heads, num_splits, head_dim, query.device)
@@ -290,6 +297,7 @@ def paged_decode(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
         KV_FORMAT=scales.kv_format,
+        SCALE_PROBS=dot_dtype != tl.float16,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )

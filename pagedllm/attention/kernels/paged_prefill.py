@@ -107,7 +107,6 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_ok = pos < kv_end
-        causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]  # [BLOCK_M, BLOCK_N]
         # Position 0 is in the first tile and visible to every row, so after
         # the first step m_i is finite and fully masked later tiles add nothing.
         if KV_FORMAT == "none":
@@ -115,15 +114,18 @@ def _prefill_kernel(
                 k_cache_ptr, v_cache_ptr, table_row, pos, pos_ok, dims, dim_ok, kv_head_off,
                 stride_cb, stride_cs, stride_cd, BLOCK_SIZE,
             )  # [BLOCK_N, D] each
+            causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]  # [BLOCK_M, BLOCK_N]
             m_i, l_i, acc = online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION)
         else:
-            k_codes, v, k_scale = load_quantized_kv_tile(
+            k_codes, v_codes, k_scale, v_scale = load_quantized_kv_tile(
                 k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, pos, pos_ok, dims, dim_ok,
                 kv_head.to(tl.int64), stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
                 BLOCK_SIZE, DOT_DTYPE,
-            )  # [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N]
+            )  # [BLOCK_N, D] codes each, [BLOCK_N] scales each
+            causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
             m_i, l_i, acc = quantized_softmax_step(
-                q, k_codes, v, k_scale, causal, m_i, l_i, acc, qk_scale, DOT_DTYPE, DOT_PRECISION
+                q, k_codes, v_codes, k_scale, v_scale, causal, m_i, l_i, acc, qk_scale,
+                DOT_DTYPE, DOT_PRECISION, SCALE_PROBS=False,
             )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

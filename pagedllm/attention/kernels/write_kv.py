@@ -159,15 +159,16 @@ def _write_kv_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)[None, :]  # [1, HEAD_DIM_PAD]
     mask = (heads < num_kv_heads) & (dims < head_dim)
 
-    k_src = key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd
-    v_src = value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd
-    dst = block * stride_cb + offset * stride_cs + heads * stride_ch + dims * stride_cd
     if KV_FORMAT == "none":
-        k = tl.load(k_src, mask=mask)
-        v = tl.load(v_src, mask=mask)
+        # The unquantized copy, exactly as compiled before quantization existed.
+        k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+        dst = block * stride_cb + offset * stride_cs + heads * stride_ch + dims * stride_cd
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
+        k_src = key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd
+        v_src = value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd
         k = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
         k_codes, k_scale = _quantize_rows(
@@ -176,6 +177,7 @@ def _write_kv_kernel(
         v_codes, v_scale = _quantize_rows(
             v, KV_FORMAT, QMAX, MAN_BITS, BIAS, MAX_CODE, MIN_NORMAL, SUB_MAGIC, SUB_MAGIC_BITS
         )
+        dst = block * stride_cb + offset * stride_cs + heads * stride_ch + dims * stride_cd
         tl.store(k_cache_ptr + dst, k_codes, mask=mask)
         tl.store(v_cache_ptr + dst, v_codes, mask=mask)
         scale_dst = block * stride_sb + offset * stride_ss + head_idx * stride_sh  # [HEADS_PAD]
