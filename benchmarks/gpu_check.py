@@ -12,6 +12,15 @@ Parts (each guarded: a failure is recorded in the JSON and the others still run)
                     fp32) against a CPU fp32 run: greedy token agreement.
   w64_throughput    workload W64 with CUDA graphs on and off: output tokens/s.
   w64_profile       W64 with CUDA graphs under cProfile: host time per engine step.
+  kv_quant          quantized KV (int8, fp8_e4m3, fp8_e5m2) in the Triton kernels: write_kv
+                    codes and scales against the torch quantizer, decode (planned and
+                    forced split-K) and mixed prefill against dense attention over the
+                    dequantized rows; then W64-like decode (batch 64, the default model's
+                    heads, W64's contexts) and the bandwidth shape timed with each 8-bit
+                    format against the unquantized bf16 cache, plus a decode tiling sweep.
+  w64_kv_quant      W64 through the engine with --kv-cache-dtype auto / int8 / fp8_e4m3:
+                    output tok/s and greedy agreement with auto (skipped while the engine
+                    does not accept the formats).
 
 Usage: ``python benchmarks/gpu_check.py --out gpu_check.json`` on a CUDA machine.
 ``--interpret`` runs everything small on the CPU under Triton's interpreter
@@ -43,7 +52,8 @@ WORKLOAD_CANDIDATES = [
 # Short splits and a high program target so tiny shapes still take the split-K path.
 SMALL_SPLITS = {"min_split_tokens": 32, "target_programs": 64}
 
-PARTS = ("kernel_check", "decode_bandwidth", "engine_greedy", "w64_throughput", "w64_profile")
+PARTS = ("kernel_check", "decode_bandwidth", "engine_greedy", "w64_throughput", "w64_profile", "kv_quant",
+         "w64_kv_quant")
 
 # Top logprobs kept from the CPU reference, to size the gap where a CUDA run diverges.
 GAP_TOP_K = 5
@@ -518,14 +528,14 @@ def w64_throughput(ctx: dict, workload_path: str | None) -> dict:
 
 
 def _w64_run(ctx: dict, prompts: list[dict], params, enforce_eager: bool,
-             async_scheduling: bool | None) -> tuple[dict, list[list[int]]]:
+             async_scheduling: bool | None, **llm_kwargs) -> tuple[dict, list[list[int]]]:
     """Load the model, warm up, and time one full generate over ``prompts``: (figures, tokens)."""
     from pagedllm import LLM, SamplingParams
 
     torch, clock, tiny = ctx["torch"], ctx["clock"], ctx["interpret"]
     t0 = time.perf_counter()
     llm = LLM(model=ctx["model"], dtype="bfloat16", device=ctx["device"], enforce_eager=enforce_eager,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, **llm_kwargs)
     info = {"load_s": round(time.perf_counter() - t0, 2), "attention_backend": _backend_name(llm),
             "overlapped": llm.llm_engine.async_scheduling}
     # Warm-up: compile kernels and capture graphs outside the timed run.
@@ -580,6 +590,233 @@ def w64_profile(ctx: dict, workload_path: str | None) -> dict:
     del llm
     return {"ok": True, "seconds_profiled": round(elapsed, 3), "steps": steps,
             "ms_per_step": round(1e3 * elapsed / steps, 3) if steps else None, "top": tables}
+
+
+# ------------------------------------------------------------ (e) quantized KV
+
+
+KV_FORMAT_NAMES = ("int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_quant(ctx: dict) -> dict:
+    """Quantized-KV kernels against the oracle, then decode timed per KV format."""
+    result = {"cases": _kv_quant_cases(ctx)}
+    result["decode_timing"] = _kv_quant_decode_timing(ctx)
+    result["ok"] = all(c["ok"] for c in result["cases"]) and all(
+        run["ok"] for shape in result["decode_timing"] for run in shape["runs"]
+    )
+    return result
+
+
+def _kv_quant_cases(ctx: dict) -> list[dict]:
+    torch = ctx["torch"]
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    if ctx["interpret"]:
+        dims = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 32}
+        shapes, dtypes, block_sizes = _kernel_shapes(torch, max_ctx=100, batch=3), ["float32"], [16]
+    else:
+        dims = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+        shapes, dtypes, block_sizes = _kernel_shapes(torch, max_ctx=2048, batch=8), ["bfloat16", "float16"], [16, 32]
+    backend = TritonAttentionBackend(**SMALL_SPLITS) if ctx["interpret"] else TritonAttentionBackend()
+    plan = [(fmt, kind, dtype, bs, None) for fmt in KV_FORMAT_NAMES for dtype in dtypes for bs in block_sizes
+            for kind in shapes]
+    plan += [(fmt, "decode", dtypes[0], 16, 3) for fmt in KV_FORMAT_NAMES]  # forced split-K
+    cases = []
+    for seed, (fmt, kind, dtype, block_size, splits) in enumerate(plan):
+        name = f"{fmt} {kind} {dtype} bs{block_size}" + (f" {splits}-split" if splits else "")
+        t0 = time.perf_counter()
+        try:
+            case = _kv_quant_case(ctx, backend, fmt, shapes[kind], dims, getattr(torch, dtype), block_size, seed,
+                                  splits)
+        except Exception as exc:  # noqa: BLE001 - every failure is a reported result
+            case = {"ok": False, "error": _describe(exc)}
+        cases.append({"case": name, **case, "atol_rtol": TOLERANCE[dtype], "seconds": round(time.perf_counter() - t0, 3)})
+    return cases
+
+
+def _kv_quant_case(ctx, backend, fmt, specs, dims, dtype, block_size, seed, splits) -> dict:
+    """write_kv into an 8-bit cache, attention, and the checks of one case."""
+    torch = ctx["torch"]
+    from attention_reference import naive_attention
+    from kv_quant_reference import FORMATS, QuantizedBatch, quantize
+
+    from pagedllm.attention.kernels.paged_decode import paged_decode
+
+    cache_dtype = FORMATS[fmt]
+    q = QuantizedBatch(specs, cache_dtype, device=ctx["device"], seed=seed, block_size=block_size, dtype=dtype,
+                       num_padding_tokens=2, **dims)
+    b, md = q.batch, q.batch.metadata
+    if splits is None:
+        out, ref, n = q.run(backend)
+        used = backend.num_decode_splits(md, dims["num_kv_heads"], b.query.device) if md.is_decode_only else 0
+    else:
+        backend.write_kv(b.new_key, b.new_value, q.k_cache, q.v_cache, md.slot_mapping, q.k_scale, q.v_scale)
+        out = torch.zeros_like(b.query)
+        paged_decode(b.query, q.k_cache, q.v_cache, md.block_tables, md.seq_lens, md.query_start_loc, b.scale,
+                     splits, out, None, q.k_scale, q.v_scale)
+        ref, n, used = naive_attention(b.query, b), sum(md.query_lens_host), splits
+    keep = md.slot_mapping >= 0
+    slots = md.slot_mapping[keep]
+    write_exact = True
+    for new, cache, scales in ((b.new_key, q.k_cache, q.k_scale), (b.new_value, q.v_cache, q.v_scale)):
+        codes, scale = quantize(new[keep], cache_dtype)
+        stored = cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots]
+        write_exact &= bool(torch.equal(stored, codes.view(torch.uint8)))
+        write_exact &= bool(torch.equal(scales.view(-1, cache.shape[2])[slots], scale))
+    ref = ref[:n].float()
+    diff = (out[:n].float() - ref).abs()
+    atol, rtol = TOLERANCE[_dtype_name(dtype)]
+    excess = (diff - atol - rtol * ref.abs()).max().item()
+    padding_zero = bool(torch.count_nonzero(out[n:]) == 0)
+    ok = excess <= 0 and write_exact and padding_zero
+    return {"ok": ok, "max_abs_err": diff.max().item(), "write_kv_exact": write_exact,
+            "padding_rows_zero": padding_zero, "num_splits": used}
+
+
+def _kv_quant_decode_timing(ctx: dict) -> list[dict]:
+    """Decode forward ms with a bf16 cache and each 8-bit one, on the same contexts.
+
+    Shapes: "w64": batch 64 with the default model's heads (9 / 3, head dim 64)
+    at W64's prompt lengths + 64 (halfway through its 128 output tokens);
+    "bandwidth": batch 64 x 4096 with 32 / 8 heads of dim 128, as decode_bandwidth.
+    """
+    torch = ctx["torch"]
+    if ctx["interpret"]:
+        shapes = {"w64": ([40, 70], 4, 2, 32), "bandwidth": ([64, 64], 4, 2, 32)}
+        timing = {"warmup": 1, "reps": 2, "inner": 1}
+        tilings = [(32, 4)]
+    else:
+        try:
+            prompt_lens = [len(p) for p in _load_workload(None)["prompt_token_ids"]]
+        except FileNotFoundError:
+            gen = torch.Generator().manual_seed(64)
+            prompt_lens = torch.randint(32, 513, (64,), generator=gen).tolist()
+        shapes = {"w64": ([n + 64 for n in prompt_lens], 9, 3, 64), "bandwidth": ([4096] * 64, 32, 8, 128)}
+        timing = {"warmup": 5, "reps": 15, "inner": 10}
+        tilings = [(64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
+    report = []
+    for name, (context_lens, num_heads, num_kv_heads, head_dim) in shapes.items():
+        entry = {"shape": name, "batch": len(context_lens), "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+                 "head_dim": head_dim, "context_tokens": sum(context_lens), "runs": []}
+        try:
+            entry["runs"] = _time_kv_formats(ctx, context_lens, num_heads, num_kv_heads, head_dim, timing,
+                                             tilings if name == "bandwidth" else [])
+        except Exception as exc:  # noqa: BLE001
+            entry["runs"] = [{"ok": False, "error": _describe(exc)}]
+        report.append(entry)
+    return report
+
+
+def _time_kv_formats(ctx, context_lens, num_heads, num_kv_heads, head_dim, timing, tilings) -> list[dict]:
+    """One decode timing per (format, tiling); every run beside the bf16 cache's of the same call."""
+    import functools
+
+    from kv_quant_reference import FORMATS, quantize
+
+    from pagedllm.attention.kernels.paged_decode import DecodeTiling
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    query, k_cache, v_cache, md = _paged_decode_batch(ctx, context_lens, num_heads, num_kv_heads, head_dim, 16)
+    scale = 1.0 / math.sqrt(head_dim)
+    tokens = sum(context_lens)
+    backend = TritonAttentionBackend()
+    reference = backend.forward(query, k_cache, v_cache, md, scale)
+    caches = {"bf16": (k_cache, v_cache, None, None)}
+    for fmt in KV_FORMAT_NAMES:
+        k_codes, k_scale = quantize(k_cache, FORMATS[fmt])  # [blocks, block_size, KH, D], [blocks, block_size, KH]
+        v_codes, v_scale = quantize(v_cache, FORMATS[fmt])
+        caches[fmt] = (k_codes, v_codes, k_scale, v_scale)
+    plans = [(fmt, None) for fmt in caches]
+    plans += [(fmt, DecodeTiling(block_n=n, num_warps=w)) for fmt in ("int8", "fp8_e4m3") for n, w in tilings]
+    runs, bf16_ms = [], None
+    for fmt, tiling in plans:
+        k, v, ks, vs = caches[fmt]
+        run_backend = TritonAttentionBackend(decode_tiling=tiling) if tiling else backend
+        run = {"kv_format": fmt, "tiling": None if tiling is None else [tiling.block_n, tiling.num_warps],
+               "num_splits": run_backend.num_decode_splits(md, num_kv_heads, query.device)}
+        step = functools.partial(run_backend.forward, query, k, v, md, scale, ks, vs)
+        try:
+            out = step()
+            ms = ctx["clock"].median_ms(step, **timing)
+        except Exception as exc:  # noqa: BLE001 - a tiling that does not fit is a result too
+            runs.append({**run, "ok": False, "error": _describe(exc)})
+            continue
+        bytes_read = 2 * tokens * num_kv_heads * (head_dim * k.element_size() + (2 if ks is not None else 0))
+        bf16_ms = ms if fmt == "bf16" else bf16_ms
+        err = (out.float() - reference.float()).abs().max().item()
+        run.update({"ms": ms, "kv_bytes": bytes_read, "gbs": bytes_read / ms / 1e6,
+                    "speedup_vs_bf16": bf16_ms / ms if bf16_ms else None,
+                    "max_abs_err_vs_bf16_kv": err, "ok": math.isfinite(err) and err < 0.25})
+        runs.append(run)
+    return runs
+
+
+def _paged_decode_batch(ctx, context_lens, num_heads, num_kv_heads, head_dim, block_size):
+    """Random bf16 K/V for sequences of ``context_lens`` in shuffled blocks, and decode metadata."""
+    torch, device = ctx["torch"], ctx["device"]
+    from pagedllm.attention.base import AttentionMetadata
+
+    blocks = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks) + 1  # block 0 stays unused
+    gen = torch.Generator().manual_seed(sum(context_lens))
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = torch.tensor(order[start: start + n], dtype=torch.int32)
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
+    batch = len(context_lens)
+    query = torch.randn(batch, num_heads, head_dim, generator=gen).to(torch.bfloat16).to(device)  # [B, H, D]
+    md = AttentionMetadata(
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        max_query_len=1,
+        max_seq_len=max(context_lens),
+        seq_lens_host=list(context_lens),
+        query_lens_host=[1] * batch,
+    )
+    return query, k_cache, v_cache, md
+
+
+def w64_kv_quant(ctx: dict, workload_path: str | None) -> dict:
+    """W64 through the engine per --kv-cache-dtype (CUDA graphs, default overlap)."""
+    from pagedllm import SamplingParams
+    from pagedllm.errors import ConfigError
+
+    tiny = ctx["interpret"]
+    prompt_ids = _load_workload(workload_path)["prompt_token_ids"]
+    max_tokens = 2 if tiny else 128
+    if tiny:
+        prompt_ids = [p[:16] for p in prompt_ids[:2]]
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    extra = {"attention_backend": "triton"} if tiny else {}
+    result: dict = {"num_requests": len(prompts), "max_tokens": max_tokens, "runs": []}
+    reference = None
+    for kv_cache_dtype in ("auto", "int8", "fp8_e4m3"):
+        try:
+            info, tokens = _w64_run(ctx, prompts, params, False, None, kv_cache_dtype=kv_cache_dtype, **extra)
+        except ConfigError as exc:
+            result["runs"].append({"kv_cache_dtype": kv_cache_dtype, "skipped": True, "reason": str(exc)})
+            continue
+        except Exception as exc:  # noqa: BLE001
+            result["runs"].append({"kv_cache_dtype": kv_cache_dtype, "ok": False, "error": _describe(exc)})
+            continue
+        reference = tokens if kv_cache_dtype == "auto" else reference
+        same = None if reference is None else sum(a == b for a, b in zip(tokens, reference, strict=True))
+        result["runs"].append({"kv_cache_dtype": kv_cache_dtype, "ok": True, **info,
+                               "sequences_equal_to_auto": same})
+    timed = [r for r in result["runs"] if r.get("ok")]
+    if all(r.get("skipped") for r in result["runs"][1:]):
+        result.update(skipped=True, reason="the engine accepts no 8-bit kv_cache_dtype yet")
+    result["ok"] = all(r.get("ok") or r.get("skipped") for r in result["runs"]) and bool(timed)
+    return result
 
 
 # ------------------------------------------------------------------- helpers
@@ -677,9 +914,31 @@ def _summary_lines(report: dict) -> list[str]:
     prof = report["w64_profile"]
     figures = f"{prof['ms_per_step']} ms per step over {prof['steps']} steps (profiled)" if prof.get("steps") else ""
     lines.append(f"{'w64_profile':<18} {status(prof):<8} {figures}")
+    lines += _kv_quant_summary(report)
     for entry in bw.get("split_sweep", []):
         lines.append(f"{'decode_splits':<18} {'':<8} batch {entry['batch']} x {entry['context']}: planned "
                      f"{entry['planned_splits']}, best {entry['best_splits']}; GB/s by splits {entry['gbs']}")
+    return lines
+
+
+def _kv_quant_summary(report: dict) -> list[str]:
+    kq, lines = report["kv_quant"], []
+    state = "skipped" if kq.get("skipped") else ("ok" if kq.get("ok") else "FAILED")
+    cases = kq.get("cases", [])
+    bad = [c["case"] for c in cases if not c["ok"]]
+    figures = f"{len(cases) - len(bad)}/{len(cases)} oracle cases pass" if cases else kq.get("error", "")[-200:]
+    lines.append(f"{'kv_quant':<18} {state:<8} {figures}" + (f"; failing: {', '.join(bad)}" if bad else ""))
+    for shape in kq.get("decode_timing", []):
+        plain = [r for r in shape["runs"] if r.get("tiling") is None and "ms" in r]
+        figures = ", ".join(f"{r['kv_format']} {r['ms']:.3f} ms ({r['gbs']:.0f} GB/s)" for r in plain)
+        lines.append(f"{'kv_quant_decode':<18} {'':<8} {shape['shape']} batch {shape['batch']}: {figures}")
+    w = report["w64_kv_quant"]
+    figures = "; ".join(
+        f"{r['kv_cache_dtype']}: " + (f"{r['output_tok_s']:.0f} out tok/s, {r['sequences_equal_to_auto']} equal"
+                                      if r.get("ok") else ("skipped" if r.get("skipped") else "error"))
+        for r in w.get("runs", []))
+    state = "skipped" if w.get("skipped") else ("ok" if w.get("ok") else "FAILED")
+    lines.append(f"{'w64_kv_quant':<18} {state:<8} {figures}")
     return lines
 
 
@@ -715,6 +974,8 @@ def main(argv: list[str] | None = None) -> int:
         ("engine_greedy", lambda: engine_greedy(ctx), True),
         ("w64_throughput", lambda: w64_throughput(ctx, args.workload), True),
         ("w64_profile", lambda: w64_profile(ctx, args.workload), True),
+        ("kv_quant", lambda: kv_quant(ctx), False),
+        ("w64_kv_quant", lambda: w64_kv_quant(ctx, args.workload), True),
     ]
     for name, run, needs_engine in parts:
         elapsed = time.perf_counter() - started

@@ -1,7 +1,7 @@
 """Quantized KV (int8, fp8_e4m3, fp8_e5m2) in the Triton kernels, against a dense oracle.
 
-The oracle is written here from the format's definition (``attention/base.py``):
-``quantize`` gives each (token, KV head) row a float16 scale and 8-bit codes,
+The oracle (``tests/kv_quant_reference.py``) is written from the format's
+definition (``attention/base.py``): ``quantize`` gives each (token, KV head) row a float16 scale and 8-bit codes,
 and the dense attention runs in float64 over ``code * scale``. ``write_kv``
 must produce exactly that quantizer's codes and scales; the attention kernels
 must match dense attention over the dequantized rows within the tolerance of
@@ -31,15 +31,14 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="triton is not installed; the Triton backend cannot run")
 skip_if_interpreter_too_old(triton)
 
-from attention_reference import PagedBatch, make_paged_batch, naive_attention  # noqa: E402
+from attention_reference import make_paged_batch, naive_attention  # noqa: E402
+from kv_quant_reference import FORMATS, QMAX, QuantizedBatch, quantize  # noqa: E402
 
 from pagedllm.attention.kernels.paged_decode import paged_decode  # noqa: E402
 from pagedllm.attention.kernels.write_kv import write_kv  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Kernel vs dense attention over the same dequantized K/V: the dot dtype's error.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 # Quantized vs unquantized attention, RMS error / RMS output (unit-variance K/V,
@@ -54,75 +53,6 @@ DECODE = [(149, 1), (36, 1), (0, 1), (64, 1)]  # the 150-token context spans sev
 
 # The interpreter runs each case in about a second: the less telling variants are slow-marked.
 SLOW = pytest.mark.slow
-
-
-# ------------------------------------------------------------------ the oracle
-
-
-def quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [..., D] of ``cache_dtype``, scales [...] float16) per the format's definition."""
-    absmax = x.float().abs().amax(dim=-1)  # [...]
-    scale = (absmax / QMAX[cache_dtype]).to(torch.float16).clamp_min(2.0**-14)
-    y = x.float() / scale.float().unsqueeze(-1)
-    if cache_dtype == torch.int8:
-        codes = y.round().clamp(-127, 127).to(torch.int8)  # torch.round: half to even
-    else:
-        codes = y.to(cache_dtype)
-    return codes, scale
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale.float().unsqueeze(-1)
-
-
-class QuantizedBatch:
-    """A paged batch whose cache holds codes and scales; old context pre-quantized.
-
-    ``batch.dense_keys``/``dense_values`` are the dequantized rows (context and
-    new tokens alike: write_kv quantizes the new ones), ``original`` the batch
-    before quantization, for the sanity bound.
-    """
-
-    def __init__(self, specs, cache_dtype: torch.dtype, seed: int, **kwargs) -> None:
-        self.original: PagedBatch = make_paged_batch(specs, device=DEVICE, seed=seed, **kwargs)
-        b = self.original
-        gen = torch.Generator().manual_seed(seed + 1000)
-        # Garbage everywhere a kernel must not read: random codes and scales.
-        shape = b.k_cache.shape
-        self.k_cache = _random_codes(shape, cache_dtype, gen).to(DEVICE)
-        self.v_cache = _random_codes(shape, cache_dtype, gen).to(DEVICE)
-        self.k_scale = (torch.rand(shape[:3], generator=gen) * 4).to(torch.float16).to(DEVICE)
-        self.v_scale = (torch.rand(shape[:3], generator=gen) * 4).to(torch.float16).to(DEVICE)
-        md, block_size = b.metadata, shape[1]
-        dense_k, dense_v = [], []
-        for i, (seq_len, q_len) in enumerate(zip(md.seq_lens_host, md.query_lens_host)):
-            k_codes, k_sc = quantize(b.dense_keys[i], cache_dtype)  # [seq_len, KH, D], [seq_len, KH]
-            v_codes, v_sc = quantize(b.dense_values[i], cache_dtype)
-            k_bits, v_bits = self.k_cache.view(torch.uint8), self.v_cache.view(torch.uint8)
-            for pos in range(seq_len - q_len):
-                block, off = int(md.block_tables[i, pos // block_size]), pos % block_size
-                k_bits[block, off], self.k_scale[block, off] = k_codes[pos].view(torch.uint8), k_sc[pos]
-                v_bits[block, off], self.v_scale[block, off] = v_codes[pos].view(torch.uint8), v_sc[pos]
-            dense_k.append(dequantize(k_codes, k_sc).to(b.query.dtype))
-            dense_v.append(dequantize(v_codes, v_sc).to(b.query.dtype))
-        self.batch = PagedBatch(
-            query=b.query, new_key=b.new_key, new_value=b.new_value, k_cache=self.k_cache,
-            v_cache=self.v_cache, metadata=md, dense_keys=dense_k, dense_values=dense_v, scale=b.scale,
-        )
-
-    def run(self, backend: TritonAttentionBackend) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """write_kv then forward; (output, oracle over the dequantized rows, real rows)."""
-        b, md = self.batch, self.batch.metadata
-        backend.write_kv(b.new_key, b.new_value, self.k_cache, self.v_cache, md.slot_mapping,
-                         self.k_scale, self.v_scale)
-        out = backend.forward(b.query, self.k_cache, self.v_cache, md, b.scale, self.k_scale, self.v_scale)
-        return out, naive_attention(b.query, b), sum(md.query_lens_host)
-
-
-def _random_codes(shape, cache_dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if cache_dtype == torch.int8:
-        return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
-    return (torch.randn(shape, generator=gen) * 8).to(cache_dtype)
 
 
 def _assert_close(out, ref, dtype):
@@ -228,7 +158,7 @@ def test_scales_must_match_the_cache_format():
     ids=["prefix-bs8", "prefix-bs16", "prefix-bs32", "no-prefix-bs16", "no-prefix-bs8", "no-prefix-bs32"],
 )
 def test_prefill_matches_dense_oracle(fmt, specs, block_size):
-    q = QuantizedBatch(specs, FORMATS[fmt], seed=block_size, block_size=block_size, num_heads=6,
+    q = QuantizedBatch(specs, FORMATS[fmt], device=DEVICE, seed=block_size, block_size=block_size, num_heads=6,
                        num_kv_heads=2, head_dim=32)
     out, ref, n = q.run(TritonAttentionBackend())
     _assert_close(out[:n], ref[:n], torch.float32)
@@ -239,7 +169,7 @@ def test_prefill_matches_dense_oracle(fmt, specs, block_size):
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 def test_decode_matches_dense_oracle(fmt, block_size, split):
     backend = TritonAttentionBackend(min_split_tokens=32, target_programs=64 if split else 1)
-    q = QuantizedBatch(DECODE, FORMATS[fmt], seed=block_size + 1, block_size=block_size, num_heads=6,
+    q = QuantizedBatch(DECODE, FORMATS[fmt], device=DEVICE, seed=block_size + 1, block_size=block_size, num_heads=6,
                        num_kv_heads=2, head_dim=32)
     num_splits = backend.num_decode_splits(q.batch.metadata, 2, q.batch.query.device)
     assert (num_splits > 1) == split
@@ -251,7 +181,7 @@ def test_decode_matches_dense_oracle(fmt, block_size, split):
 @pytest.mark.parametrize("num_splits", [pytest.param(2, marks=SLOW), 5])
 def test_decode_kernel_forced_split_counts(fmt, num_splits):
     """Split counts that leave some sequences' chunks empty merge to the same result."""
-    q = QuantizedBatch(DECODE, FORMATS[fmt], seed=7, num_heads=4, num_kv_heads=4, head_dim=32)
+    q = QuantizedBatch(DECODE, FORMATS[fmt], device=DEVICE, seed=7, num_heads=4, num_kv_heads=4, head_dim=32)
     b, md = q.batch, q.batch.metadata
     write_kv(b.new_key, b.new_value, q.k_cache, q.v_cache, md.slot_mapping, q.k_scale, q.v_scale)
     out = torch.empty_like(b.query)
@@ -268,7 +198,7 @@ def test_decode_kernel_forced_split_counts(fmt, num_splits):
     ids=["fp16-mixed", "fp16-decode", "bf16-mixed", "bf16-decode"],
 )
 def test_half_precision_queries(fmt, dtype, specs):
-    q = QuantizedBatch(specs, FORMATS[fmt], seed=3, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype)
+    q = QuantizedBatch(specs, FORMATS[fmt], device=DEVICE, seed=3, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype)
     out, ref, n = q.run(TritonAttentionBackend(min_split_tokens=32, target_programs=64))
     assert out.dtype == dtype
     _assert_close(out[:n], ref[:n], dtype)
@@ -277,7 +207,7 @@ def test_half_precision_queries(fmt, dtype, specs):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantization_error_is_bounded(fmt):
     """The quantized result is close to unquantized attention (the format's own error)."""
-    q = QuantizedBatch(MIXED + DECODE, FORMATS[fmt], seed=5, num_heads=6, num_kv_heads=2, head_dim=32)
+    q = QuantizedBatch(MIXED + DECODE, FORMATS[fmt], device=DEVICE, seed=5, num_heads=6, num_kv_heads=2, head_dim=32)
     out, _, n = q.run(TritonAttentionBackend(min_split_tokens=32, target_programs=64))
     exact = naive_attention(q.original.query, q.original)[:n]
     relative_rms = ((out[:n] - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item()
@@ -285,7 +215,7 @@ def test_quantization_error_is_bounded(fmt):
 
 
 def test_padding_rows_are_zero_and_never_written():
-    q = QuantizedBatch(MIXED, torch.int8, seed=11, num_heads=6, num_kv_heads=2, head_dim=32,
+    q = QuantizedBatch(MIXED, torch.int8, device=DEVICE, seed=11, num_heads=6, num_kv_heads=2, head_dim=32,
                        num_padding_tokens=3)
     k_before, scale_before = q.k_cache.clone(), q.k_scale.clone()
     out, ref, n = q.run(TritonAttentionBackend())
@@ -296,3 +226,28 @@ def test_padding_rows_are_zero_and_never_written():
     untouched = ~written.view(q.k_cache.shape[:2])
     assert torch.equal(q.k_cache[untouched], k_before[untouched])
     assert torch.equal(q.k_scale[untouched], scale_before[untouched])
+
+
+@pytest.mark.slow
+def test_gpu_check_kv_quant_part_interpret_mode(tmp_path):
+    """The GPU check's quantized-KV part runs end to end (tiny shapes, interpreter)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    repo_root = Path(__file__).resolve().parent.parent
+    out_path = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--interpret", "--skip-engine", "--parts", "kv_quant",
+         "--out", str(out_path)],
+        cwd=repo_root, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    part = json.loads(out_path.read_text())["kv_quant"]
+    assert part["ok"], part
+    assert {c["case"].split()[0] for c in part["cases"]} == set(FORMATS)
+    assert all(c["write_kv_exact"] and c["padding_rows_zero"] for c in part["cases"])
+    for shape in part["decode_timing"]:
+        timed = {r["kv_format"] for r in shape["runs"] if r["tiling"] is None and r["ms"] > 0}
+        assert timed == {"bf16", *FORMATS}, shape
+    assert "kv_quant" in proc.stdout and "oracle cases pass" in proc.stdout
