@@ -247,6 +247,8 @@ def test_serve_arm_rows_divide_pool_peak_running_and_throughput_by_the_first_arm
     (["--multi-turn", "--arm", "a=", "--conversations", "many"], "'auto' or an integer"),
     (["--multi-turn", "--arm", "a=", "--turns", "0"], "--turns"),
     (["--multi-turn", "--arm", "a", "--turns", "2"], "write NAME=FLAGS"),
+    (["--multi-turn", "--arm", "a=", "--target-arms", "off,on"], "three arm names"),
+    (["--multi-turn", "--arm", "a=", "--pool-multiple", "0"], "--pool-multiple must be > 0"),
 ])
 def test_bad_multi_turn_options_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -304,35 +304,30 @@ class Plan:
 
 
 def run_arms(args: argparse.Namespace) -> int:
-    from pagedllm.bench.serve import server_settings, warm_up
+    """Every arm's conversations in turn (and the restart arm's returning turn); exit status 1 on errors."""
+    from pagedllm.bench.serve import server_settings
     from pagedllm.models.paths import resolve_model_path
     from pagedllm.tokenizer import Tokenizer
 
     load = load_from_args(args)
     arms = parse_arms(args.arm)
+    roles = _target_arms(args)
     if args.restart_arm and args.restart_arm not in [a.name for a in arms]:
         raise ConfigError(f"--restart-arm {args.restart_arm!r} is not one of the arms ({', '.join(a.name for a in arms)})")
+    if args.pool_multiple <= 0:
+        raise ConfigError(f"--pool-multiple must be > 0, got {args.pool_multiple}")
     plan = Plan(args, load, Tokenizer.load(resolve_model_path(args.model)))
     settings = server_settings(args, plan.max_model_len)
     results, restart = [], None
     with tempfile.TemporaryDirectory(prefix="pagedllm-multiturn-", dir=args.kv_dir_root) as root:
         for arm in arms:
             kv_dir = fresh_dir(root, arm.name) if arm.uses_kv_dir else None
-            with ArmServer(arm, settings, kv_dir, args) as server:
-                num_conversations = plan.fix_conversations(server.pool)
-                if args.warmup:
-                    asyncio.run(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
-                histories: list[list[dict]] = [[] for _ in range(num_conversations)]
-                phase = asyncio.run(run_phase(server.base_url, settings.served_model_name, load, histories,
-                                              range(load.num_turns), args.metrics_interval))
-                result = {**server.describe(), **phase}
-                result["kv_vs_pool"] = ratio(phase["conversation_tokens"], server.pool.num_tokens if server.pool else None)
-                results.append(result)
-            print(format_arm_line(result), file=sys.stderr, flush=True)
+            result, histories = run_arm(args, arm, settings, plan, kv_dir)
+            results.append(result)
             if arm.name == args.restart_arm:
                 restart = run_restart(args, arm, settings, load, histories, kv_dir, root)
     env = report.environment()
-    print(format_report(results, restart, load, plan.num_conversations, env, _target_arms(args)))
+    print(format_report(results, restart, load, plan.num_conversations, env, roles))
     if args.json:
         report.write_json(args.json, {
             "load": asdict(load), "num_conversations": plan.num_conversations, "settings": settings.to_json(),
@@ -343,6 +338,25 @@ def run_arms(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def run_arm(args: argparse.Namespace, arm: ServerArm, settings, plan: Plan,
+            kv_dir: str | None) -> tuple[dict, list[list[dict]]]:
+    """One arm's server through all T turns of every conversation: (its result, the conversations)."""
+    from pagedllm.bench.serve import warm_up
+
+    load = plan.load
+    with ArmServer(arm, settings, kv_dir, args) as server:
+        num_conversations = plan.fix_conversations(server.pool)
+        if args.warmup:
+            asyncio.run(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
+        histories: list[list[dict]] = [[] for _ in range(num_conversations)]
+        phase = asyncio.run(run_phase(server.base_url, settings.served_model_name, load, histories,
+                                      range(load.num_turns), args.metrics_interval))
+        result = {**server.describe(), **phase}
+        result["kv_vs_pool"] = ratio(phase["conversation_tokens"], server.pool.num_tokens if server.pool else None)
+    print(format_arm_line(result), file=sys.stderr, flush=True)
+    return result, histories
+
+
 def run_restart(args: argparse.Namespace, arm: ServerArm, settings, load: ConversationLoad,
                 histories: list[list[dict]], kv_dir: str | None, root: str) -> dict:
     """The returning turn on a restarted server (same ``{kv_dir}``), then on a cold one (empty dir)."""
@@ -350,7 +364,7 @@ def run_restart(args: argparse.Namespace, arm: ServerArm, settings, load: Conver
 
     returning = range(load.num_turns, load.num_turns + 1)
     phases = {}
-    for label, directory in (("restarted", kv_dir), ("cold", fresh_dir(root, f"{arm.name}-cold") if kv_dir else None)):
+    for label, directory in (("restarted", kv_dir), ("cold", fresh_dir(root, f"{arm.name}.cold") if kv_dir else None)):
         with ArmServer(arm, settings, directory, args, label=f"{arm.name}-{label}") as server:
             if args.warmup:
                 asyncio.run(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
