@@ -210,6 +210,15 @@ def test_target_ratios_compare_the_arms_in_their_roles():
     assert missing == {"hit_rate_vs_unlimited": None, "ttft_later_off_over_on": None, "tok_s_on_over_off": None}
 
 
+def test_a_reference_arm_smaller_than_the_conversations_is_flagged():
+    ok = {"arm": "unlimited", "kv_vs_pool": 0.2, "server_metrics": {"preemptions": 0.0}}
+    assert multiturn.reference_warnings([ok], "unlimited") == []
+    small = {"arm": "unlimited", "kv_vs_pool": 1.5, "server_metrics": {"preemptions": 3.0}}
+    warnings = multiturn.reference_warnings([small], "unlimited")
+    assert len(warnings) == 2 and "1.50x" in warnings[0] and "preempted 3 times" in warnings[1]
+    assert multiturn.reference_warnings([small], "other") == []
+
+
 def test_restart_ratios_are_cold_over_restarted_and_the_disk_share():
     restart = {
         "restarted": {"prefix_cache": {"hit_rate": 0.9, "tier_hit_rates": {"disk": 0.85}}, "ttft_later_ms": {"mean": 50.0}},
@@ -320,3 +329,29 @@ def test_single_turn_arms_report_their_pools_and_peak_running(tmp_path):
     assert double["server_metrics"]["peak_running"] > small["server_metrics"]["peak_running"]
     rows = dict(zip(arms.SERVE_ARM_HEADERS, arms.serve_arm_rows([small, double])[1]))
     assert rows["tokens x first"] == 2.0 and rows["peak running x first"] > 1.0
+
+
+def test_the_report_prints_each_arm_the_target_ratios_and_the_restart():
+    turns = [TurnResult(c, t, ttft_s=0.1 * (t + 1), e2e_s=1.0, output_tokens=4, prompt_tokens=50 * (t + 1),
+                        cached_tokens=16 * t) for c in range(2) for t in range(2)]
+
+    def arm(name: str, hit_rate: float | None, blocks: int) -> dict:
+        prefix = None if hit_rate is None else {
+            "hit_rate": hit_rate, "device_hit_rate": hit_rate / 2, "tier_hit_rates": {"disk": hit_rate / 2}}
+        return {"arm": name, "label": name, "arm_flags": ["--num-kv-blocks", str(blocks)],
+                "kv_pool": {"num_tokens": 16 * blocks}, "kv_vs_pool": 0.5, "prefix_cache": prefix,
+                "server_metrics": {"peak_running": 2.0, "preemptions": 0.0}, "loadavg_1m": 1.5,
+                **multiturn.summarize_turns(turns, 2.0)}
+
+    results = [arm("off", 0.3, 16), arm("on", 0.54, 16), arm("unlimited", 0.6, 512)]
+    restart = {"arm": "on", "kv_dir_reused": True, "restarted": arm("on", 0.8, 16), "cold": arm("on", None, 16)}
+    env = {"cpu_model": "Some CPU", "native_isa": "avx512", "cpu_isa_flags": ["avx2", "avx512f"],
+           "cpus_allowed": 2, "loadavg_1m": 1.234}
+    text = multiturn.format_report(results, restart, ConversationLoad(num_turns=2), 2, env, ("off", "on", "unlimited"))
+    assert "2 conversations x 2 turns" in text
+    assert "hit rate on/unlimited 0.90x (>= 0.90)" in text
+    assert "mean TTFT turns>=2 off/on 1.00x (>= 3)" in text and "output tok/s on/off 1.00x (>= 1)" in text
+    assert "disk 27.0%" in text and "  off: --num-kv-blocks 16" in text
+    assert "Restart of arm on" in text and "disk-tier hit rate 40.0%" in text
+    assert "returning-turn TTFT cold/restarted 1.00x" in text
+    assert "Some CPU, native ISA avx512 (avx2 avx512f), 2 CPUs, load average (1 min) 1.23" in text

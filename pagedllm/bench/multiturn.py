@@ -475,11 +475,28 @@ def format_report(results: list[dict], restart: dict | None, load: ConversationL
         f"mean TTFT turns>=2 {off}/{on} {_x(ratios['ttft_later_off_over_on'])} (>= 3); "
         f"output tok/s {on}/{off} {_x(ratios['tok_s_on_over_off'])} (>= 1)"
     )
+    lines += reference_warnings(results, unlimited)
     if restart is not None:
         lines.append(format_restart(restart))
     lines.append(machine_line(env))
     lines += [f"  {r['arm']} error: {e}" for r in results for e in r["error_samples"]]
     return "\n".join(lines)
+
+
+def reference_warnings(results: list[dict], unlimited: str) -> list[str]:
+    """Lines saying when the reference arm was not unlimited: its pool held less than the
+    conversations, or it preempted."""
+    ref = next((r for r in results if r["arm"] == unlimited), None)
+    if ref is None:
+        return []
+    warnings = []
+    if ref.get("kv_vs_pool") is not None and ref["kv_vs_pool"] > 1:
+        warnings.append(f"warning: arm {unlimited}'s pool holds less than the conversations "
+                        f"({ref['kv_vs_pool']:.2f}x it); the hit-rate reference is not unlimited")
+    preemptions = (ref.get("server_metrics") or {}).get("preemptions")
+    if preemptions:
+        warnings.append(f"warning: arm {unlimited} preempted {preemptions:.0f} times")
+    return warnings
 
 
 def format_restart(restart: dict) -> str:
