@@ -76,8 +76,9 @@ def _decode_split_kernel(
     tokens ``[p * chunk, min((p + 1) * chunk, seq_len))`` ``BLOCK_N`` at a time,
     gathering each token's K/V row through ``block_tables[s]``. Softmax runs
     online in fp32. With ``SPLIT`` it stores (m, l, acc) for the merge kernel;
-    otherwise (one split) it stores ``acc / l`` straight into ``out``. A
-    quantized cache's tiles are dequantized in registers as they are loaded.
+    otherwise (one split) it stores ``acc / l`` straight into ``out``. With a
+    quantized cache each tile's codes and scales are loaded and the scales
+    applied in registers (``common.quantized_softmax_step``).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -68,8 +68,9 @@ def _prefill_kernel(
     ``r // GROUP_PAD``, head ``r % GROUP_PAD``. It walks context positions
     ``0 .. last query position of the tile`` ``BLOCK_N`` at a time through
     ``block_tables[s]``, masks keys after each row's position, keeps an fp32
-    online softmax, and stores the normalised rows into ``out``. A quantized
-    cache's tiles are dequantized in registers as they are loaded.
+    online softmax, and stores the normalised rows into ``out``. With a
+    quantized cache each tile's codes and scales are loaded and the scales
+    applied in registers (``common.quantized_softmax_step``).
     """
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
