@@ -251,3 +251,63 @@ def test_gpu_check_kv_quant_part_interpret_mode(tmp_path):
         timed = {r["kv_format"] for r in shape["runs"] if r["tiling"] is None and r["ms"] > 0}
         assert timed == {"bf16", *FORMATS}, shape
     assert "kv_quant" in proc.stdout and "oracle cases pass" in proc.stdout
+
+
+def test_oracle_quantizer_equals_the_format_module():
+    """The local quantizer and ``pagedllm.kv.kv_format.quantize_kv`` (where it exists) agree bit for bit."""
+    kv_format = pytest.importorskip("pagedllm.kv.kv_format", reason="this build has no kv_format module")
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randn(64, 3, 40, generator=gen) * torch.logspace(-8, 5, 64)[:, None, None]
+    rows[0] = 0
+    for cache_dtype in FORMATS.values():
+        codes, scales = quantize(rows, cache_dtype)
+        ref_codes, ref_scales = kv_format.quantize_kv(rows, cache_dtype)
+        assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), cache_dtype
+        assert torch.equal(scales, ref_scales), cache_dtype
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A 2-layer random Llama (4 query / 2 KV heads, head_dim 64) with a word-level tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    directory = tmp_path_factory.mktemp("tiny-llama-triton-kv8")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_engine_greedy_on_triton_equals_torch_backend(tiny_llama_dir, kv_cache_dtype):
+    """fp32 greedy through the engine with an 8-bit cache: the Triton kernels give the
+    torch reference backend's tokens (prefill, chunked decode, block size 8)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.errors import ConfigError
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (12 + 9 * i,), generator=gen).tolist()} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        try:
+            llm = LLM(str(tiny_llama_dir), device=DEVICE, block_size=8, dtype="float32",
+                      kv_cache_dtype=kv_cache_dtype, attention_backend=backend, enforce_eager=True)
+        except ConfigError as exc:
+            pytest.skip(f"this build's engine does not take kv_cache_dtype={kv_cache_dtype!r} yet: {exc}")
+        assert llm.llm_engine.worker.kv_cache.block_tensors()[0].dtype == FORMATS[kv_cache_dtype]
+        tokens[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert tokens["triton"] == tokens["torch"]
+    assert all(len(t) == 10 for t in tokens["triton"])
