@@ -694,7 +694,7 @@ def _kv_quant_decode_timing(ctx: dict) -> list[dict]:
             prompt_lens = torch.randint(32, 513, (64,), generator=gen).tolist()
         shapes = {"w64": ([n + 64 for n in prompt_lens], 9, 3, 64), "bandwidth": ([4096] * 64, 32, 8, 128)}
         timing = {"warmup": 5, "reps": 15, "inner": 10}
-        tilings = [(64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
+        tilings = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
     report = []
     for name, (context_lens, num_heads, num_kv_heads, head_dim) in shapes.items():
         entry = {"shape": name, "batch": len(context_lens), "num_heads": num_heads, "num_kv_heads": num_kv_heads,

@@ -237,9 +237,10 @@ class DecodeTiling:
         if dtype == torch.float32:
             return DecodeTiling(block_n=max(32, block_size), num_warps=8)
         if quantized:
-            # 8-bit codes: twice the tokens for the same bytes per step. The codes'
-            # conversion needs registers; of the shapes tried on sm_90 only 8 warps
-            # compiled without spills for every format and head dim (64, 128).
+            # 8-bit codes: twice the tokens for the same bytes per step as bf16. On
+            # sm_90, 64 tokens on 4 or 8 warps spilled a few bytes for some format
+            # and head dim (ptxas trading registers for occupancy); 128 on 8 warps
+            # (and 32 on 4, a quarter of the bytes per step) never did. Untimed.
             return DecodeTiling(block_n=max(128, block_size), num_warps=8)
         return DecodeTiling(block_n=max(64, block_size))
 
