@@ -237,11 +237,11 @@ class DecodeTiling:
         if dtype == torch.float32:
             return DecodeTiling(block_n=max(32, block_size), num_warps=8)
         if quantized:
-            # 8-bit codes: twice the tokens for the same bytes per step as bf16. On
-            # sm_90, 64 tokens on 4 or 8 warps spilled a few bytes for some format
-            # and head dim (ptxas trading registers for occupancy); 128 on 8 warps
-            # (and 32 on 4, a quarter of the bytes per step) never did. Untimed.
-            return DecodeTiling(block_n=max(128, block_size), num_warps=8)
+            # 8-bit codes. Compiled for sm_90 with Triton 3.9 and 3.6 (GPU images
+            # ship 3.6), every format at head dim 64 and 128: 32 tokens on 4 warps
+            # never spilled (64-127 registers); 64 on 4 or 8 warps and 128 on 8
+            # spilled 4-32 bytes in some cases. Not yet timed on a GPU.
+            return DecodeTiling(block_n=max(32, block_size))
         return DecodeTiling(block_n=max(64, block_size))
 
 
