@@ -31,7 +31,10 @@ DEFAULT_NUM_HEADROOM_TOKENS = 16
 # vLLM's default cap on logprobs / prompt_logprobs per request.
 DEFAULT_MAX_LOGPROBS = 20
 SUPPORTED_QUANTIZATIONS = (None, *QUANTIZATIONS)
-SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+# auto: the model's dtype; the 8-bit formats are pagedllm.kv.kv_format's (kept
+# here by name so that importing the config does not import torch).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's spelling
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding generation_config.json
 GIB = 2**30
 

@@ -27,6 +27,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ConfigError
 from pagedllm.kv import memory_budget
+from pagedllm.kv import kv_format
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.models.loader import load_model
 from pagedllm.native.cpu_dtype import check_cpu_dtype
@@ -154,7 +155,8 @@ class Worker:
         mc = self.model_config
         return dict(
             num_layers=mc.num_layers, block_size=self.config.block_size,
-            num_kv_heads=self.model.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype,
+            num_kv_heads=self.model.num_kv_heads, head_dim=mc.head_dim,
+            dtype=kv_format.cache_dtype(self.config.kv_cache_dtype, self.dtype),  # 8-bit codes when quantized
         )
 
     def num_kv_blocks_for_config(self) -> tuple[int, int]:
