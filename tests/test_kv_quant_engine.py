@@ -1,0 +1,81 @@
+"""The engine with an 8-bit KV cache, on a tiny random Llama (head_dim 64).
+
+Preemption must not change greedy output (swap moves the codes and scales
+bit for bit; recompute quantizes the recomputed K/V again), the block manager's
+invariants hold afterwards, and the same kv_cache_memory holds ~1.9x the
+blocks of bfloat16 and ~3.9x those of float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory = tmp_path_factory.mktemp("tiny-llama-kv8")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
+        directory
+    )
+    return directory
+
+
+def _llm(directory, **options) -> LLM:
+    options.setdefault("dtype", "float32")
+    return LLM(str(directory), device="cpu", block_size=8, **options)
+
+
+def _prompts() -> list[dict]:
+    gen = torch.Generator().manual_seed(11)
+    return [{"prompt_token_ids": torch.randint(3, VOCAB, (12 + 9 * i,), generator=gen).tolist()} for i in range(6)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def _assert_all_free(llm: LLM) -> None:
+    stats = llm.kv_cache_stats()
+    assert stats.num_used_blocks == 0, stats
+    llm.llm_engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_with_int8_kv_survives_preemption(tiny_dir, mode):
+    roomy = _llm(tiny_dir, kv_cache_dtype="int8", num_kv_blocks=256)
+    assert roomy.llm_engine.worker.kv_cache.quantized  # codes and scales, not float tensors
+    expected = [o.outputs[0].token_ids for o in roomy.generate(_prompts(), GREEDY, use_tqdm=False)]
+    _assert_all_free(roomy)
+    extra = {"swap_space_bytes": 8 * 2**20} if mode == "swap" else {}
+    tight = _llm(tiny_dir, kv_cache_dtype="int8", num_kv_blocks=24, preemption_mode=mode, **extra)
+    outs = tight.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert tight.kv_cache_stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    _assert_all_free(tight)
+
+
+def test_same_kv_cache_memory_holds_about_twice_the_blocks(tiny_dir):
+    memory = 4 * 2**20
+    blocks = {
+        (dtype, kv): _llm(tiny_dir, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=memory).kv_cache_stats().num_blocks
+        for dtype, kv in [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "fp8")]
+    }
+    assert blocks[("float32", "int8")] == blocks[("bfloat16", "fp8")]  # the model dtype no longer matters
+    assert 1.93 <= blocks[("bfloat16", "fp8")] / blocks[("bfloat16", "auto")] <= 1.94  # 128 / 66 bytes a head
+    assert 3.86 <= blocks[("float32", "int8")] / blocks[("float32", "auto")] <= 3.88  # 256 / 66
