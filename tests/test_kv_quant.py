@@ -299,3 +299,21 @@ def test_bytes_per_block_counts_codes_and_scales():
     allocated = sum(t.numel() * t.element_size() for t in cache.block_tensors())
     assert allocated == 5 * KVCache.bytes_per_block(num_layers=2, block_size=8, num_kv_heads=2, head_dim=64,
                                                     dtype=torch.int8)
+
+
+# ---------------------------------------------------------------- the accuracy report
+
+
+def test_divergence_reads_both_gaps_at_the_first_differing_step():
+    from pagedllm.kv.accuracy import FormatResult, GreedyRun, divergence, format_row
+
+    want = GreedyRun([5, 6, 7], [{5: -0.1}, {6: -0.2, 9: -1.7}, {7: -0.3}])
+    got = GreedyRun([5, 9, 4], [{5: -0.1}, {9: -0.6, 6: -0.9}, {4: -0.2, 8: -3.0}])
+    d = divergence(2, want, got)
+    assert (d.prompt_index, d.position, d.exact) == (2, 1, True)
+    assert d.reference_gap == pytest.approx(1.5) and d.quantized_gap == pytest.approx(0.3)
+    got_far = GreedyRun([5, 9], [{5: -0.1}, {9: -0.6, 3: -4.0}])  # 6 is not among the reported candidates
+    far = divergence(0, GreedyRun([5, 6], want.logprobs[:2]), got_far)
+    assert not far.exact and far.quantized_gap == pytest.approx(3.4)  # a lower bound: to the last candidate
+    row = format_row(FormatResult("int8", 4, 3, [d]))
+    assert row == "| int8 | 3/4 | 1.500 | #2 at token 1 (ref 1.500, q 0.300) |"

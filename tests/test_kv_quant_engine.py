@@ -79,3 +79,18 @@ def test_same_kv_cache_memory_holds_about_twice_the_blocks(tiny_dir):
     assert blocks[("float32", "int8")] == blocks[("bfloat16", "fp8")]  # the model dtype no longer matters
     assert 1.93 <= blocks[("bfloat16", "fp8")] / blocks[("bfloat16", "auto")] <= 1.94  # 128 / 66 bytes a head
     assert 3.86 <= blocks[("float32", "int8")] / blocks[("float32", "auto")] <= 3.88  # 256 / 66
+
+
+def test_accuracy_tool_runs_the_engines_and_reports_each_format(tiny_dir):
+    from pagedllm.kv.accuracy import CONTROL, compare, compare_text
+
+    results = compare(str(tiny_dir), num_prompts=3, max_tokens=6, formats=["int8", "fp8_e5m2"],
+                      kv_cache_memory=8 * 2**20, dtype="float32")
+    assert [r.kv_cache_dtype for r in results] == [CONTROL, "int8", "fp8_e5m2"]
+    for r in results:
+        assert r.num_prompts == 3 and r.num_equal + len(r.divergences) == 3
+        assert all(0 <= d.position < 6 and d.reference_gap >= 0 for d in r.divergences)
+    assert results[0].num_equal == 3  # fp32: one prompt at a time changes nothing
+    text = " ".join(f"t{3 + (7 * i) % 500}" for i in range(200))
+    (int8,) = compare_text(str(tiny_dir), text, ["int8"])
+    assert int8.num_positions >= 200 and int8.top1_agreement >= 0.95 and 0 <= int8.mean_kl < 1e-3

@@ -178,9 +178,10 @@ def paged_attention(
     tables = tables.contiguous()
     tiles = tiles.contiguous()
     out = torch.empty((num_rows, num_heads, head_dim), dtype=query.dtype)
-    kernel = _attention_kernel(library, query.dtype, k_cache.dtype)
+    kernel = library.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else library.paged_attention_f32
     scales = (None, None)
     if k_cache.dtype in _CODE_SUFFIX:
+        kernel = _attention_kernel(library, query.dtype, k_cache.dtype)
         assert k_scale is not None and v_scale is not None, "an 8-bit cache needs its scales"
         assert k_scale.dtype == v_scale.dtype == torch.float16 and k_scale.is_contiguous() and v_scale.is_contiguous()
         scales = (k_scale.data_ptr(), v_scale.data_ptr())
