@@ -285,7 +285,6 @@ def test_copy_and_swap_move_codes_and_scales():
 
 def test_bytes_per_block_counts_codes_and_scales():
     kw = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
-    per_fp32 = KVCache.bytes_per_block(**kw, dtype=torch.float32)
     per_bf16 = KVCache.bytes_per_block(**kw, dtype=torch.bfloat16)
     for dtype in CODE_DTYPES:
         per_code = KVCache.bytes_per_block(**kw, dtype=dtype)

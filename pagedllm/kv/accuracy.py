@@ -120,8 +120,8 @@ class TextComparison:
     perplexity_quantized: float
 
 
-def text_logits(loaded, tokens: list[int], cache_dtype) -> "torch.Tensor":
-    """float32 ``[len(tokens), vocab]``: the text as one prefill into a cache of ``cache_dtype``,
+def text_logits(loaded, tokens: list[int], cache_dtype):
+    """Logits ``[len(tokens), vocab]``: the text as one prefill into a cache of ``cache_dtype``,
     so every position's attention reads the (quantized) cache."""
     import torch
 

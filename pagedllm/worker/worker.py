@@ -26,8 +26,7 @@ from pagedllm.attention.base import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ConfigError
-from pagedllm.kv import memory_budget
-from pagedllm.kv import kv_format
+from pagedllm.kv import kv_format, memory_budget
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.models.loader import load_model
 from pagedllm.native.cpu_dtype import check_cpu_dtype
