@@ -316,3 +316,47 @@ def test_divergence_reads_both_gaps_at_the_first_differing_step():
     assert not far.exact and far.quantized_gap == pytest.approx(3.4)  # a lower bound: to the last candidate
     row = format_row(FormatResult("int8", 4, 3, [d]))
     assert row == "| int8 | 3/4 | 1.500 | #2 at token 1 (ref 1.500, q 0.300) |"
+
+
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_native_fp8_rounding_matches_torch_on_every_code_and_midpoint(library, code_dtype):
+    """Scale 1 (each vector's first element is QMAX), then every finite positive and
+    negative code value, the midpoints between neighbours (ties go to even) and points
+    just off them, subnormals included."""
+    qmax = kv_format.format_of(code_dtype).qmax
+    values = torch.arange(256, dtype=torch.uint8).view(code_dtype).float()
+    values = values[values.isfinite() & (values >= 0)].unique().sort().values.double()  # 0 .. QMAX
+    mids = (values[1:] + values[:-1]) / 2
+    points = torch.cat([values, mids, mids * (1 + 2**-20), mids * (1 - 2**-20)]).float()
+    points = torch.cat([points, -points])
+    head_dim = 32
+    rows = -(-points.numel() // (head_dim - 1))
+    x = torch.zeros(rows * (head_dim - 1))
+    x[: points.numel()] = points
+    x = torch.cat([torch.full((rows, 1), qmax), x.view(rows, head_dim - 1)], 1).view(rows, 1, head_dim)
+    cache = torch.zeros(rows, 1, 1, head_dim, dtype=code_dtype)
+    scale = torch.zeros(rows, 1, 1, dtype=torch.float16)
+    slots = torch.arange(rows)
+    cpu_ops.write_kv_quantized(x, x, cache, cache.clone(), slots, scale, scale.clone(), library=library)
+    assert (scale == 1.0).all()
+    assert torch.equal(_bytes(cache).view(rows, 1, head_dim), _bytes(x.to(code_dtype)))
+
+
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+def test_native_attention_decodes_every_code(library, code_dtype):
+    """A context of one token returns its value vector exactly: all 256 byte patterns
+    (non-finite ones replaced by 0) as values, read back through every ISA path."""
+    head_dim, num_seqs = 64, 4
+    codes = torch.arange(256, dtype=torch.uint8).view(code_dtype)
+    if code_dtype != torch.int8:
+        codes = torch.where(codes.float().isfinite(), codes.view(torch.uint8), 0).to(torch.uint8).view(code_dtype)
+    v_cache = codes.view(num_seqs, 1, 1, head_dim)  # one block of one slot per sequence
+    k_cache = torch.zeros_like(v_cache)
+    scale = torch.tensor([0.5, 1.0, 2.0**-14, 3.0], dtype=torch.float16).view(num_seqs, 1, 1)
+    tables = torch.arange(num_seqs, dtype=torch.int32).view(num_seqs, 1)
+    tiles = cpu_ops.make_tiles([1] * num_seqs, [1] * num_seqs, 1)
+    query = torch.randn(num_seqs, 2, head_dim)
+    out = cpu_ops.paged_attention(query, k_cache, v_cache, tables, tiles, 0.125, library=library,
+                                  k_scale=scale, v_scale=scale)
+    want = kv_format.dequantize_kv(v_cache, scale).view(num_seqs, 1, head_dim).expand(num_seqs, 2, head_dim)
+    assert torch.equal(out, want)
