@@ -227,10 +227,11 @@ static inline vf vloadu_i8(const kv8_t *p) {
 static inline vf vloadu_e5m2(const kv8_t *p) {
     return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
 }
+/* e4m3: sign-extend each byte to 16 bits and shift left by 7; bit 15 is then the
+   sign, bits 7-13 the magnitude, and bit 14 (a copy of the sign) is cleared */
 static inline vf vloadu_e4m3(const kv8_t *p) {
-    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8);
-    return _mm512_cvtph_ps(_mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7f)), 7)));
+    const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16((short)0xbf80)));
 }
 
 /* r[j] (row j, 16 floats) becomes column j of the 16 x 16 matrix. */
@@ -353,10 +354,9 @@ static inline vf vloadu_i8(const kv8_t *p) {
 static inline vf vloadu_e5m2(const kv8_t *p) {
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
 }
-static inline vf vloadu_e4m3(const kv8_t *p) {
-    const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7f)), 7)));
+static inline vf vloadu_e4m3(const kv8_t *p) { /* as the AVX-512 version */
+    const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xbf80)));
 }
 
 /* r[j] (row j, 8 floats) becomes column j of the 8 x 8 matrix. */
