@@ -360,3 +360,15 @@ def test_native_attention_decodes_every_code(library, code_dtype):
                                   k_scale=scale, v_scale=scale)
     want = kv_format.dequantize_kv(v_cache, scale).view(num_seqs, 1, head_dim).expand(num_seqs, 2, head_dim)
     assert torch.equal(out, want)
+
+
+@needs_native
+def test_kernel_bench_times_every_format_on_the_asked_paths(capsys):
+    from pagedllm.kv import kernel_bench
+
+    isas = list(cpu_ops.cpu_isa_paths())[-1:]
+    assert kernel_bench.main(["--batch", "2", "--context", "20", "--isa", *isas, "--rounds", "1", "--calls", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {isas[0]} |")]
+    # float32 and bfloat16 caches with their own query dtype, each 8-bit format with both
+    assert len(rows) == 2 + 2 * len(kv_format.FORMATS)
+    assert all(float(row.split("|")[4]) > 0 for row in rows)

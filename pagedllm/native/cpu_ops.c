@@ -706,6 +706,18 @@ void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argm
 #else /* ------------------------------------------------------------ scalar kernels:
          the same arithmetic, one query row and one token at a time */
 
+/* fp8 codes through a table (filled when the library loads): the portable
+   float16 conversion per element would cost more than the arithmetic */
+static float e4m3_table[256], e5m2_table[256];
+__attribute__((constructor)) static void fill_fp8_tables(void) {
+    for (int c = 0; c < 256; ++c) {
+        e4m3_table[c] = decode_e4m3((kv8_t)c);
+        e5m2_table[c] = decode_e5m2((kv8_t)c);
+    }
+}
+static inline float lookup_e4m3(kv8_t c) { return e4m3_table[c]; }
+static inline float lookup_e5m2(kv8_t c) { return e5m2_table[c]; }
+
 #define DEFINE_TILE_SCALAR(NAME, TQ, TO_F32, FROM_F32, T, DECODE, QUANT, UNIT)                   \
 static void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,              \
                  const uint16_t *k_scale, const uint16_t *v_scale,                                \
@@ -748,10 +760,10 @@ DEFINE_TILE_SCALAR(tile_f32, float, f32_identity, f32_identity, float, f32_ident
 DEFINE_TILE_SCALAR(tile_bf16, bf16_t, bf16_to_f32, f32_to_bf16, bf16_t, bf16_to_f32, 0, 1.0f)
 DEFINE_TILE_SCALAR(tile_f32_i8, float, f32_identity, f32_identity, kv8_t, decode_i8, 1, I8_UNIT)
 DEFINE_TILE_SCALAR(tile_bf16_i8, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, decode_i8, 1, I8_UNIT)
-DEFINE_TILE_SCALAR(tile_f32_e4m3, float, f32_identity, f32_identity, kv8_t, decode_e4m3, 1, E4M3_UNIT)
-DEFINE_TILE_SCALAR(tile_bf16_e4m3, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, decode_e4m3, 1, E4M3_UNIT)
-DEFINE_TILE_SCALAR(tile_f32_e5m2, float, f32_identity, f32_identity, kv8_t, decode_e5m2, 1, E5M2_UNIT)
-DEFINE_TILE_SCALAR(tile_bf16_e5m2, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, decode_e5m2, 1, E5M2_UNIT)
+DEFINE_TILE_SCALAR(tile_f32_e4m3, float, f32_identity, f32_identity, kv8_t, lookup_e4m3, 1, E4M3_UNIT)
+DEFINE_TILE_SCALAR(tile_bf16_e4m3, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, lookup_e4m3, 1, E4M3_UNIT)
+DEFINE_TILE_SCALAR(tile_f32_e5m2, float, f32_identity, f32_identity, kv8_t, lookup_e5m2, 1, E5M2_UNIT)
+DEFINE_TILE_SCALAR(tile_bf16_e5m2, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, lookup_e5m2, 1, E5M2_UNIT)
 
 #define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
 void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
