@@ -289,3 +289,49 @@ def test_an_unwritable_cache_dir_warns_and_serves(tiny_dir, reference, tmp_path,
     assert any("disk tier disabled" in r.message for r in caplog.records)
     assert run_turns(llm) == reference
     assert llm.kv_cache_stats().tier("disk").num_blocks == 0
+
+
+# -- a real server, restarted on the same --kv-cache-dir ----------------------------------------
+
+
+def _tier_samples(server, name: str) -> dict[str, float]:
+    """``pagedllm:<name>`` samples by their tier label, from the server's /metrics text."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10.0).text
+    pattern = rf'^pagedllm:{name}\{{[^}}]*tier="(\w+)"[^}}]*\}}\s+(\S+)$'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.MULTILINE)}
+
+
+@pytest.mark.slow
+def test_a_restarted_server_serves_its_first_request_from_the_disk_tier(tiny_dir, tmp_path):
+    from openai import OpenAI
+    from server_fixture import ServerProcess
+
+    args = ("--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--block-size", str(BS),
+            "--num-kv-blocks", "20", "--kv-cache-dir", str(tmp_path), "--kv-cache-dir-size", "64MiB")
+
+    def complete(server, prompt):
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        out = client.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=6, temperature=0.0)
+        return out.choices[0].text
+
+    server = ServerProcess(*args).wait_ready()
+    try:
+        first_texts = [complete(server, prompt) for prompt in conversation_prompts(0)]
+        assert _tier_samples(server, "kv_tier_hits_total") == {"disk": 0.0}
+        assert _tier_samples(server, "kv_tier_written_bytes_total")["disk"] > 0
+    finally:
+        assert server.stop() == 0, server.log()
+    assert any(tmp_path.rglob("*" + SUFFIX))
+
+    server = ServerProcess(*args).wait_ready()
+    try:
+        assert _tier_samples(server, "kv_tier_blocks")["disk"] >= NUM_CONVERSATIONS * PREFIX_LEN // BS
+        assert complete(server, conversation_prompts(0)[0]) == first_texts[0]
+        assert _tier_samples(server, "kv_tier_hits_total")["disk"] == PREFIX_LEN
+        assert _tier_samples(server, "kv_tier_read_bytes_total")["disk"] > 0
+    finally:
+        assert server.stop() == 0, server.log()
