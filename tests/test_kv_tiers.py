@@ -335,3 +335,18 @@ def test_a_restarted_server_serves_its_first_request_from_the_disk_tier(tiny_dir
         assert _tier_samples(server, "kv_tier_read_bytes_total")["disk"] > 0
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_directory_that_fails_while_serving_warns_and_serves(tiny_dir, reference, tmp_path, caplog):
+    import shutil
+
+    llm = tiny_llm(tiny_dir, kv_cache_dir=str(tmp_path / "kv"))
+    directory = llm.llm_engine.disk_tier.directory
+    shutil.rmtree(directory)
+    directory.write_text("")  # every block write now fails, as on a full or vanished disk
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert run_turns(llm) == reference
+        llm.llm_engine.disk_tier.drain()
+    assert len([r for r in caplog.records if "disk tier disabled" in r.message]) == 1
+    assert not llm.llm_engine.disk_tier.enabled
+    llm.llm_engine.shutdown()

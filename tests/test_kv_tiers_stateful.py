@@ -113,6 +113,8 @@ class TieredMachine(BlockManagerMachine):
         files = sorted(self.root.rglob("*" + SUFFIX))
         path = data.draw(st.sampled_from(files))
         raw = bytearray(path.read_bytes())
+        if not raw:
+            return  # already truncated to nothing
         if how == "truncate":
             raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
         elif how == "flip":

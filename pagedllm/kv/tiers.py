@@ -138,7 +138,9 @@ class DiskTier:
 
     ``capacity_bytes`` caps the files' total size; the least recently used
     (written or hit) go first. ``max_loaded_blocks`` bounds the host copies
-    held for prefetched blocks that no request has claimed yet.
+    held for prefetched blocks that no request has claimed yet. Only the
+    engine's thread removes a loaded copy (by claiming or bounding them), so a
+    block the scheduler found READY can always be claimed.
     """
 
     def __init__(
@@ -270,6 +272,10 @@ class DiskTier:
                 return
             if not entry.written and block_hash not in self._unwritten:
                 return  # its write is planned but the worker has not handed the bytes over yet
+            # Unclaimed host copies are bounded here, on the engine's thread, so that a copy
+            # the scheduler has just found READY stays until it claims it.
+            while self._loaded and len(self._loaded) + len(self._loading) >= self.max_loaded_blocks:
+                self._loaded.popitem(last=False)
             self._loading.add(block_hash)
         self._enqueue(self._reads, self._load, block_hash, entry.content)
 
@@ -394,8 +400,6 @@ class DiskTier:
             if entry is None or entry.content != content:
                 return  # evicted while it was read
             self._loaded[block_hash] = tensors
-            while len(self._loaded) > self.max_loaded_blocks:
-                self._loaded.popitem(last=False)
             if pending is None:
                 self.counters.num_read_bytes += self.block_nbytes
                 self.counters.read_seconds += time.perf_counter() - start
@@ -439,8 +443,7 @@ class DiskTier:
 
     def _disable(self, reason: str) -> None:
         with self._lock:
-            self.enabled = False
-            self._loaded.clear()
+            self.enabled = False  # host copies already loaded stay valid (and claimable) KV
         if not self._warned:
             self._warned = True
             logger.warning("KV disk tier disabled, serving without it: %s", reason)
