@@ -103,7 +103,8 @@ class EngineConfig:
     model's; it lets ``max_model_len`` go past the trained context.
     Tiered prefix cache: a cached block evicted from the device pool is kept in
     a host-memory tier of ``kv_host_cache_memory`` bytes (``None``: 0 on a CPU
-    device, whose pool already is host memory; 4 GiB on CUDA) and written to a
+    device, whose pool already is host memory; 4 GiB, at most an eighth of the
+    RAM, on CUDA; per rank, like the swap space) and written to a
     disk tier under ``kv_cache_dir`` (off when None) of at most
     ``kv_cache_dir_size`` bytes, which a restarted engine reuses.
     """

@@ -459,9 +459,9 @@ class DiskTier:
 
     def drain(self) -> None:
         """Wait until every queued read and write is done (tests, shutdown)."""
-        if self.threaded:
+        if self.threaded and self._threads:
+            self._reads.join()  # first: a failed read queues the deletion of its file
             self._writes.join()
-            self._reads.join()
 
     def close(self) -> None:
         """Finish queued writes, then stop the threads."""
@@ -475,7 +475,8 @@ class DiskTier:
         self._threads = []
 
     def check_invariants(self) -> None:
-        """Index vs files and byte counts; call with no writes in flight (after ``drain``)."""
+        """Index vs files and byte counts (waits for queued reads and writes first)."""
+        self.drain()
         with self._lock:
             assert self.num_bytes == sum(e.nbytes for e in self._index.values()), "disk byte count drifted"
             if not self.enabled:

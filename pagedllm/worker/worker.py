@@ -16,6 +16,7 @@ the device. Results come back in launch order.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -179,12 +180,16 @@ class Worker:
         return num_blocks, num_cpu_blocks
 
     def host_tier_memory(self) -> int:
-        """Bytes of the host tier: the configured size, else 0 on a CPU device and 4 GiB on CUDA."""
+        """Bytes of this rank's host tier (per rank, like the swap space): the configured size,
+        else 0 on a CPU device and 4 GiB on CUDA (at most an eighth of the RAM)."""
         if not self.config.enable_prefix_caching:
             return 0
         if self.config.kv_host_cache_memory is not None:
             return self.config.kv_host_cache_memory
-        return DEFAULT_CUDA_KV_HOST_CACHE_MEMORY if self.device.type == "cuda" else 0
+        if self.device.type != "cuda":
+            return 0
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(DEFAULT_CUDA_KV_HOST_CACHE_MEMORY, ram // 8)
 
     def _default_kv_memory(self) -> int:
         if self.config.gpu_memory_utilization is not None:
