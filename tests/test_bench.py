@@ -228,6 +228,34 @@ def test_compare_pagedllm_with_hf(tmp_path):
     assert (tmp_path / "cmp.png").stat().st_size > 0
 
 
+def test_compare_entries_split_outside_brackets_and_parse_variants():
+    from pagedllm.bench.throughput import _parse_spec, split_compare
+    from pagedllm.errors import ConfigError
+
+    assert split_compare("pagedllm, pagedllm[--a 1,2 --b x],vllm") == [
+        "pagedllm", "pagedllm[--a 1,2 --b x]", "vllm"]
+    assert _parse_spec("pagedllm@avx2") == ("pagedllm", "avx2", [])
+    assert _parse_spec("pagedllm[--kv-cache-dtype int8]") == ("pagedllm", "", ["--kv-cache-dtype", "int8"])
+    with pytest.raises(ConfigError, match="brackets"):
+        _parse_spec("pagedllm[--x]y")
+
+
+@pytest.mark.slow
+def test_compare_variant_flags_reach_their_own_process(tmp_path):
+    random_workload(2, (12, 20), 3, seed=2).save(tmp_path / "w2.json")
+    data = _run_cli(
+        ["throughput", "--workload", str(tmp_path / "w2.json"), "--no-warmup", "--num-kv-blocks", "32",
+         "--compare", "pagedllm,pagedllm[--num-kv-blocks 48 --block-size 8]"],
+        tmp_path,
+    )
+    results = {r["backend"]: r for r in data["results"]}
+    assert set(results) == {"pagedllm", "pagedllm[--num-kv-blocks 48 --block-size 8]"}
+    assert results["pagedllm"]["num_kv_blocks"] == 32 and results["pagedllm"]["block_size"] == 16
+    variant = results["pagedllm[--num-kv-blocks 48 --block-size 8]"]
+    assert variant["num_kv_blocks"] == 48 and variant["block_size"] == 8
+    assert variant["output_tokens"] == results["pagedllm"]["output_tokens"] == 6
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

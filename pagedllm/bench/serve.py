@@ -352,9 +352,7 @@ class ServerSettings:
 
 def settings_from_args(args: argparse.Namespace, workload: Workload) -> ServerSettings:
     """The engine options of ``args``, with pagedllm's defaults made explicit for vLLM."""
-    from pagedllm.bench.peers import default_max_model_len, resolve_dtype_name
-    from pagedllm.engine.llm_engine import DEFAULT_CPU_KV_MEMORY, DEFAULT_MAX_NUM_BATCHED_TOKENS
-    from pagedllm.models.paths import model_display_name, resolve_model_path
+    from pagedllm.bench.peers import default_max_model_len
 
     max_model_len = args.max_model_len or default_max_model_len(workload)
     if workload.max_seq_len > max_model_len:
@@ -362,6 +360,15 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> ServerSe
             f"--max-model-len {max_model_len} is shorter than the workload's longest request "
             f"({workload.max_seq_len} tokens)"
         )
+    return server_settings(args, max_model_len)
+
+
+def server_settings(args: argparse.Namespace, max_model_len: int) -> ServerSettings:
+    """The engine options of ``args`` for servers of ``max_model_len`` tokens."""
+    from pagedllm.bench.peers import resolve_dtype_name
+    from pagedllm.engine.llm_engine import DEFAULT_CPU_KV_MEMORY, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from pagedllm.models.paths import model_display_name, resolve_model_path
+
     return ServerSettings(
         model=args.model,
         served_model_name=model_display_name(resolve_model_path(args.model)),
@@ -683,6 +690,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--bad-request-rate", type=float, default=2.0, help="bad requests per second during the soak")
     g.add_argument("--markdown", default=None, metavar="FILE", help="write the results as a Markdown table")
     _add_compare_arguments(parser)
+    _add_arm_arguments(parser)
     add_workload_arguments(
         parser, default_workload=False, default_num_prompts=32, default_output_len=None, with_seed=True
     )
@@ -718,13 +726,54 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--server-log-dir", default=None, metavar="DIR", help="keep each server's output in DIR/<server>.log")
 
 
+def _add_arm_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument_group(
+        "arms: one pagedllm serve per --arm, started in turn with the settings above plus the arm's flags"
+    )
+    a.add_argument(
+        "--arm", action="append", default=None, metavar="NAME=FLAGS",
+        help="a server arm, e.g. 'int8=--kv-cache-dtype int8' (repeat for more); {kv_dir} in FLAGS is a fresh "
+        "empty directory per arm",
+    )
+    a.add_argument("--kv-dir-root", default=None, metavar="DIR",
+                   help="where the arms' {kv_dir} directories are made (default: the system temp dir)")
+    m = parser.add_argument_group("multi-turn chat (--multi-turn, with --arm)")
+    m.add_argument("--multi-turn", action="store_true",
+                   help="C conversations of T chat turns, each prompt the whole conversation so far")
+    m.add_argument("--turns", type=int, default=4, help="turns per conversation (T)")
+    m.add_argument("--conversations", default="auto",
+                   help="C, or 'auto': enough that the conversations hold --pool-multiple x the first arm's KV pool")
+    m.add_argument("--pool-multiple", type=float, default=4.0, help="with --conversations auto")
+    m.add_argument("--user-words", type=int, default=48, help="words per user message")
+    m.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded per conversation and turn")
+    m.add_argument("--restart-arm", default=None, metavar="NAME",
+                   help="after arm NAME: restart its server on the same {kv_dir}, send each conversation one more "
+                   "turn, and the same to a cold server")
+    m.add_argument("--target-arms", default=",".join(("off", "on", "unlimited")), metavar="OFF,ON,UNLIMITED",
+                   help="the arms the issue's ratios compare: tiers off, tiers on, an unlimited pool")
+
+
 def run(args: argparse.Namespace) -> int:
-    if not args.base_url and not args.compare:
-        raise ConfigError("give --base-url URL (a running server) or --compare pagedllm,vllm (servers to start)")
+    if args.arm and (args.base_url or args.compare):
+        raise ConfigError("--arm starts its own servers: give it without --base-url and --compare")
+    if args.multi_turn:
+        from pagedllm.bench import multiturn
+
+        if not args.arm:
+            raise ConfigError("--multi-turn needs at least one --arm NAME=FLAGS (e.g. --arm 'base=')")
+        return multiturn.run_arms(args)
+    if not args.base_url and not args.compare and not args.arm:
+        raise ConfigError(
+            "give --base-url URL (a running server), --compare pagedllm,vllm or --arm NAME=FLAGS (servers to start)"
+        )
     if args.base_url and args.compare:
         raise ConfigError("give either --base-url or --compare, not both")
     workload = workload_from_args(args)
     print(workload.describe(), file=sys.stderr)
+    if args.arm:
+        from pagedllm.bench import arms
+
+        return arms.run_serve_arms(args, workload)
     if args.duration is not None:
         return run_soak_from_args(args, workload)
     if args.compare:

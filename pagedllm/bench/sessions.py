@@ -53,6 +53,8 @@ class TurnRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     output_tokens: int = 0
+    prompt_tokens: int | None = None  # from the final usage chunk, when the server sends one
+    cached_tokens: int | None = None  # prompt tokens the server served from its prefix cache
 
     @property
     def tpot_s(self) -> float | None:
@@ -94,7 +96,7 @@ def _user_message(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
-async def _stream_turn(client, url: str, payload: dict, record: TurnRecord, stop_after: int | None) -> str:
+async def stream_chat_turn(client, url: str, payload: dict, record: TurnRecord, stop_after: int | None) -> str:
     """Stream one answer into ``record``; returns its text. Closes the stream after
     ``stop_after`` chunks when given (a user leaving mid-answer). Raises on HTTP errors."""
     start = time.perf_counter()
@@ -103,12 +105,12 @@ async def _stream_turn(client, url: str, payload: dict, record: TurnRecord, stop
     async with client.stream("POST", url, json=payload) as response:
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")
-            raise _Refused(response.status_code, body[:200])
+            raise Refused(response.status_code, body[:200])
         async for chunk in sse_chunks(response):
             if "error" in chunk:
                 raise RuntimeError(str(chunk["error"])[:200])
             if chunk.get("usage"):
-                record.output_tokens = chunk["usage"].get("completion_tokens", record.output_tokens)
+                _read_usage(chunk["usage"], record)
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
@@ -123,7 +125,16 @@ async def _stream_turn(client, url: str, payload: dict, record: TurnRecord, stop
     return "".join(text)
 
 
-class _Refused(Exception):
+def _read_usage(usage: dict, record: TurnRecord) -> None:
+    record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+    record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+    details = usage.get("prompt_tokens_details") or {}
+    record.cached_tokens = details.get("cached_tokens", record.cached_tokens)
+
+
+class Refused(Exception):
+    """The server answered a turn with an HTTP error status (``status``)."""
+
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
@@ -146,11 +157,11 @@ async def run_session(client, base_url: str, model: str, load: SessionLoad, inde
         record.turns.append(turn_record)
         leaving = turn == leaves_in_turn
         try:
-            answer = await _stream_turn(
+            answer = await stream_chat_turn(
                 client, f"{base_url}/v1/chat/completions", payload, turn_record,
                 stop_after=max(1, load.max_tokens // 4) if leaving else None,
             )
-        except _Refused as exc:
+        except Refused as exc:
             record.outcome, record.http_status, record.error = "refused", exc.status, str(exc)
             return record
         except Exception as exc:  # noqa: BLE001 - a load test records failures and carries on

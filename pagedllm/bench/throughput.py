@@ -184,21 +184,24 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
     """Run each backend of ``--compare`` in a fresh process on the same workload file."""
     from pagedllm.native.cpu_ops import ISA_ENV, ISA_PATHS
 
-    backends = [b.strip() for b in args.compare.split(",") if b.strip()]
-    # pagedllm@ISA runs pagedllm with its native kernels forced to that path (PAGEDLLM_CPU_ISA)
-    specs = [b.partition("@") for b in backends]
-    unknown = [b for b, (name, _, isa) in zip(backends, specs)
-               if name not in BACKENDS or (isa and (name != "pagedllm" or isa not in ISA_PATHS))]
+    backends = split_compare(args.compare)
+    # pagedllm@ISA runs pagedllm with its native kernels forced to that path (PAGEDLLM_CPU_ISA);
+    # pagedllm[FLAGS] runs it with extra engine flags, e.g. pagedllm[--kv-cache-dtype int8]
+    specs = [_parse_spec(b) for b in backends]
+    unknown = [b for b, (name, isa, extra) in zip(backends, specs)
+               if name not in BACKENDS or ((isa or extra) and name != "pagedllm")
+               or (isa and isa not in ISA_PATHS)]
     if unknown or not backends:
         raise ConfigError(
-            f"--compare {args.compare!r}: choose from {list(BACKENDS)}, or pagedllm@ISA with ISA one of {list(ISA_PATHS)}"
+            f"--compare {args.compare!r}: choose from {list(BACKENDS)}, pagedllm@ISA with ISA one of "
+            f"{list(ISA_PATHS)}, or pagedllm[ENGINE FLAGS]"
         )
     results = []
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as tmp:
         workload_file = Path(tmp) / "workload.json"
         workload.save(workload_file)
-        for label, (backend, _, isa) in zip(backends, specs):
-            out = Path(tmp) / f"{backend}-{isa or 'default'}.json"
+        for index, (label, (backend, isa, extra)) in enumerate(zip(backends, specs)):
+            out = Path(tmp) / f"{index}-{backend}.json"
             cmd = [
                 sys.executable, "-m", "pagedllm.cli", "bench", "throughput",
                 "--backend", backend, "--workload", str(workload_file), "--json", str(out),
@@ -208,7 +211,7 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
                 cmd += ["--peer-python", args.peer_python]
             if not args.warmup:
                 cmd.append("--no-warmup")
-            cmd += engine_argv(args)
+            cmd += engine_argv(args) + extra  # a variant's flags come last and win
             env = {**os.environ, ISA_ENV: isa} if isa else None
             print(f"running {label} ...", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -218,6 +221,32 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
                 )
             results.append({**report.read_json(out), "backend": label})
     return results
+
+
+def split_compare(text: str) -> list[str]:
+    """``--compare``'s comma-separated backends; commas inside ``[...]`` belong to a variant's flags."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current).strip())
+    return [p for p in parts if p]
+
+
+def _parse_spec(spec: str) -> tuple[str, str, list[str]]:
+    """``name[@isa][[flags]]`` -> (name, isa or "", extra engine flags)."""
+    import shlex
+
+    head, bracket, rest = spec.partition("[")
+    if bracket and not rest.endswith("]"):
+        raise ConfigError(f"--compare entry {spec!r}: a variant's flags go in one pair of brackets, last")
+    extra = shlex.split(rest[:-1]) if bracket else []
+    name, _, isa = head.strip().partition("@")
+    return name, isa, extra
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
