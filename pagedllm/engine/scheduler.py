@@ -474,15 +474,24 @@ class Scheduler:
         return total
 
     def _awaits_prefetch(self, request: Request) -> bool:
-        """Whether to hold the request while its disk-tier prefix is loading (never past its deadline)."""
-        deadline = request.prefetch_deadline
-        if deadline is None:
+        """Whether to hold the request while its disk-tier prefix loads into memory.
+
+        The loads start when the request arrives, and again here for blocks
+        evicted to disk while it waited. A request is held for at most
+        MAX_PREFETCH_WAIT_S in all (running requests keep stepping meanwhile);
+        after that the blocks still on disk are computed.
+        """
+        bm = self.block_manager
+        if bm.disk_tier is None:
             return False
         seq = request.live_seqs()[0]
-        if time.monotonic() < deadline and self.block_manager.is_prefetching(seq.token_ids, request.cache_salt):
+        now = time.monotonic()
+        if request.prefetch_deadline is None:
+            if not bm.prefetch(seq.token_ids, request.cache_salt):
+                return False
+            request.prefetch_deadline = now + MAX_PREFETCH_WAIT_S
             return True
-        request.prefetch_deadline = None
-        return False
+        return now < request.prefetch_deadline and bm.prefetch(seq.token_ids, request.cache_salt)
 
     def _admit(self, request: Request, out: SchedulerOutput) -> None:
         bm = self.block_manager

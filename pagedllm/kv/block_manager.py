@@ -14,7 +14,16 @@ Invariants (checked by :meth:`BlockManager.check_invariants`):
 - all sequences referencing a block agree on how many of its slots hold
   tokens: appends into a shared block are copy-on-written first;
 - a hashed block holds exactly the full, computed block of tokens its hash
-  names, and is never written again.
+  names, and is never written again;
+- tiers: the host tier is the CPU pool's hashed free blocks (swapped-out
+  blocks are in use there, so swap takes host-tier blocks LRU first); the
+  disk tier's index matches its files (:meth:`DiskTier.check_invariants`).
+
+Tiered prefix cache: when allocation reuses a cached device block, its KV is
+queued for copying to the host tier and the disk tier (``take_tier_ops``,
+drained by the scheduler before any op decided after); a prefix lookup walks
+device, host, then disk (loaded blocks only), and a hit below the device gets
+a fresh device block, filled by a tier op and cached on the device at once.
 """
 
 from __future__ import annotations
