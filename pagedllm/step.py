@@ -45,6 +45,13 @@ class MemoryOp:
     pairs: list[tuple[int, int]]
 
 
+def can_batch(done: list[tuple[int, int]], new: list[tuple[int, int]]) -> bool:
+    """Whether ``new`` pairs may join the op of ``done`` pairs (one batched gather and scatter):
+    none of them reads or rewrites a block that op writes."""
+    written = {dst for _, dst in done}
+    return all(src not in written and dst not in written for src, dst in new)
+
+
 @dataclass
 class NewSequence:
     """A sequence the worker has not seen: everything it keeps about it, sent once.

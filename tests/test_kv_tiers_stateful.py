@@ -20,12 +20,18 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
+from test_block_manager_stateful import (
+    _SETTINGS,
+    BS,
+    NUM_BLOCKS,
+    NUM_CPU_BLOCKS,
+    BlockManagerMachine,
+)
 
 from pagedllm.kv import prefix_cache
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.tiers import SUFFIX, DiskTier, tier_key
 from pagedllm.step import MemoryOpKind
-from test_block_manager_stateful import _SETTINGS, BS, NUM_BLOCKS, NUM_CPU_BLOCKS, BlockManagerMachine
 
 LAYOUT = [((BS,), torch.int64)]  # one "KV tensor": the token ids of the block's slots, -1 for empty
 KEY = tier_key(model_identity="fake", dtype="int64", layout=LAYOUT, block_size=BS, tp_rank=0, tp_size=1)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import DEFAULT_NUM_HEADROOM_TOKENS
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.kv.block_manager import BlockManager
-from pagedllm.step import MemoryOp, MemoryOpKind  # noqa: F401  (re-exported for callers of the scheduler)
+from pagedllm.step import MemoryOp, MemoryOpKind, can_batch  # noqa: F401  (re-exported for callers of the scheduler)
 
 logger = logging.getLogger("pagedllm")
 
@@ -70,7 +70,7 @@ class SchedulerOutput:
         and no new pair reads or rewrites a block that op writes."""
         if not pairs:
             return
-        if self.memory_ops and self.memory_ops[-1].kind is kind and _no_overlap(self.memory_ops[-1].pairs, pairs):
+        if self.memory_ops and self.memory_ops[-1].kind is kind and can_batch(self.memory_ops[-1].pairs, pairs):
             self.memory_ops[-1].pairs.extend(pairs)
         else:
             self.memory_ops.append(MemoryOp(kind, list(pairs)))
@@ -89,11 +89,6 @@ class SchedulerOutput:
     @property
     def swap_in(self) -> list[tuple[int, int]]:
         return self.pairs_of(MemoryOpKind.SWAP_IN)
-
-
-def _no_overlap(done: list[tuple[int, int]], new: list[tuple[int, int]]) -> bool:
-    written = {dst for _, dst in done}
-    return all(src not in written and dst not in written for src, dst in new)
 
 
 # A waiting request whose cached prefix is still loading from the disk tier is

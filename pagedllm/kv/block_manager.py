@@ -37,10 +37,16 @@ from typing import NamedTuple
 from pagedllm.config import SUPPORTED_BLOCK_SIZES
 from pagedllm.errors import BlockManagerError, ConfigError
 from pagedllm.kv.block_pool import BlockPool, KVCacheBlock
-from pagedllm.kv.prefix_cache import BlockContent, BlockHash, block_content, extra_keys_for, hash_content
+from pagedllm.kv.prefix_cache import (
+    BlockContent,
+    BlockHash,
+    block_content,
+    extra_keys_for,
+    hash_content,
+)
 from pagedllm.kv.stats import KVCacheStats, TierStats, TierTimes
 from pagedllm.kv.tiers import DiskState, DiskTier
-from pagedllm.step import MemoryOp, MemoryOpKind
+from pagedllm.step import MemoryOp, MemoryOpKind, can_batch
 
 
 class BlockCopy(NamedTuple):
@@ -268,7 +274,7 @@ class BlockManager:
 
     def _add_tier_op(self, kind: MemoryOpKind, pair: tuple[int, int]) -> None:
         ops = self._tier_ops
-        if ops and ops[-1].kind is kind and _no_hazard(ops[-1].pairs, [pair]):
+        if ops and ops[-1].kind is kind and can_batch(ops[-1].pairs, [pair]):
             ops[-1].pairs.append(pair)
         else:
             ops.append(MemoryOp(kind, [pair]))
@@ -837,12 +843,6 @@ def _reserved(num_tokens: int, num_reserved_tokens: int | None) -> int:
             f"num_reserved_tokens={num_reserved_tokens} is less than the prompt's {num_tokens} tokens"
         )
     return num_reserved_tokens
-
-
-def _no_hazard(done: list[tuple[int, int]], new: list[tuple[int, int]]) -> bool:
-    """Whether ``new`` pairs can join the batched op ``done``: none reads or rewrites a block it writes."""
-    written = {dst for _, dst in done}
-    return all(src not in written and dst not in written for src, dst in new)
 
 
 def _distinct_blocks(seqs: list[_SeqBlocks]) -> set[int]:
