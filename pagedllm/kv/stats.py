@@ -27,7 +27,7 @@ class KVCacheStats:
     num_slots_saved_by_sharing: int  # sum of per-sequence slots minus the distinct slots
     peak_blocks_without_sharing: int  # peak of the summed block-table lengths
     prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens served from the cache
+    prefix_cache_hits: int  # prompt tokens served from device blocks (tier hits: ``tiers``)
     num_preemptions: int
     num_cpu_blocks: int
     num_free_cpu_blocks: int
