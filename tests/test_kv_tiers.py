@@ -350,3 +350,20 @@ def test_a_directory_that_fails_while_serving_warns_and_serves(tiny_dir, referen
     assert len([r for r in caplog.records if "disk tier disabled" in r.message]) == 1
     assert not llm.llm_engine.disk_tier.enabled
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_host_tier_under_tensor_parallelism(tiny_dir, reference, tmp_path, caplog):
+    """Each rank keeps its heads' share of an evicted block in its own host pool; the disk tier
+    is turned off with a warning (not yet under tensor parallelism)."""
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        llm = tiny_llm(tiny_dir, tensor_parallel_size=2, kv_host_cache_memory=64 * BLOCK_BYTES,
+                       kv_cache_dir=str(tmp_path))
+    try:
+        assert any("tensor_parallel_size 1" in r.message for r in caplog.records)
+        assert run_turns(llm) == reference
+        stats = llm.kv_cache_stats()
+        assert stats.tier("host").num_hit_tokens + stats.prefix_cache_hits == NUM_CONVERSATIONS * PREFIX_LEN
+        assert stats.tier("host").num_hit_tokens > 0 and stats.tier("disk") is None
+    finally:
+        llm.llm_engine.shutdown()
