@@ -176,8 +176,9 @@ class LLMEngine:
                            f"|rope={config.rope_scaling!r}",
             dtype=str(self.dtype), layout=layout, block_size=config.block_size, tp_rank=0, tp_size=1,
         )
-        disk = DiskTier(config.kv_cache_dir, key, layout, config.kv_cache_dir_size,
-                        max_loaded_blocks=max(64, self.kv_cache.num_blocks))
+        # Prefetched copies wait in RAM until admission claims them: at most a device pool's worth, 1 GiB.
+        max_loaded = max(64, min(self.kv_cache.num_blocks, 2**30 // layout_nbytes(layout)))
+        disk = DiskTier(config.kv_cache_dir, key, layout, config.kv_cache_dir_size, max_loaded_blocks=max_loaded)
         engine = weakref.ref(self)
         atexit.register(lambda: engine() is not None and engine().close_kv_tiers())
         return disk
