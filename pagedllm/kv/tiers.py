@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.kv.kv_format import as_bytes
 from pagedllm.kv.prefix_cache import BlockContent, BlockHash, hash_content
 
 logger = logging.getLogger("pagedllm")
@@ -555,7 +556,8 @@ def read_blocks(block_tensors: list[torch.Tensor], block_ids: list[int]) -> list
     if not block_ids:
         return []
     index = torch.tensor(block_ids, dtype=torch.int64, device=block_tensors[0].device)
-    gathered = [t.index_select(0, index).cpu() for t in block_tensors]  # each [len(block_ids), *slice]
+    # CPU float8 (8-bit KV) has no index_copy_: move every tensor's bytes as uint8
+    gathered = [as_bytes(t).index_select(0, index).cpu().view(t.dtype) for t in block_tensors]  # [n, *slice]
     return [[g[i] for g in gathered] for i in range(len(block_ids))]
 
 
@@ -567,5 +569,5 @@ def write_blocks(
         return
     index = torch.tensor(block_ids, dtype=torch.int64, device=block_tensors[0].device)
     for k, tensor in enumerate(block_tensors):
-        rows = torch.stack([block[k] for block in blocks]).to(tensor.device)
-        tensor.index_copy_(0, index, rows)
+        rows = torch.stack([as_bytes(block[k]) for block in blocks]).to(tensor.device)
+        as_bytes(tensor).index_copy_(0, index, rows)
