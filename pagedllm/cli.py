@@ -12,6 +12,7 @@ import json
 import sys
 
 from pagedllm.config import (
+    DEFAULT_KV_CACHE_DIR_SIZE,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_NUM_HEADROOM_TOKENS,
     DTYPE_ALIASES,
@@ -21,6 +22,7 @@ from pagedllm.config import (
     PREEMPTION_MODES,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
+    SUPPORTED_KV_CACHE_DTYPES,
     EngineConfig,
 )
 from pagedllm.errors import PagedLLMError
@@ -50,6 +52,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "plus KV cache, as vLLM (default: half the free GPU memory, 4 GiB on the CPU)")
     g.add_argument("--swap-space", dest="swap_space_bytes", type=parse_gib, default=0,
                    help="CPU swap pool in GiB as vLLM (4 = 4 GiB), or with a unit: 512MiB")
+    g.add_argument("--kv-cache-dir", default=None,
+                   help="disk tier of the prefix cache: evicted KV blocks are written here and reused, "
+                   "also after a restart (off when unset)")
+    g.add_argument("--kv-cache-dir-size", type=parse_size, default=DEFAULT_KV_CACHE_DIR_SIZE,
+                   help="cap on the disk tier's files, e.g. 16GiB (the least recently used go first)")
+    g.add_argument("--kv-host-cache-memory", type=parse_size, default=None,
+                   help="host-memory tier of the prefix cache, e.g. 4GiB (default: 0 on a CPU device, "
+                   "whose KV pool already is host memory; 4GiB on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -75,7 +85,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="weights: none (default: dense --dtype), gguf (GGUF Q4_0/Q4_1/Q8_0 served packed), "
                    "int8|int4 (RTN, --quantization-group-size per scale); CPU only")
-    g.add_argument("--kv-cache-dtype", default="auto", help="only 'auto' (the model dtype) for now")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(SUPPORTED_KV_CACHE_DTYPES),
+                   help="KV cache storage: auto (the model dtype) or 8-bit codes with a float16 scale per "
+                   "token and KV head -- int8, fp8_e4m3 (also fp8) or fp8_e5m2 -- which fit ~1.9x the "
+                   "tokens of bfloat16 (~3.8x float32) in the same --kv-cache-memory")
     g.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: auto (the model's generation_config.json or GGUF "
                    "metadata), vllm (SamplingParams' defaults) or a folder with generation_config.json")
@@ -136,6 +149,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space_bytes=args.swap_space_bytes,
+        kv_cache_dir=args.kv_cache_dir,
+        kv_cache_dir_size=args.kv_cache_dir_size,
+        kv_host_cache_memory=args.kv_host_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

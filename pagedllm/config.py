@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -31,9 +32,14 @@ DEFAULT_NUM_HEADROOM_TOKENS = 16
 # vLLM's default cap on logprobs / prompt_logprobs per request.
 DEFAULT_MAX_LOGPROBS = 20
 SUPPORTED_QUANTIZATIONS = (None, *QUANTIZATIONS)
-SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+# auto: the model's dtype; the 8-bit formats are pagedllm.kv.kv_format's (kept
+# here by name so that importing the config does not import torch).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2", "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's spelling
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding generation_config.json
 GIB = 2**30
+DEFAULT_KV_CACHE_DIR_SIZE = 16 * GIB
+DEFAULT_CUDA_KV_HOST_CACHE_MEMORY = 4 * GIB
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -98,6 +104,12 @@ class EngineConfig:
     ``rope_scaling``: an HF ``rope_scaling`` dict (``rope_type`` or ``type``:
     linear | dynamic | yarn | llama3, plus its parameters) that replaces the
     model's; it lets ``max_model_len`` go past the trained context.
+    Tiered prefix cache: a cached block evicted from the device pool is kept in
+    a host-memory tier of ``kv_host_cache_memory`` bytes (``None``: 0 on a CPU
+    device, whose pool already is host memory; 4 GiB, at most an eighth of the
+    RAM, on CUDA; per rank, like the swap space) and written to a
+    disk tier under ``kv_cache_dir`` (off when None) of at most
+    ``kv_cache_dir_size`` bytes, which a restarted engine reuses.
     """
 
     model: str | None = None
@@ -127,6 +139,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     generation_config: str = "auto"
     rope_scaling: dict | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: int = DEFAULT_KV_CACHE_DIR_SIZE
+    kv_host_cache_memory: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +166,7 @@ class EngineConfig:
         _non_negative("num_headroom_tokens", self.num_headroom_tokens)
         _positive("max_logprobs", self.max_logprobs)
         self._check_memory()
+        self._check_tiers()
         self._check_not_yet_supported()
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ConfigError(
@@ -162,6 +178,14 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.swap_space_bytes == 0:
             # Swap needs somewhere to go; say so rather than silently recomputing.
             raise ConfigError("preemption_mode='swap' needs a CPU swap pool: set swap_space (GiB) > 0")
+
+    def _check_tiers(self) -> None:
+        _positive("kv_cache_dir_size", self.kv_cache_dir_size, allow_none=False)
+        if self.kv_host_cache_memory is not None:
+            _non_negative("kv_host_cache_memory", self.kv_host_cache_memory)
+        if self.kv_cache_dir is not None and (not isinstance(self.kv_cache_dir, (str, os.PathLike))
+                                              or not str(self.kv_cache_dir)):
+            raise ConfigError(f"kv_cache_dir must be a directory path, got {self.kv_cache_dir!r}")
 
     def _check_memory(self) -> None:
         if not isinstance(self.swap_space_bytes, int) or isinstance(self.swap_space_bytes, bool) \

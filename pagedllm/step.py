@@ -31,12 +31,25 @@ class MemoryOpKind(enum.Enum):
     SWAP_OUT = "swap_out"  # pairs are (device block, cpu block)
     SWAP_IN = "swap_in"  # pairs are (cpu block, device block)
     COPY = "copy"  # pairs are (src, dst) device blocks: copy-on-write
+    # The tiered prefix cache. The host tier lives in the same CPU pool as swap.
+    HOST_TIER_OUT = "host_tier_out"  # (device block, cpu block): keep an evicted block's KV in host memory
+    HOST_TIER_IN = "host_tier_in"  # (cpu block, device block): a host-tier prefix hit
+    DISK_TIER_OUT = "disk_tier_out"  # (device block, write ticket): hand a host copy to the disk writer
+    DISK_TIER_IN = "disk_tier_in"  # (read ticket, device block): a prefetched disk-tier hit
+    HOST_TIER_TO_DISK = "host_tier_to_disk"  # (cpu block, write ticket): saving the host tier at shutdown
 
 
 @dataclass
 class MemoryOp:
     kind: MemoryOpKind
     pairs: list[tuple[int, int]]
+
+
+def can_batch(done: list[tuple[int, int]], new: list[tuple[int, int]]) -> bool:
+    """Whether ``new`` pairs may join the op of ``done`` pairs (one batched gather and scatter):
+    none of them reads or rewrites a block that op writes."""
+    written = {dst for _, dst in done}
+    return all(src not in written and dst not in written for src, dst in new)
 
 
 @dataclass

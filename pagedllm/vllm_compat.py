@@ -107,7 +107,8 @@ ENGINE_NOTES = {
                             "no async_scheduling, CUDA graphs or quantization with N > 1 yet",
     "quantization": "None/none (dense weights), gguf (a GGUF's Q4_0/Q4_1/Q8_0 served packed), int8 | int4 "
                     "(RTN weight-only, CPU); others raise ConfigError",
-    "kv_cache_dtype": "auto only for now (the model dtype); others raise ConfigError",
+    "kv_cache_dtype": "auto | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2; 8-bit codes carry a float16 scale "
+                      "per token and KV head computed on write (no calibrated per-tensor scales)",
     "generation_config": SAME_NOTE + "auto | vllm | a folder, as vLLM; reads temperature, top_p, top_k, min_p, "
                          "repetition_penalty, max_new_tokens (GGUF: general.sampling.*)",
 }

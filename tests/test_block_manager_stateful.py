@@ -54,6 +54,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if value is not None:
                 dst_kv[dst * BS + offset] = value
 
+    def apply_tier_ops(self) -> None:
+        """Tier copies the manager queued (none without tiers); the tiered machine applies them."""
+        assert self.manager.take_tier_ops() == []
+
     def new_id(self) -> int:
         self.next_seq_id += 1
         return self.next_seq_id - 1
@@ -69,11 +73,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
     )
     def allocate(self, base, num_prefix, suffix, salt, computed):
         prompt = BASES[base][:num_prefix] + suffix
+        if prompt:
+            self.manager.prefetch(prompt, salt)  # what the scheduler does when a request arrives
         if not prompt or not self.manager.can_allocate(prompt, salt):
             return
         expected = self.manager.get_num_cached_tokens(prompt, salt)
         seq_id = self.new_id()
         num_cached = self.manager.allocate(seq_id, prompt, salt)
+        self.apply_tier_ops()
         assert num_cached == expected
         assert num_cached % BS == 0 and num_cached <= (len(prompt) - 1) // BS * BS
         self.tokens[seq_id] = list(prompt)
@@ -97,6 +104,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         start = len(self.tokens[seq_id])
         copies = self.manager.append_slots(seq_id, len(new_tokens))
+        self.apply_tier_ops()
         assert all(isinstance(copy, BlockCopy) for copy in copies)
         for copy in copies:
             self.copy_block(self.device_kv, copy.src, self.device_kv, copy.dst)
@@ -146,6 +154,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.manager.can_swap_out(group):
             return
         pairs = self.manager.swap_out(group)
+        self.apply_tier_ops()
         assert len({d for d, _ in pairs}) == len(pairs) == len({c for _, c in pairs})
         for device_block, cpu_block in pairs:
             self.copy_block(self.device_kv, device_block, self.cpu_kv, cpu_block)
@@ -158,6 +167,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.manager.can_swap_in(group):
             return
         pairs = self.manager.swap_in(group)
+        self.apply_tier_ops()
         assert len({c for c, _ in pairs}) == len(pairs) == len({d for _, d in pairs})
         for cpu_block, device_block in pairs:
             self.copy_block(self.cpu_kv, cpu_block, self.device_kv, device_block)

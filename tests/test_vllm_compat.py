@@ -86,7 +86,7 @@ def test_unknown_argument_to_llm_fails_before_loading_a_model():
     "kwargs, name",
     [
         ({"quantization": "awq"}, "quantization='awq'"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
+        ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype='fp4'"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
         ({"cpu_offload_gb": 4}, "cpu_offload_gb=4"),
         ({"enable_lora": True}, "enable_lora=True"),

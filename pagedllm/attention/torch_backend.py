@@ -16,6 +16,10 @@ a time with ``scaled_dot_product_attention``.
 When the optional native kernel (:mod:`pagedllm.native.cpu_ops`) is
 available on a CPU, every row (decode and prefill) goes to it instead: it
 reads K/V straight from the paged cache.
+
+Quantized caches (8-bit codes plus per-slot, per-head float16 scales; see
+:mod:`pagedllm.kv.kv_format`) are quantized on write and dequantized after
+the gather, so only the slots a step reads are ever expanded to floats.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.kv import kv_format
 from pagedllm.native import cpu_ops
 
 # Scores (heads x queries x keys) one prefill attention call may materialise:
@@ -116,22 +121,39 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens], -1 = skip
+        k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float16
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Store token t's K/V at flat slot ``slot_mapping[t]``; rows with -1 are dropped.
 
-        On the CPU the native kernel copies the rows where they are; otherwise
-        the kept rows are worked out once per ``slot_mapping`` object (every
-        layer of a step passes the same one).
+        On the CPU the native kernel copies (or quantizes) the rows where they
+        are; otherwise the kept rows are worked out once per ``slot_mapping``
+        object (every layer of a step passes the same one).
         """
+        if k_scale is not None:
+            self._write_quantized(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+            return
         if self.use_native is not False and cpu_ops.can_write_kv(key, value, k_cache, v_cache, slot_mapping):
             cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
+        rows, slots = self._targets(slot_mapping)
+        _store(key, k_cache, rows, slots)
+        _store(value, v_cache, rows, slots)
+
+    def _targets(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         if self._write_key is not slot_mapping:
             self._write_targets = _write_targets(slot_mapping)
             self._write_key = slot_mapping
-        rows, slots = self._write_targets
-        _store(key, k_cache, rows, slots)
-        _store(value, v_cache, rows, slots)
+        return self._write_targets
+
+    def _write_quantized(self, key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+        caches = (key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        if self.use_native is not False and cpu_ops.can_write_kv_quantized(*caches):
+            cpu_ops.write_kv_quantized(*caches)
+            return
+        rows, slots = self._targets(slot_mapping)
+        _store_quantized(key, k_cache, k_scale, rows, slots)
+        _store_quantized(value, v_cache, v_scale, rows, slots)
 
     def forward(
         self,
@@ -140,12 +162,15 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # quantized caches only, as in write_kv
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each sequence's new tokens over its first ``seq_len``
         cached tokens. Padding rows past the last sequence come back as zeros."""
         if self._native_enabled(query, k_cache, metadata):
-            return self._forward_native(query, k_cache, v_cache, metadata, scale)
-        plan = self.plan(metadata, k_cache.shape[1])
+            return self._forward_native(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+        k_cache, v_cache = _Cache.of(k_cache, k_scale), _Cache.of(v_cache, v_scale)
+        plan = self.plan(metadata, k_cache.block_size)
         decode = plan.decode
         if decode is not None and decode.rows is None and not plan.prefills and query.shape[0] == decode.num_seqs:
             return self._decode(query, k_cache, v_cache, metadata, decode, scale)  # pure decode step
@@ -164,7 +189,9 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, query, k_cache, v_cache, metadata, decode: DecodePlan, scale: float) -> torch.Tensor:
         return decode_attention(query, k_cache, v_cache, decode, scale)
 
-    def _forward_native(self, query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _forward_native(
+        self, query, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+    ) -> torch.Tensor:
         """Every row through the native kernel; its work list is built once per step."""
         if self._tiles_metadata is not md:
             per_tile = cpu_ops.tile_tokens(query.shape[1], k_cache.shape[2], query.shape[2])
@@ -172,7 +199,9 @@ class TorchAttentionBackend(AttentionBackend):
             self._tiles = (tiles, sum(md.query_lens_host))
             self._tiles_metadata = md
         tiles, num_rows = self._tiles
-        out = cpu_ops.paged_attention(query, k_cache, v_cache, md.block_tables, tiles, scale)
+        out = cpu_ops.paged_attention(
+            query, k_cache, v_cache, md.block_tables, tiles, scale, k_scale=k_scale, v_scale=v_scale
+        )
         if num_rows < query.shape[0]:
             out[num_rows:].zero_()  # padding rows
         return out
@@ -257,25 +286,72 @@ def _store(new: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor | None, sl
     flat.index_copy_(0, slots, src.to(cache.dtype))
 
 
+def _store_quantized(
+    new: torch.Tensor,  # [num_tokens, KH, D]
+    codes: torch.Tensor,  # [num_blocks, block_size, KH, D] 8-bit
+    scales: torch.Tensor,  # [num_blocks, block_size, KH] float16
+    rows: torch.Tensor | None,
+    slots: torch.Tensor,
+) -> None:
+    """As :func:`_store`, quantizing each (token, head) vector with its own scale."""
+    src = new if rows is None else new.index_select(0, rows)
+    new_codes, new_scales = kv_format.quantize_kv(src, codes.dtype)
+    flat = kv_format.as_bytes(codes).view(-1, codes.shape[2], codes.shape[3])  # [num_slots, KH, D]
+    flat.index_copy_(0, slots, kv_format.as_bytes(new_codes))
+    scales.view(-1, scales.shape[2]).index_copy_(0, slots, new_scales)
+
+
+@dataclass
+class _Cache:
+    """One paged cache as the PyTorch paths read it: the tensor, and its scales when 8-bit."""
+
+    data: torch.Tensor  # [num_blocks, block_size, KH, D]
+    scale: torch.Tensor | None  # [num_blocks, block_size, KH] float16, quantized caches only
+
+    @staticmethod
+    def of(data: torch.Tensor, scale: torch.Tensor | None) -> _Cache:
+        return _Cache(data, scale)
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.data.shape[3]
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The vectors at flat ``slots`` [n] -> [n, KH, D] in ``dtype``; only these slots are dequantized."""
+        kh, d = self.num_kv_heads, self.head_dim
+        if self.scale is None:
+            return _gather_tokens(self.data, slots).view(-1, kh, d).to(dtype)
+        codes = _gather_tokens(kv_format.as_bytes(self.data), slots).view(self.data.dtype).view(-1, kh, d)
+        scales = self.scale.view(-1, kh).index_select(0, slots)  # [n, KH]
+        return kv_format.dequantize_kv(codes, scales, dtype)
+
+
 # ---------------------------------------------------------------- decode
 
 
 def decode_attention(
     query: torch.Tensor,  # [S, H, D], one row per decode sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KH, D]
-    v_cache: torch.Tensor,
+    k_cache: _Cache,  # [num_blocks, block_size, KH, D]
+    v_cache: _Cache,
     plan: DecodePlan,
     scale: float,
 ) -> torch.Tensor:  # [S, H, D]
     """Gathered-context decode attention; fp32 arithmetic for half-precision inputs."""
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.num_kv_heads
     group = num_heads // num_kv_heads
     length = plan.max_len
     compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    keys = _gather_tokens(k_cache, plan.slots).view(num_seqs, length, num_kv_heads, head_dim)
-    values = _gather_tokens(v_cache, plan.slots).view(num_seqs, length, num_kv_heads, head_dim)
-    keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+    keys = k_cache.gather(plan.slots, compute_dtype).view(num_seqs, length, num_kv_heads, head_dim)
+    values = v_cache.gather(plan.slots, compute_dtype).view(num_seqs, length, num_kv_heads, head_dim)
     q = (query.to(compute_dtype) * scale).view(num_seqs, num_kv_heads, group, head_dim)
     scores = query.new_empty((num_kv_heads, num_seqs, group, length), dtype=compute_dtype)
     for h in range(num_kv_heads):
@@ -302,8 +378,8 @@ def _gather_tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def _prefill_one(
     query: torch.Tensor,  # [num_tokens, H, D]
     out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: _Cache,
+    v_cache: _Cache,
     seq: PrefillSeq,
     scale: float,
 ) -> None:
@@ -316,15 +392,14 @@ def _prefill_one(
     its last query's position.
     """
     seq_len, q_len, start = seq.seq_len, seq.q_len, seq.start
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    keys = _gather_tokens(k_cache, seq.slots).view(seq_len, num_kv_heads, head_dim).transpose(0, 1)  # [KH, L, D]
-    values = _gather_tokens(v_cache, seq.slots).view(seq_len, num_kv_heads, head_dim).transpose(0, 1)
+    num_kv_heads = k_cache.num_kv_heads
     q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+    keys = k_cache.gather(seq.slots, q.dtype).transpose(0, 1)  # [KH, L, D]
+    values = v_cache.gather(seq.slots, q.dtype).transpose(0, 1)
     group = q.shape[0] // num_kv_heads
     if group > 1:
         keys = keys.repeat_interleave(group, dim=0)  # [H, L, D]
         values = values.repeat_interleave(group, dim=0)
-    keys, values = keys.to(q.dtype), values.to(q.dtype)
     if q_len == seq_len and q.shape[0] * q_len * seq_len <= MAX_SCORES_PER_TILE:
         result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)  # [H, q_len, D]
         out[start : start + q_len] = result.transpose(0, 1)

@@ -383,6 +383,9 @@ class AsyncLLMEngine:
                 self._apply(commands)
                 if stopping:
                     self._abort_all("abort", "the server shut down before the request finished")
+                    close_tiers = getattr(self.engine, "close_kv_tiers", None)
+                    if close_tiers is not None:
+                        close_tiers()  # a restarted server finds the prefix cache on disk
                     return
                 if self.engine.has_unfinished_requests():
                     if self._step():

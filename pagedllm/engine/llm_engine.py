@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ from pagedllm.errors import ConfigError, RequestError
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
+from pagedllm.kv.tiers import DiskTier, block_layout, layout_nbytes, model_identity, tier_key
 from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.outputs import RequestMetrics, RequestOutput
@@ -28,6 +31,7 @@ from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults a
     DEFAULT_CPU_KV_MEMORY,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     Worker,
+    apply_memory_ops,
     resolve_device,
     resolve_dtype,
 )
@@ -134,11 +138,18 @@ class LLMEngine:
     def _make_scheduler(self) -> tuple[BlockManager, Scheduler]:
         """The block manager over the worker's KV pool, and the scheduler that owns it."""
         config = self.config
+        layout = block_layout(self.kv_cache.block_tensors())
+        self.disk_tier = self._make_disk_tier(layout)
+        self.worker.disk_tier = self.disk_tier
         block_manager = BlockManager(
             self.kv_cache.num_blocks,
             config.block_size,
             num_cpu_blocks=self.kv_cache.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            enable_host_tier=self.worker.host_tier_memory() > 0,
+            disk_tier=self.disk_tier,
+            block_nbytes=layout_nbytes(layout),
+            tier_times=self.worker.tier_times,
         )
         budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         scheduler_config = SchedulerConfig(
@@ -151,8 +162,43 @@ class LLMEngine:
         )
         return block_manager, Scheduler(scheduler_config, block_manager)
 
+    def _make_disk_tier(self, layout) -> DiskTier | None:
+        """The disk tier of the prefix cache, keyed by everything a block's bytes depend on."""
+        config = self.config
+        if config.kv_cache_dir is None or not config.enable_prefix_caching:
+            return None
+        if config.tensor_parallel_size > 1:
+            logger.warning("kv_cache_dir: the disk tier needs tensor_parallel_size 1 for now; serving without it")
+            return None
+        identity = model_identity(self.model_path)
+        key = tier_key(
+            model_identity=f"{identity}|weights={config.quantization or 'none'}/{config.quantization_group_size}"
+                           f"|rope={config.rope_scaling!r}",
+            dtype=str(self.dtype), layout=layout, block_size=config.block_size, tp_rank=0, tp_size=1,
+        )
+        # Prefetched copies wait in RAM until admission claims them: at most a device pool's worth, 1 GiB.
+        max_loaded = max(64, min(self.kv_cache.num_blocks, 2**30 // layout_nbytes(layout)))
+        disk = DiskTier(config.kv_cache_dir, key, layout, config.kv_cache_dir_size, max_loaded_blocks=max_loaded)
+        engine = weakref.ref(self)
+        atexit.register(lambda: engine() is not None and engine().close_kv_tiers())
+        return disk
+
+    def close_kv_tiers(self) -> None:
+        """Save the cached blocks the disk tier lacks and finish its writes (idempotent).
+
+        Called at shutdown (and at interpreter exit), so that an engine started
+        later on the same kv_cache_dir finds whole prefixes there."""
+        disk = getattr(self, "disk_tier", None)
+        if disk is None or disk.closed:
+            return
+        if disk.enabled:
+            ops = self.block_manager.flush_to_disk()
+            apply_memory_ops(self.kv_cache, ops, disk, self.worker.tier_times)
+        disk.close()
+
     def shutdown(self) -> None:
-        """Stop the worker processes, if any (tensor parallelism); the engine is unusable after."""
+        """Save the disk tier and stop the worker processes, if any; the engine is unusable after."""
+        self.close_kv_tiers()
         if self.executor is not self.worker:
             self.executor.shutdown()
 
@@ -330,6 +376,8 @@ class LLMEngine:
             return self._step_overlapped()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {r.request_id: r for r in out.failed}
+        if out.is_empty and self.disk_tier is not None and self.scheduler.waiting:
+            time.sleep(0.001)  # a waiting request's prefix is loading from disk: not a busy spin
         if not out.is_empty:
             result = self.executor.execute(self.steps.build(out))
             self.scheduler.on_step_computed(out)

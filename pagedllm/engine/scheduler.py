@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import DEFAULT_NUM_HEADROOM_TOKENS
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.kv.block_manager import BlockManager
-from pagedllm.step import MemoryOp, MemoryOpKind  # noqa: F401  (re-exported for callers of the scheduler)
+from pagedllm.step import MemoryOp, MemoryOpKind, can_batch  # noqa: F401  (re-exported for callers of the scheduler)
 
 logger = logging.getLogger("pagedllm")
 
@@ -65,10 +66,11 @@ class SchedulerOutput:
         return not self.chunks
 
     def add_memory_op(self, kind: MemoryOpKind, pairs: list[tuple[int, int]]) -> None:
-        """Append, merging with the previous op when it is of the same kind (one batched copy)."""
+        """Append, merging with the previous op when it is of the same kind (one batched copy)
+        and no new pair reads or rewrites a block that op writes."""
         if not pairs:
             return
-        if self.memory_ops and self.memory_ops[-1].kind is kind:
+        if self.memory_ops and self.memory_ops[-1].kind is kind and can_batch(self.memory_ops[-1].pairs, pairs):
             self.memory_ops[-1].pairs.extend(pairs)
         else:
             self.memory_ops.append(MemoryOp(kind, list(pairs)))
@@ -87,6 +89,12 @@ class SchedulerOutput:
     @property
     def swap_in(self) -> list[tuple[int, int]]:
         return self.pairs_of(MemoryOpKind.SWAP_IN)
+
+
+# A waiting request whose cached prefix is still loading from the disk tier is
+# held back this long at most (running requests keep stepping meanwhile);
+# after that its blocks are computed.
+MAX_PREFETCH_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = SeqStatus.WAITING
         self.waiting.append(request)
+        if self.block_manager.disk_tier is not None:
+            # Start reading its disk-tier blocks now, so they are in memory at admission.
+            seq = request.live_seqs()[0]
+            if self.block_manager.prefetch(seq.token_ids, request.cache_salt):
+                request.prefetch_deadline = time.monotonic() + MAX_PREFETCH_WAIT_S
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -169,8 +182,19 @@ class Scheduler:
             budget = self._schedule_swapped(budget, out)
             if not self.swapped:
                 self._schedule_waiting(budget, out)
+        self._drain_tier_ops(out)
         out.num_batched_tokens = sum(len(c.token_ids) for c in out.chunks)
         return out
+
+    def _drain_tier_ops(self, out: SchedulerOutput) -> None:
+        """The block manager's tier copies so far, in order: before any op decided after them."""
+        for op in self.block_manager.take_tier_ops():
+            out.add_memory_op(op.kind, op.pairs)
+
+    def _add_ops(self, out: SchedulerOutput, kind: MemoryOpKind, pairs: list[tuple[int, int]]) -> None:
+        """``pairs`` came from a block-manager call that may have evicted blocks: their copy-outs go first."""
+        self._drain_tier_ops(out)
+        out.add_memory_op(kind, pairs)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
         """The forward pass ran: advance computed counts and publish full blocks to the prefix cache."""
@@ -290,7 +314,7 @@ class Scheduler:
                 continue
             extra = seq.num_computed_tokens + num_new - bm.get_num_slots(seq.seq_id)
             if extra > 0:
-                out.add_memory_op(MemoryOpKind.COPY, bm.append_slots(seq.seq_id, extra))
+                self._add_ops(out, MemoryOpKind.COPY, bm.append_slots(seq.seq_id, extra))
             start = seq.num_computed_tokens
             complete = start + num_new == seq.num_tokens
             want_prompt_logprobs = (
@@ -320,7 +344,7 @@ class Scheduler:
         mode = self.config.preemption_mode
         use_swap = mode == "swap" or (mode == "auto" and len(seq_ids) > 1)
         if use_swap and self.block_manager.can_swap_out(seq_ids):
-            out.add_memory_op(MemoryOpKind.SWAP_OUT, self.block_manager.swap_out(seq_ids))
+            self._add_ops(out, MemoryOpKind.SWAP_OUT, self.block_manager.swap_out(seq_ids))
             request.status = SeqStatus.SWAPPED
             self.swapped.append(request)
             logger.debug("preempted %s by swap", request.request_id)
@@ -349,7 +373,7 @@ class Scheduler:
             if not self.block_manager.can_swap_in(seq_ids, num_headroom_blocks=num_headroom):
                 break
             self.swapped.popleft()
-            out.add_memory_op(MemoryOpKind.SWAP_IN, self.block_manager.swap_in(seq_ids))
+            self._add_ops(out, MemoryOpKind.SWAP_IN, self.block_manager.swap_in(seq_ids))
             request.status = SeqStatus.RUNNING
             self.running.append(request)
             _, budget, preempted = self._schedule_running(request, budget, out)
@@ -407,8 +431,10 @@ class Scheduler:
             num_reserve = self._capped(num_headroom + num_growth) if self.running else 0
             if not self._can_admit(request, num_reserve):
                 break  # FCFS: later prompts wait behind this one so it is never starved
+            if self._awaits_prefetch(request):
+                break  # its cached blocks are in memory shortly; FCFS keeps the others behind it
             self.waiting.popleft()
-            self._admit(request)
+            self._admit(request, out)
             num_headroom += num_growth
             _, budget, _ = self._schedule_running(request, budget, out)
 
@@ -442,12 +468,33 @@ class Scheduler:
             total += self._growth_blocks(request, seq, math.ceil(num_admitted_tokens / bs))
         return total
 
-    def _admit(self, request: Request) -> None:
+    def _awaits_prefetch(self, request: Request) -> bool:
+        """Whether to hold the request while its disk-tier prefix loads into memory.
+
+        The loads start when the request arrives, and again here for blocks
+        evicted to disk while it waited. A request is held for at most
+        MAX_PREFETCH_WAIT_S in all (running requests keep stepping meanwhile);
+        after that the blocks still on disk are computed.
+        """
+        bm = self.block_manager
+        if bm.disk_tier is None:
+            return False
+        seq = request.live_seqs()[0]
+        now = time.monotonic()
+        if request.prefetch_deadline is None:
+            if not bm.prefetch(seq.token_ids, request.cache_salt):
+                return False
+            request.prefetch_deadline = now + MAX_PREFETCH_WAIT_S
+            return True
+        return now < request.prefetch_deadline and bm.prefetch(seq.token_ids, request.cache_salt)
+
+    def _admit(self, request: Request, out: SchedulerOutput) -> None:
         bm = self.block_manager
         first, *others = request.live_seqs()
         num_cached = bm.allocate(first.seq_id, first.token_ids, request.cache_salt,
                                  self._reserved_tokens(request, first))
         first.num_computed_tokens = num_cached
+        self._drain_tier_ops(out)
         if not request.forked and not request.is_beam_search:
             request.num_cached_tokens = num_cached
         # A recomputed multi-sequence request shares its full prompt blocks
@@ -455,7 +502,7 @@ class Scheduler:
         shared = (first.prompt_len // bm.block_size) * bm.block_size
         for seq in others:
             bm.fork(first.seq_id, seq.seq_id, num_tokens=shared)
-            bm.append_slots(seq.seq_id, seq.num_tokens - shared)
+            self._add_ops(out, MemoryOpKind.COPY, bm.append_slots(seq.seq_id, seq.num_tokens - shared))
             seq.num_computed_tokens = shared
         request.shared_prefix_len = shared if others else 0
         request.status = SeqStatus.RUNNING

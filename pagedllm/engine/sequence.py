@@ -112,6 +112,8 @@ class Request:
     # Prompt tokens whose KV seqs[0] computes for every sequence of the request
     # (set when a recomputed multi-sequence request shares its prompt again).
     shared_prefix_len: int = 0
+    # While its disk-tier prefix blocks load (time.monotonic()), admission may wait for them.
+    prefetch_deadline: float | None = None
     beam: object | None = None  # BeamState for beam search requests
     grammar: object | None = None  # CompiledGrammar of params.structured_outputs (pagedllm.structured)
 

@@ -14,11 +14,21 @@ Invariants (checked by :meth:`BlockManager.check_invariants`):
 - all sequences referencing a block agree on how many of its slots hold
   tokens: appends into a shared block are copy-on-written first;
 - a hashed block holds exactly the full, computed block of tokens its hash
-  names, and is never written again.
+  names, and is never written again;
+- tiers: the host tier is the CPU pool's hashed free blocks (swapped-out
+  blocks are in use there, so swap takes host-tier blocks LRU first); the
+  disk tier's index matches its files (:meth:`DiskTier.check_invariants`).
+
+Tiered prefix cache: when allocation reuses a cached device block, its KV is
+queued for copying to the host tier and the disk tier (``take_tier_ops``,
+drained by the scheduler before any op decided after); a prefix lookup walks
+device, host, then disk (loaded blocks only), and a hit below the device gets
+a fresh device block, filled by a tier op and cached on the device at once.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,8 +37,16 @@ from typing import NamedTuple
 from pagedllm.config import SUPPORTED_BLOCK_SIZES
 from pagedllm.errors import BlockManagerError, ConfigError
 from pagedllm.kv.block_pool import BlockPool, KVCacheBlock
-from pagedllm.kv.prefix_cache import BlockHash, block_content, extra_keys_for, hash_content
-from pagedllm.kv.stats import KVCacheStats
+from pagedllm.kv.prefix_cache import (
+    BlockContent,
+    BlockHash,
+    block_content,
+    extra_keys_for,
+    hash_content,
+)
+from pagedllm.kv.stats import KVCacheStats, TierStats, TierTimes
+from pagedllm.kv.tiers import DiskState, DiskTier
+from pagedllm.step import MemoryOp, MemoryOpKind, can_batch
 
 
 class BlockCopy(NamedTuple):
@@ -60,6 +78,29 @@ class _SeqBlocks:
     swapped: bool = False
 
 
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass
+class _PrefixHit:
+    """One block of a cached prefix: where it was found and, on the device or host, which block holds it."""
+
+    block_hash: BlockHash
+    content: BlockContent
+    tier: Tier
+    block: KVCacheBlock | None = None  # the device or CPU block; None on disk
+
+
+@dataclass
+class _TierCounts:
+    num_hit_tokens: int = 0
+    num_read_blocks: int = 0
+    num_written_blocks: int = 0
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -82,15 +123,32 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        enable_host_tier: bool = False,
+        disk_tier: DiskTier | None = None,
+        block_nbytes: int = 0,
+        tier_times: TierTimes | None = None,
     ) -> None:
+        """``enable_host_tier``: evicted prefix blocks are kept in the CPU pool's free
+        blocks (one pool with swap: a swapped-out request's blocks are in use,
+        host-tier blocks are cached-free and evicted LRU). ``disk_tier``: evicted
+        prefix blocks are also written there (write-through). ``block_nbytes``
+        (bytes of one block's KV) and ``tier_times`` (seconds the worker spent
+        on tier copies) only feed the stats."""
         _validate_sizes(num_blocks, block_size, num_cpu_blocks, watermark)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
-        self._pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self._cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        self.enable_host_tier = enable_host_tier and enable_prefix_caching and num_cpu_blocks > 0
+        self.disk_tier = disk_tier if enable_prefix_caching else None
+        self.block_nbytes = block_nbytes
+        self.tier_times = tier_times if tier_times is not None else TierTimes()
+        self._pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, on_evict=self._on_device_evict)
+        self._cpu_pool = BlockPool(num_cpu_blocks, enable_caching=self.enable_host_tier)
+        # Tier moves decided since the last take_tier_ops(), in decision order.
+        self._tier_ops: list[MemoryOp] = []
+        self._tier_counts = {Tier.HOST: _TierCounts(), Tier.DISK: _TierCounts()}
         self._seqs: dict[int, _SeqBlocks] = {}
         self._num_table_entries = 0  # summed table lengths of sequences on the device
         self._peak_used_blocks = 0
@@ -105,41 +163,151 @@ class BlockManager:
     # -- prefix-cache lookup ---------------------------------------------------------
 
     def _find_cached_prefix(
-        self, token_ids: Sequence[int], cache_salt: str | None
-    ) -> list[tuple[BlockHash, KVCacheBlock]]:
-        """The longest chain of cached full blocks, never covering the last token.
+        self, token_ids: Sequence[int], cache_salt: str | None, prefetch: bool = False
+    ) -> tuple[list[_PrefixHit], bool]:
+        """(the longest chain of cached full blocks, whether it stops at a block still loading from disk).
 
-        The last prompt token is always recomputed: its logits are needed.
+        Walks the chained hashes through the tiers: device, then host, then
+        disk, where only a block already loaded into host memory is a hit (a
+        step never waits on disk). With ``prefetch`` the stored disk blocks
+        from there on are queued for loading. The chain never covers the last
+        prompt token: its logits are needed.
         """
         if not self.enable_prefix_caching:
-            return []
+            return [], False
         extra_keys = extra_keys_for(cache_salt)
         num_candidates = max(len(token_ids) - 1, 0) // self.block_size
-        hits: list[tuple[BlockHash, KVCacheBlock]] = []
+        hits: list[_PrefixHit] = []
         parent_hash: BlockHash | None = None
         for i in range(num_candidates):
             content = block_content(parent_hash, token_ids, i, self.block_size, extra_keys)
             block_hash = hash_content(content)
-            block = self._pool.lookup(block_hash, content)
-            if block is None:
-                break
-            hits.append((block_hash, block))
+            hit = self._lookup_tiers(block_hash, content)
+            if hit is None:
+                if prefetch and self._disk_state(block_hash, content) is DiskState.STORED:
+                    self._prefetch_chain(token_ids, extra_keys, i, parent_hash, num_candidates)
+                # (an inline disk tier has loaded it by now: READY, a hit at the next lookup)
+                return hits, self._disk_state(block_hash, content) is DiskState.LOADING
+            hits.append(hit)
             parent_hash = block_hash
-        return hits
+        return hits, False
+
+    def _lookup_tiers(self, block_hash: BlockHash, content: BlockContent) -> _PrefixHit | None:
+        block = self._pool.lookup(block_hash, content)
+        if block is not None:
+            return _PrefixHit(block_hash, content, Tier.DEVICE, block)
+        if self.enable_host_tier:
+            cpu_block = self._cpu_pool.lookup(block_hash, content)
+            if cpu_block is not None:
+                return _PrefixHit(block_hash, content, Tier.HOST, cpu_block)
+        if self._disk_state(block_hash, content) is DiskState.READY:
+            return _PrefixHit(block_hash, content, Tier.DISK)
+        return None
+
+    def _disk_state(self, block_hash: BlockHash, content: BlockContent) -> DiskState:
+        if self.disk_tier is None:
+            return DiskState.ABSENT
+        return self.disk_tier.lookup(block_hash, content)
+
+    def _prefetch_chain(
+        self, token_ids: Sequence[int], extra_keys: tuple, first: int,
+        parent_hash: BlockHash | None, num_candidates: int,
+    ) -> None:
+        """Queue disk loads for blocks ``first ..`` of the chain, up to the first block no tier holds."""
+        for i in range(first, num_candidates):
+            content = block_content(parent_hash, token_ids, i, self.block_size, extra_keys)
+            block_hash = hash_content(content)
+            state = self._disk_state(block_hash, content)
+            if state is DiskState.STORED:
+                self.disk_tier.prefetch(block_hash)
+            elif state is DiskState.ABSENT and self._lookup_tiers(block_hash, content) is None:
+                return
+            parent_hash = block_hash
+
+    def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+        """Start loading the disk-tier blocks of this prompt's cached prefix into host memory.
+
+        Called when a request arrives, so its blocks are in memory by the time
+        it is admitted. Returns whether some block of the chain is loading.
+        """
+        return self._find_cached_prefix(token_ids, cache_salt, prefetch=True)[1]
+
+    def is_prefetching(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+        """Whether this prompt's cached prefix stops at a disk block that is still loading."""
+        return self._find_cached_prefix(token_ids, cache_salt)[1]
 
     def get_num_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """Prompt tokens servable from the prefix cache now (a multiple of block_size). No side effects."""
-        return len(self._find_cached_prefix(token_ids, cache_salt)) * self.block_size
+        """Prompt tokens servable from the prefix cache now, every tier (a multiple of block_size). No side effects."""
+        return len(self._find_cached_prefix(token_ids, cache_salt)[0]) * self.block_size
+
+    # -- eviction to the tiers -------------------------------------------------------
+
+    def _on_device_evict(self, block_id: int, block_hash: BlockHash, content: BlockContent) -> None:
+        """A cached device block is about to be reused: keep its KV in the host and disk tiers.
+
+        The copy-out ops are queued now, before whatever op or forward pass
+        writes the block's new contents (the scheduler drains them first).
+        """
+        if self.enable_host_tier:
+            self._keep_in_host(block_id, block_hash, content)
+        if self.disk_tier is not None:
+            ticket = self.disk_tier.plan_write(block_hash, content)
+            if ticket is not None:
+                self._add_tier_op(MemoryOpKind.DISK_TIER_OUT, (block_id, ticket))
+                self._tier_counts[Tier.DISK].num_written_blocks += 1
+
+    def _keep_in_host(self, block_id: int, block_hash: BlockHash, content: BlockContent) -> None:
+        cpu_block = self._cpu_pool.lookup(block_hash, content)
+        if cpu_block is not None:  # still there from an earlier eviction: now the most recent
+            if self._cpu_pool.is_free(cpu_block.block_id):
+                self._cpu_pool.touch(cpu_block.block_id)
+            return
+        if self._cpu_pool.get_num_free_blocks() == 0:
+            return  # every CPU block holds a swapped-out request
+        cpu_id = self._cpu_pool.allocate()  # may evict the least recently used host-tier block
+        registered = self._cpu_pool.register(cpu_id, block_hash, content)
+        self._cpu_pool.free([cpu_id])
+        if not registered:
+            return  # another content holds this hash on the host (a collision): keep that one
+        self._add_tier_op(MemoryOpKind.HOST_TIER_OUT, (block_id, cpu_id))
+        self._tier_counts[Tier.HOST].num_written_blocks += 1
+
+    def _add_tier_op(self, kind: MemoryOpKind, pair: tuple[int, int]) -> None:
+        ops = self._tier_ops
+        if ops and ops[-1].kind is kind and can_batch(ops[-1].pairs, [pair]):
+            ops[-1].pairs.append(pair)
+        else:
+            ops.append(MemoryOp(kind, [pair]))
+
+    def flush_to_disk(self) -> list[MemoryOp]:
+        """Ops writing every cached block of the device and host tiers that the disk lacks (at shutdown,
+        so a restarted engine finds whole chains on disk). Apply them before anything else."""
+        self._tier_ops.extend(self.take_tier_ops())
+        if self.disk_tier is None:
+            return self.take_tier_ops()
+        for kind, pool in ((MemoryOpKind.DISK_TIER_OUT, self._pool),
+                           (MemoryOpKind.HOST_TIER_TO_DISK, self._cpu_pool)):
+            for block in pool.hashed_blocks():
+                ticket = self.disk_tier.plan_write(block.block_hash, block.content)
+                if ticket is not None:
+                    self._add_tier_op(kind, (block.block_id, ticket))
+        return self.take_tier_ops()
+
+    def take_tier_ops(self) -> list[MemoryOp]:
+        """Tier copies decided since the last call, in order; apply them before any op decided after."""
+        ops, self._tier_ops = self._tier_ops, []
+        return ops
 
     # -- allocation ------------------------------------------------------------------
 
     def _num_blocks_to_take(
-        self, token_ids: Sequence[int], num_reserved_tokens: int | None, hits: list
+        self, token_ids: Sequence[int], num_reserved_tokens: int | None, hits: list[_PrefixHit]
     ) -> int:
-        """Free-queue blocks a new sequence consumes: fresh ones plus revived cached hits."""
+        """Free-queue blocks a new sequence consumes: fresh ones (tier hits included) plus revived device hits."""
         num_tokens = _reserved(len(token_ids), num_reserved_tokens)
-        num_fresh = _cdiv(num_tokens, self.block_size) - len(hits)
-        num_revived = sum(1 for _, block in hits if block.ref_count == 0)
+        device_hits = [hit.block for hit in hits if hit.tier is Tier.DEVICE]
+        num_fresh = _cdiv(num_tokens, self.block_size) - len(device_hits)
+        num_revived = sum(1 for block in device_hits if block.ref_count == 0)
         return num_fresh + num_revived
 
     def can_allocate(
@@ -154,7 +322,7 @@ class BlockManager:
         ``num_headroom_blocks`` more must stay free as well: what the sequences
         already running need to keep growing.
         """
-        hits = self._find_cached_prefix(token_ids, cache_salt)
+        hits, _ = self._find_cached_prefix(token_ids, cache_salt)
         num_needed = self._num_blocks_to_take(token_ids, num_reserved_tokens, hits) + num_headroom_blocks
         return self._pool.get_num_free_blocks() - num_needed >= self.watermark_blocks
 
@@ -167,7 +335,9 @@ class BlockManager:
     ) -> int:
         """Create ``seq_id``'s table covering ``len(token_ids)`` slots; return the cached-token count.
 
-        Cached prefix blocks are shared (ref+1, reviving freed ones); the rest
+        Cached device blocks are shared (ref+1, reviving freed ones); host- and
+        disk-tier hits get fresh device blocks filled by tier ops (see
+        take_tier_ops) and are cached on the device again at once; the rest
         are fresh. With ``num_reserved_tokens`` the table covers that many
         slots up front. The watermark is not enforced here (see can_allocate).
         """
@@ -175,33 +345,64 @@ class BlockManager:
             raise BlockManagerError(
                 f"sequence {seq_id} already has blocks; free it before allocating again"
             )
-        hits = self._find_cached_prefix(token_ids, cache_salt)
+        hits, _ = self._find_cached_prefix(token_ids, cache_salt)
         num_needed = self._num_blocks_to_take(token_ids, num_reserved_tokens, hits)
         if num_needed > self._pool.get_num_free_blocks():
             raise BlockManagerError(
                 f"sequence {seq_id} needs {num_needed} free KV blocks, "
                 f"{self._pool.get_num_free_blocks()} are free; check can_allocate first"
             )
-        # Revive the hits before taking fresh blocks so eviction cannot take them.
-        for _, block in hits:
-            self._pool.incref(block.block_id)
+        table = self._take_hits(hits)
         num_total = _cdiv(_reserved(len(token_ids), num_reserved_tokens), self.block_size)
-        table = [block.block_id for _, block in hits]
         table += [self._pool.allocate() for _ in range(num_total - len(hits))]
         self._seqs[seq_id] = _SeqBlocks(
             block_table=table,
             num_slots=len(token_ids),
             cache_salt=cache_salt,
-            block_hashes=[block_hash for block_hash, _ in hits],
+            block_hashes=[hit.block_hash for hit in hits],
             num_registered_blocks=len(hits),
         )
         self._num_table_entries += len(table)
         num_cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self._num_prefix_queries += len(token_ids)
-            self._num_prefix_hits += num_cached_tokens
+            self._num_prefix_hits += sum(self.block_size for hit in hits if hit.tier is Tier.DEVICE)
         self._update_peaks()
         return num_cached_tokens
+
+    def _take_hits(self, hits: list[_PrefixHit]) -> list[int]:
+        """Device block ids for the hits, in chain order.
+
+        Device hits are revived and host hits pinned before any block is
+        allocated, so the evictions those allocations cause can take neither;
+        disk hits are claimed (their host copies reserved) likewise.
+        """
+        for hit in hits:
+            if hit.tier is Tier.DEVICE:
+                self._pool.incref(hit.block.block_id)
+            elif hit.tier is Tier.HOST:
+                self._cpu_pool.incref(hit.block.block_id)
+        tickets = {hit.block_hash: self.disk_tier.claim(hit.block_hash) for hit in hits if hit.tier is Tier.DISK}
+        table = []
+        for hit in hits:
+            if hit.tier is Tier.DEVICE:
+                table.append(hit.block.block_id)
+                continue
+            block_id = self._pool.allocate()
+            self._pool.register(block_id, hit.block_hash, hit.content)
+            if hit.tier is Tier.HOST:
+                self._add_tier_op(MemoryOpKind.HOST_TIER_IN, (hit.block.block_id, block_id))
+            else:
+                self._add_tier_op(MemoryOpKind.DISK_TIER_IN, (tickets[hit.block_hash], block_id))
+            counts = self._tier_counts[hit.tier]
+            counts.num_hit_tokens += self.block_size
+            counts.num_read_blocks += 1
+            self._recent_writes.append(block_id)
+            table.append(block_id)
+        for hit in hits:
+            if hit.tier is Tier.HOST:
+                self._cpu_pool.free([hit.block.block_id])  # stays cached on the host, now most recent
+        return table
 
     # -- growth and copy-on-write ----------------------------------------------------
 
@@ -323,8 +524,12 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; refused (False) while any device block is in use."""
-        return self._pool.reset_prefix_cache()
+        """Drop every cached device hash (and the host tier's, when no request is swapped out);
+        refused (False) while any device block is in use. The disk tier is kept."""
+        if not self._pool.reset_prefix_cache():
+            return False
+        self._cpu_pool.reset_prefix_cache()
+        return True
 
     # -- fork and free ---------------------------------------------------------------
 
@@ -560,7 +765,32 @@ class BlockManager:
             num_cpu_blocks=self.num_cpu_blocks,
             num_free_cpu_blocks=self._cpu_pool.get_num_free_blocks(),
             num_swapped_out_seqs=sum(1 for seq in self._seqs.values() if seq.swapped),
+            tiers=self._tier_stats(),
         )
+
+    def _tier_stats(self) -> tuple[TierStats, ...]:
+        """Host and disk tier figures (only the tiers that are on)."""
+        tiers = []
+        nbytes, times = self.block_nbytes, self.tier_times
+        if self.enable_host_tier:
+            counts = self._tier_counts[Tier.HOST]
+            num_blocks = self._cpu_pool.get_num_cached_blocks()
+            tiers.append(TierStats(
+                name="host", num_blocks=num_blocks, num_bytes=num_blocks * nbytes,
+                num_hit_tokens=counts.num_hit_tokens, num_read_bytes=counts.num_read_blocks * nbytes,
+                num_written_bytes=counts.num_written_blocks * nbytes,
+                read_seconds=times.host_read_seconds, write_seconds=times.host_write_seconds,
+            ))
+        disk = self.disk_tier
+        if disk is not None:
+            counts, c = self._tier_counts[Tier.DISK], disk.counters
+            tiers.append(TierStats(
+                name="disk", num_blocks=disk.num_blocks, num_bytes=disk.num_bytes if disk.enabled else 0,
+                num_hit_tokens=counts.num_hit_tokens, num_read_bytes=c.num_read_bytes,
+                num_written_bytes=c.num_written_bytes,
+                read_seconds=c.read_seconds, write_seconds=c.write_seconds + times.disk_copy_seconds,
+            ))
+        return tuple(tiers)
 
     # -- integrity -------------------------------------------------------------------
 
@@ -568,6 +798,8 @@ class BlockManager:
         """Raise AssertionError with a message on the first broken invariant (see module doc)."""
         self._pool.check_invariants()
         self._cpu_pool.check_invariants()
+        if self.disk_tier is not None:
+            self.disk_tier.check_invariants()
         device = [seq for seq in self._seqs.values() if not seq.swapped]
         swapped = [seq for seq in self._seqs.values() if seq.swapped]
         _check_refs(self._pool, device, "device")

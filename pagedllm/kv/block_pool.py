@@ -14,7 +14,7 @@ owns the block tables and decides which blocks to share.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedllm.errors import BlockManagerError
 from pagedllm.kv.prefix_cache import BlockContent, BlockHash
@@ -56,7 +56,14 @@ class BlockPool:
     when it reuses one.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        on_evict: Callable[[int, BlockHash, BlockContent], None] | None = None,
+    ) -> None:
+        """``on_evict(block_id, hash, content)`` runs when allocate() reuses a cached block,
+        before its hash is dropped: where a backing store saves the block's KV."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -69,6 +76,7 @@ class BlockPool:
         )
         self._index: dict[BlockHash, KVCacheBlock] = {}
         self._num_cached_blocks = 0
+        self.on_evict = on_evict
 
     # -- queries -----------------------------------------------------------------
 
@@ -87,6 +95,14 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """Free queue from head (evicted next) to tail (freed last)."""
         return list(self._free)
+
+    def hashed_blocks(self) -> list[KVCacheBlock]:
+        """Every block the prefix-cache index holds (in use or free), in registration order."""
+        return list(self._index.values())
+
+    def touch(self, block_id: int) -> None:
+        """Move a free block to the tail of the free queue (most recently used; evicted last)."""
+        self._free.move_to_end(block_id)
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
@@ -110,10 +126,12 @@ class BlockPool:
                 "no free KV blocks left; check can_allocate/can_append_slots first"
             )
         _, block = self._free.popitem(last=False)
+        block.ref_count = 1
         if block.block_hash is not None:
             self._num_cached_blocks -= 1
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash, block.content)
             self._evict_hash(block)
-        block.ref_count = 1
         return block.block_id
 
     def incref(self, block_id: int) -> None:

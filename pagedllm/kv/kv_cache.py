@@ -1,5 +1,5 @@
-"""The KV cache tensors: one K and one V pool per layer, plus an optional CPU
-swap pool of the same layout.
+"""The KV cache tensors: one K and one V pool per layer (plus their scales when
+the cache is quantized), and an optional CPU swap pool of the same layout.
 
 The block manager decides which physical blocks hold what; this class only
 moves bytes when told to (copy-on-write copies, swap out, swap in).
@@ -12,12 +12,18 @@ from typing import Any
 
 import torch
 
+from pagedllm.kv import kv_format
+
 
 class KVCache:
     """Owns the per-layer K/V tensors; the runner applies the block manager's instructions through it.
 
     ``layers[i]`` is ``(k_cache, v_cache)``, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` on ``device``.
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` on ``device`` in
+    ``dtype``. When ``dtype`` is an 8-bit KV format's storage dtype
+    (:mod:`pagedllm.kv.kv_format`: int8, float8_e4m3fn, float8_e5m2) the
+    layer is ``(k_cache, v_cache, k_scale, v_scale)``, the scales
+    ``[num_blocks, block_size, num_kv_heads]`` float16.
     ``cpu_layers[i]`` has the same layout with ``num_cpu_blocks`` blocks on the
     host (pinned when the device is CUDA), and is empty when that count is 0.
     """
@@ -46,31 +52,40 @@ class KVCache:
         # written first. GPU kernels may load whole blocks and mask afterwards,
         # so device pools start zeroed (cheap there).
         allocate = torch.empty if self.device.type == "cpu" else torch.zeros
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                allocate(shape, dtype=dtype, device=self.device),
-                allocate(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(num_layers)
+        self.quantized = kv_format.is_quantized(dtype)
+        self.layers: list[tuple[torch.Tensor, ...]] = [
+            self._layer(allocate, shape, device=self.device) for _ in range(num_layers)
         ]
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = self.device.type == "cuda"
         # Swapped-in blocks replace whole device blocks, so the pool follows the device's rule.
-        self.cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                allocate(cpu_shape, dtype=dtype, pin_memory=pin),
-                allocate(cpu_shape, dtype=dtype, pin_memory=pin),
-            )
-            for _ in range(num_layers if num_cpu_blocks else 0)
+        self.cpu_layers: list[tuple[torch.Tensor, ...]] = [
+            self._layer(allocate, cpu_shape, pin_memory=pin) for _ in range(num_layers if num_cpu_blocks else 0)
         ]
+
+    def _layer(self, allocate, shape: tuple[int, ...], **where: Any) -> tuple[torch.Tensor, ...]:
+        """(k, v), or (k, v, k_scale, v_scale) for a quantized cache; ``where``: device or pin_memory."""
+        caches = (allocate(shape, dtype=self.dtype, **where), allocate(shape, dtype=self.dtype, **where))
+        if not self.quantized:
+            return caches
+        scale_shape = shape[:-1]  # one scale per slot and KV head
+        return (
+            *caches,
+            allocate(scale_shape, dtype=kv_format.SCALE_DTYPE, **where),
+            allocate(scale_shape, dtype=kv_format.SCALE_DTYPE, **where),
+        )
 
     @staticmethod
     def bytes_per_block(
         *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        """Bytes one physical block takes across all layers, K and V together."""
+        """Bytes one physical block takes across all layers, K and V together (their scales
+        included when ``dtype`` is a quantized format: 2 bytes per slot, head and K or V)."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+        per_head = head_dim * element_size
+        if kv_format.is_quantized(dtype):
+            per_head += torch.empty((), dtype=kv_format.SCALE_DTYPE).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * per_head
 
     @staticmethod
     def num_blocks_for_memory(memory_bytes: int, **block_kwargs: Any) -> int:
@@ -81,10 +96,10 @@ class KVCache:
     def block_tensors(self) -> list[torch.Tensor]:
         """Every device tensor that holds per-block KV state, each indexed by physical block on dim 0.
 
-        Today that is each layer's K and V cache; formats that keep more per
-        block (scales of a quantized cache) add their tensors here, so block
-        copies, swaps and any backing store move a block by moving slice
-        ``[block_id]`` of every tensor in this list, in this order.
+        Each layer's K and V cache, and for a quantized cache its K and V
+        scales after them; block copies, swaps and any backing store move a
+        block by moving slice ``[block_id]`` of every tensor in this list, in
+        this order.
         """
         return [t for layer in self.layers for t in layer]
 
@@ -103,6 +118,7 @@ class KVCache:
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
         for tensor in self.block_tensors():
+            tensor = kv_format.as_bytes(tensor)  # CPU float8 has no index_copy_
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def swap_out(self, mapping: Sequence[tuple[int, int]]) -> None:
@@ -113,6 +129,7 @@ class KVCache:
         dev_idx = torch.tensor([d for d, _ in mapping], dtype=torch.int64, device=self.device)
         cpu_idx = torch.tensor([c for _, c in mapping], dtype=torch.int64)
         for dev, cpu in zip(self.block_tensors(), self.cpu_block_tensors(), strict=True):
+            dev, cpu = kv_format.as_bytes(dev), kv_format.as_bytes(cpu)
             cpu.index_copy_(0, cpu_idx, dev.index_select(0, dev_idx).cpu())
 
     def swap_in(self, mapping: Sequence[tuple[int, int]]) -> None:
@@ -123,6 +140,7 @@ class KVCache:
         cpu_idx = torch.tensor([c for c, _ in mapping], dtype=torch.int64)
         dev_idx = torch.tensor([d for _, d in mapping], dtype=torch.int64, device=self.device)
         for dev, cpu in zip(self.block_tensors(), self.cpu_block_tensors(), strict=True):
+            dev, cpu = kv_format.as_bytes(dev), kv_format.as_bytes(cpu)
             dev.index_copy_(0, dev_idx, cpu.index_select(0, cpu_idx).to(self.device))
 
     def _require_cpu_pool(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,16 @@ class KVCacheStats:
     num_slots_saved_by_sharing: int  # sum of per-sequence slots minus the distinct slots
     peak_blocks_without_sharing: int  # peak of the summed block-table lengths
     prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens served from the cache
+    prefix_cache_hits: int  # prompt tokens served from device blocks (tier hits: ``tiers``)
     num_preemptions: int
     num_cpu_blocks: int
     num_free_cpu_blocks: int
     num_swapped_out_seqs: int
+    tiers: tuple[TierStats, ...] = field(default=())  # host / disk tiers that are on
+
+    def tier(self, name: str) -> TierStats | None:
+        """The tier called ``name`` ("host" or "disk"), None when it is off."""
+        return next((t for t in self.tiers if t.name == name), None)
 
     @property
     def usage(self) -> float:
@@ -51,3 +56,35 @@ class KVCacheStats:
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier of the prefix cache below the device (``name``: host | disk).
+
+    ``num_blocks``/``num_bytes``: what it holds now; ``num_hit_tokens``:
+    prompt tokens served from it; bytes read and written and the seconds
+    spent on them are totals since start (disk: by its background threads).
+    """
+
+    name: str
+    num_blocks: int
+    num_bytes: int
+    num_hit_tokens: int
+    num_read_bytes: int
+    num_written_bytes: int
+    read_seconds: float
+    write_seconds: float
+
+
+@dataclass
+class TierTimes:
+    """Seconds the worker spends copying tier blocks on the step path (mutable, filled by the worker).
+
+    ``disk_copy_seconds``: taking the host copy a disk write starts from.
+    On CUDA these time the launches of copies the stream runs later.
+    """
+
+    host_read_seconds: float = 0.0
+    host_write_seconds: float = 0.0
+    disk_copy_seconds: float = 0.0

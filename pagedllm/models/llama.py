@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
         self,
         x: Tensor,  # [T, hidden]
         rotary: StepRotary,
-        kv_cache: tuple[Tensor, Tensor],  # each [num_blocks, block_size, KH, D]
+        kv_cache: tuple[Tensor, ...],  # (k, v) each [num_blocks, block_size, KH, D], + (k_scale, v_scale) if 8-bit
         metadata: AttentionMetadata,
     ) -> Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
@@ -95,9 +95,16 @@ class LlamaAttention(nn.Module):
         qk = rotary(qk)  # [T, H + KH, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [T, H, D]
+        if len(kv_cache) == 2:
+            k_cache, v_cache = kv_cache
+            self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+            out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [T, H, D]
+        else:  # 8-bit codes with their scales [num_blocks, block_size, KH] float16
+            k_cache, v_cache, k_scale, v_scale = kv_cache
+            self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+            out = self.backend.forward(
+                q, k_cache, v_cache, metadata, self.scale, k_scale=k_scale, v_scale=v_scale
+            )  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -182,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: Tensor,  # [T] int64
         positions: Tensor,  # [T] int64
-        kv_caches: list[tuple[Tensor, Tensor]],
+        kv_caches: list[tuple[Tensor, ...]],  # KVCache.layers
         attn_metadata: AttentionMetadata,
         logits_indices: Tensor | None = None,  # [num_samples]
     ) -> Tensor:  # [num_samples, vocab] float32

@@ -26,7 +26,13 @@
  * fused multiply-adds with no horizontal sums; softmax is online in float32.
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
- * bfloat16 (query and output in the cache's dtype). Arithmetic is float32.
+ * bfloat16 (query and output in the cache's dtype), or 8-bit codes (int8,
+ * fp8 e4m3, fp8 e5m2) with one float16 scale per slot and KV head
+ * [num_blocks, block_size, num_kv_heads] (query and output float32 or
+ * bfloat16). Codes are dequantized inside the tile: a key's scale multiplies
+ * its score (q . (c s) = (q . c) s) and a value's scale its softmax weight,
+ * so the per-element work is only the code-to-float conversion. Quantizing
+ * on write follows pagedllm/kv/kv_format.py exactly. Arithmetic is float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,6 +63,84 @@ static inline bf16_t f32_to_bf16(float f) {
 }
 
 static inline float f32_identity(float x) { return x; }
+static inline uint32_t f32_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return bits;
+}
+static inline float bits_f32(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------ 8-bit KV codes
+ *
+ * kv8_t holds one code of any 8-bit format. A scale is a float16 (its bits in a
+ * uint16_t): F16C converts it where the build has it, the portable code below
+ * otherwise (round to nearest even, as torch's .to(torch.float16)).
+ */
+typedef uint8_t kv8_t;
+
+#ifdef __F16C__
+#include <immintrin.h>
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (mant << 13)); /* inf, NaN */
+    if (exp == 0) { /* subnormal: mant * 2^-24, exact in float32 */
+        const float m = (float)mant * 0x1p-24f;
+        return sign ? -m : m;
+    }
+    return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t a = f32_bits(f);
+    const uint16_t sign = (uint16_t)((a >> 16) & 0x8000u);
+    a &= 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;                  /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;                 /* 65520 and up round to inf */
+    if (a < 0x38800000u) /* below 2^-14: a subnormal, steps of 2^-24 = the ulp of 0.5f */
+        return sign | (uint16_t)(f32_bits(bits_f32(a) + 0.5f) - 0x3f000000u);
+    a += 0xfffu + ((a >> 13) & 1u);
+    return sign | (uint16_t)((a >> 13) - (112u << 10));
+}
+#endif
+
+#define MIN_SCALE_F16 0x0400u /* 2^-14, the smallest positive normal float16 */
+
+/* Codes from float32 values already clamped to [-QMAX, QMAX]: int8 rounds half
+   to even (rintf in the default rounding mode), fp8 to nearest even as torch's
+   .to(float8). fp8 subnormals are rounded by one float32 addition whose ulp is
+   the format's subnormal step. */
+static inline kv8_t encode_i8(float v) { return (kv8_t)(int8_t)rintf(v); }
+static inline kv8_t encode_e4m3(float v) {
+    const uint32_t bits = f32_bits(v), sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
+    const uint32_t code = a < 0x3c800000u /* 2^-6 */
+        ? f32_bits(bits_f32(a) + 16384.0f) - 0x46800000u /* 2^14: ulp 2^-9 */
+        : ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+    return (kv8_t)(sign | code);
+}
+static inline kv8_t encode_e5m2(float v) {
+    const uint32_t bits = f32_bits(v), sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
+    const uint32_t code = a < 0x38800000u /* 2^-14 */
+        ? f32_bits(bits_f32(a) + 128.0f) - 0x43000000u /* 2^7: ulp 2^-16 */
+        : ((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2);
+    return (kv8_t)(sign | code);
+}
+
+/* Code to float, up to the format's UNIT: e5m2 is the high byte of a float16;
+   e4m3 shifted into a float16 is its value times 2^-8 (subnormals included),
+   so its scales are multiplied by E4M3_UNIT = 2^8 instead of every code. */
+#define I8_UNIT 1.0f
+#define E5M2_UNIT 1.0f
+#define E4M3_UNIT 256.0f
+static inline float decode_i8(kv8_t c) { return (float)(int8_t)c; }
+static inline float decode_e5m2(kv8_t c) { return f16_to_f32((uint16_t)((uint16_t)c << 8)); }
+static inline uint16_t e4m3_f16_bits(kv8_t c) { return (uint16_t)(((c & 0x80u) << 8) | ((c & 0x7fu) << 7)); }
+static inline float decode_e4m3(kv8_t c) { return f16_to_f32(e4m3_f16_bits(c)); }
 static inline float silu_f32(float x) { return x / (1.0f + expf(-x)); }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -135,6 +219,20 @@ static inline vf vround_bf16(vf v) {
 }
 static inline void vstoreu_bf16(bf16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, bf16_bits(v)); }
 static inline void vstoren_bf16(bf16_t *p, vf v, int64_t n) { _mm256_mask_storeu_epi16(p, vfirst(n), bf16_bits(v)); }
+
+/* 16 codes -> 16 floats (up to the format's unit) */
+static inline vf vloadu_i8(const kv8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf vloadu_e5m2(const kv8_t *p) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+}
+/* e4m3: sign-extend each byte to 16 bits and shift left by 7; bit 15 is then the
+   sign, bits 7-13 the magnitude, and bit 14 (a copy of the sign) is cleared */
+static inline vf vloadu_e4m3(const kv8_t *p) {
+    const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16((short)0xbf80)));
+}
 
 /* r[j] (row j, 16 floats) becomes column j of the 16 x 16 matrix. */
 static inline void vtranspose(vf r[16]) {
@@ -249,6 +347,18 @@ static inline void vstoren_bf16(bf16_t *p, vf v, int64_t n) {
     memcpy(p, part, (size_t)n * sizeof(bf16_t));
 }
 
+/* 8 codes -> 8 floats (up to the format's unit) */
+static inline vf vloadu_i8(const kv8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vloadu_e5m2(const kv8_t *p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+}
+static inline vf vloadu_e4m3(const kv8_t *p) { /* as the AVX-512 version */
+    const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xbf80)));
+}
+
 /* r[j] (row j, 8 floats) becomes column j of the 8 x 8 matrix. */
 static inline void vtranspose(vf r[8]) {
     __m256 t[8], u[8];
@@ -333,14 +443,21 @@ static inline __attribute__((always_inline)) void NAME(                         
 }
 DEFINE_ACCUMULATE_V(accumulate_v_f32, float, vloadu_f32)
 DEFINE_ACCUMULATE_V(accumulate_v_bf16, bf16_t, vloadu_bf16)
+DEFINE_ACCUMULATE_V(accumulate_v_i8, kv8_t, vloadu_i8)
+DEFINE_ACCUMULATE_V(accumulate_v_e4m3, kv8_t, vloadu_e4m3)
+DEFINE_ACCUMULATE_V(accumulate_v_e5m2, kv8_t, vloadu_e5m2)
 
 /* The tile kernel. CH = head_dim / VW is a compile-time constant in each
-   instantiation, so the accumulators below live in registers. */
-#define DEFINE_TILE(NAME, T, LOADV, STOREV, ACCUMULATE_V)                                         \
+   instantiation, so the accumulators below live in registers. TQ: the query's
+   and output's element type; TC: the cache's. QUANT (a constant: the float
+   caches' instantiations compile without it) applies the per-slot scales,
+   times the format's UNIT, to each chunk's scores and softmax weights. */
+#define DEFINE_TILE(NAME, TQ, LOADQ, STOREQ, T, LOADV, ACCUMULATE_V, QUANT, UNIT)                 \
 static inline __attribute__((always_inline)) void NAME(                                           \
-    const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *table,       \
+    const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale,   \
+    const uint16_t *v_scale, const int32_t *table,                                                \
     const tile_t tile, int64_t h, int64_t num_heads, int64_t num_kv_heads, const int CH,          \
-    int64_t block_size, float scale, int64_t next_head, T *out) {                                \
+    int64_t block_size, float scale, int64_t next_head, TQ *out) {                               \
     const int64_t D = VW * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
     const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
     float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [R][D], pre-scaled */             \
@@ -348,11 +465,12 @@ static inline __attribute__((always_inline)) void NAME(                         
     float KT[MAX_HEAD_DIM * VW] __attribute__((aligned(64))); /* [D][VW] */                      \
     float P[MAX_ROWS * VW] __attribute__((aligned(64)));    /* [R][VW] */                        \
     float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[MAX_ROWS];                                   \
+    float KS[VW] __attribute__((aligned(64))), VS[VW] __attribute__((aligned(64))); /* scales */ \
     const vf vscale = vset1(scale);                                                               \
     for (int64_t r = 0; r < R; ++r) {                                                             \
-        const T *src = q + (tile.q_row + r / G) * q_stride + (h * G + r % G) * D;                 \
+        const TQ *src = q + (tile.q_row + r / G) * q_stride + (h * G + r % G) * D;                \
         for (int c = 0; c < CH; ++c) {                                                            \
-            vstore(Q + r * D + VW * c, vmul(LOADV(src + VW * c), vscale));                        \
+            vstore(Q + r * D + VW * c, vmul(LOADQ(src + VW * c), vscale));                        \
             vstore(acc + r * D + VW * c, vzero());                                                \
         }                                                                                         \
         run_max[r] = -INFINITY;                                                                   \
@@ -365,6 +483,12 @@ static inline __attribute__((always_inline)) void NAME(                         
         if (n > max_len - start) n = max_len - start;                                             \
         const T *kb = k_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
         const T *vb = v_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
+        if (QUANT) /* this chunk's n scales; lanes past n (masked below) are 0 */                 \
+            for (int t = 0; t < VW; ++t) {                                                        \
+                const int64_t at = (block * block_size + offset + t) * num_kv_heads + h;          \
+                KS[t] = t < n ? f16_to_f32(k_scale[at]) * (UNIT) : 0.0f;                          \
+                VS[t] = t < n ? f16_to_f32(v_scale[at]) * (UNIT) : 0.0f;                          \
+            }                                                                                     \
         /* the next chunk's rows, prefetched a few lines at a time inside the loops below */     \
         int64_t ahead = 0;                                                                        \
         const char *nk = (const char *)kb, *nv = (const char *)vb;                                \
@@ -411,14 +535,14 @@ static inline __attribute__((always_inline)) void NAME(                         
                 int64_t visible = tile.len0 + row / G - start;                                    \
                 if (visible > n) visible = n;                                                     \
                 const vmask mask = vfirst(visible);                                               \
-                const vf s = vadd(even[j], odd[j]);                                               \
+                const vf s = QUANT ? vmul(vadd(even[j], odd[j]), vload(KS)) : vadd(even[j], odd[j]); \
                 const float block_max = vmaxall(vselect(mask, s, vset1(-INFINITY)));              \
                 const float new_max = block_max > run_max[row] ? block_max : run_max[row];        \
                 corr[row] = expf(run_max[row] - new_max);                                         \
                 const vf p = vselect(mask, vexp(vsub(s, vset1(new_max))), vzero());               \
                 run_sum[row] = run_sum[row] * corr[row] + vsum(p);                                \
                 run_max[row] = new_max;                                                           \
-                vstore(P + row * VW, p);                                                          \
+                vstore(P + row * VW, QUANT ? vmul(p, vload(VS)) : p); /* V's scale in the weight */ \
             }                                                                                     \
         }                                                                                         \
         /* acc = acc * corr + P @ V, PASS_ROWS(CH) rows per pass; the first pass also            \
@@ -436,27 +560,36 @@ static inline __attribute__((always_inline)) void NAME(                         
         start += n;                                                                               \
     }                                                                                             \
     for (int64_t r = 0; r < R; ++r) {                                                             \
-        T *dst = out + ((tile.q_row + r / G) * num_heads + h * G + r % G) * D;                    \
+        TQ *dst = out + ((tile.q_row + r / G) * num_heads + h * G + r % G) * D;                   \
         const vf inv = vset1(1.0f / run_sum[r]);                                                  \
-        for (int c = 0; c < CH; ++c) STOREV(dst + VW * c, vmul(vload(acc + r * D + VW * c), inv)); \
+        for (int c = 0; c < CH; ++c) STOREQ(dst + VW * c, vmul(vload(acc + r * D + VW * c), inv)); \
     }                                                                                             \
 }
 
-DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, accumulate_v_f32)
-DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, accumulate_v_bf16)
+DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, float, vloadu_f32, accumulate_v_f32, 0, 1.0f)
+DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, bf16_t, vloadu_bf16, accumulate_v_bf16, 0, 1.0f)
+DEFINE_TILE(tile_f32_i8, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT)
+DEFINE_TILE(tile_bf16_i8, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT)
+DEFINE_TILE(tile_f32_e4m3, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT)
+DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT)
+DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT)
+DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT)
 
 #define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
-    TILE_FN(q, q_stride, k_cache, v_cache, tables + (int64_t)tile.table_row * table_stride, tile, \
+    TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
+            tables + (int64_t)tile.table_row * table_stride, tile,                                \
             h, num_heads, num_kv_heads, CH_VALUE, block_size, scale,                              \
             h + 1 < first_head + heads_per_item ? h + 1 : -1, out)
 
 /* One work item is a tile and either one KV head (split_heads: more items, for
-   small batches) or all of them in turn (each K/V block then streams whole). */
-#define DEFINE_ENTRY(NAME, T, TILE_FN)                                                            \
-void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                      \
+   small batches) or all of them in turn (each K/V block then streams whole).
+   k_scale / v_scale: NULL for float caches. */
+#define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
+void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
+          const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-          float scale, int32_t split_heads, T *out) {                                             \
+          float scale, int32_t split_heads, TQ *out) {                                            \
     const int64_t heads_per_item = split_heads ? 1 : num_kv_heads;                                \
     const int64_t items = num_tiles * (num_kv_heads / heads_per_item);                            \
     _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
@@ -573,10 +706,23 @@ void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argm
 #else /* ------------------------------------------------------------ scalar kernels:
          the same arithmetic, one query row and one token at a time */
 
-#define DEFINE_TILE_SCALAR(NAME, T, TO_F32, FROM_F32)                                             \
-static void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,               \
+/* fp8 codes through a table (filled when the library loads): the portable
+   float16 conversion per element would cost more than the arithmetic */
+static float e4m3_table[256], e5m2_table[256];
+__attribute__((constructor)) static void fill_fp8_tables(void) {
+    for (int c = 0; c < 256; ++c) {
+        e4m3_table[c] = decode_e4m3((kv8_t)c);
+        e5m2_table[c] = decode_e5m2((kv8_t)c);
+    }
+}
+static inline float lookup_e4m3(kv8_t c) { return e4m3_table[c]; }
+static inline float lookup_e5m2(kv8_t c) { return e5m2_table[c]; }
+
+#define DEFINE_TILE_SCALAR(NAME, TQ, TO_F32, FROM_F32, T, DECODE, QUANT, UNIT)                   \
+static void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,              \
+                 const uint16_t *k_scale, const uint16_t *v_scale,                                \
                  const int32_t *table, const tile_t tile, int64_t h, int64_t num_heads,           \
-                 int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, T *out) {      \
+                 int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, TQ *out) {     \
     const int64_t G = num_heads / num_kv_heads, tok_stride = num_kv_heads * D;                    \
     float qs[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];                                                    \
     for (int64_t r = 0; r < tile.rows * G; ++r) {                                                 \
@@ -591,7 +737,8 @@ static void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cach
             const T *k = k_cache + (slot * num_kv_heads + h) * D;                                 \
             const T *v = v_cache + (slot * num_kv_heads + h) * D;                                 \
             float s = 0.0f;                                                                       \
-            for (int64_t d = 0; d < D; ++d) s += qs[d] * TO_F32(k[d]);                            \
+            for (int64_t d = 0; d < D; ++d) s += qs[d] * DECODE(k[d]);                            \
+            if (QUANT) s *= f16_to_f32(k_scale[slot * num_kv_heads + h]) * (UNIT);                \
             if (s > run_max) {                                                                    \
                 const float c = expf(run_max - s);                                                \
                 run_sum *= c;                                                                     \
@@ -600,28 +747,37 @@ static void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cach
             }                                                                                     \
             const float w = expf(s - run_max);                                                    \
             run_sum += w;                                                                         \
-            for (int64_t d = 0; d < D; ++d) acc[d] += w * TO_F32(v[d]);                           \
+            const float wv = QUANT ? w * f16_to_f32(v_scale[slot * num_kv_heads + h]) * (UNIT) : w; \
+            for (int64_t d = 0; d < D; ++d) acc[d] += wv * DECODE(v[d]);                          \
         }                                                                                         \
-        T *dst = out + (row * num_heads + head) * D;                                              \
+        TQ *dst = out + (row * num_heads + head) * D;                                             \
         for (int64_t d = 0; d < D; ++d) dst[d] = FROM_F32(acc[d] / run_sum);                      \
     }                                                                                             \
     (void)tok_stride;                                                                             \
 }
 
-DEFINE_TILE_SCALAR(tile_f32, float, f32_identity, f32_identity)
-DEFINE_TILE_SCALAR(tile_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_TILE_SCALAR(tile_f32, float, f32_identity, f32_identity, float, f32_identity, 0, 1.0f)
+DEFINE_TILE_SCALAR(tile_bf16, bf16_t, bf16_to_f32, f32_to_bf16, bf16_t, bf16_to_f32, 0, 1.0f)
+DEFINE_TILE_SCALAR(tile_f32_i8, float, f32_identity, f32_identity, kv8_t, decode_i8, 1, I8_UNIT)
+DEFINE_TILE_SCALAR(tile_bf16_i8, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, decode_i8, 1, I8_UNIT)
+DEFINE_TILE_SCALAR(tile_f32_e4m3, float, f32_identity, f32_identity, kv8_t, lookup_e4m3, 1, E4M3_UNIT)
+DEFINE_TILE_SCALAR(tile_bf16_e4m3, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, lookup_e4m3, 1, E4M3_UNIT)
+DEFINE_TILE_SCALAR(tile_f32_e5m2, float, f32_identity, f32_identity, kv8_t, lookup_e5m2, 1, E5M2_UNIT)
+DEFINE_TILE_SCALAR(tile_bf16_e5m2, bf16_t, bf16_to_f32, f32_to_bf16, kv8_t, lookup_e5m2, 1, E5M2_UNIT)
 
-#define DEFINE_ENTRY(NAME, T, TILE_FN)                                                            \
-void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                      \
+#define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
+void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
+          const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-          float scale, int32_t split_heads, T *out) {                                             \
+          float scale, int32_t split_heads, TQ *out) {                                            \
     const int64_t items = num_tiles * num_kv_heads;                                               \
     (void)split_heads;                                                                            \
     _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
     for (int64_t item = 0; item < items; ++item) {                                                \
         const tile_t tile = tiles[item / num_kv_heads];                                           \
-        TILE_FN(q, q_stride, k_cache, v_cache, tables + (int64_t)tile.table_row * table_stride,   \
+        TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                  \
+                tables + (int64_t)tile.table_row * table_stride,                                  \
                 tile, item % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size, scale,  \
                 out);                                                                             \
     }                                                                                             \
@@ -708,8 +864,14 @@ DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 
 #endif
 
-DEFINE_ENTRY(paged_attention_f32, float, tile_f32)
-DEFINE_ENTRY(paged_attention_bf16, bf16_t, tile_bf16)
+DEFINE_ENTRY(paged_attention_f32, float, float, tile_f32)
+DEFINE_ENTRY(paged_attention_bf16, bf16_t, bf16_t, tile_bf16)
+DEFINE_ENTRY(paged_attention_f32_i8, float, kv8_t, tile_f32_i8)
+DEFINE_ENTRY(paged_attention_bf16_i8, bf16_t, kv8_t, tile_bf16_i8)
+DEFINE_ENTRY(paged_attention_f32_e4m3, float, kv8_t, tile_f32_e4m3)
+DEFINE_ENTRY(paged_attention_bf16_e4m3, bf16_t, kv8_t, tile_bf16_e4m3)
+DEFINE_ENTRY(paged_attention_f32_e5m2, float, kv8_t, tile_f32_e5m2)
+DEFINE_ENTRY(paged_attention_bf16_e5m2, bf16_t, kv8_t, tile_bf16_e5m2)
 
 /* Token t's K and V rows (width elements each, at k_stride / v_stride elements
    apart) go to cache slot slots[t]; slot -1 is padding and skipped. */
@@ -725,6 +887,45 @@ void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int6
 
 DEFINE_WRITE_KV(write_kv_f32, float)
 DEFINE_WRITE_KV(write_kv_bf16, bf16_t)
+
+/* Token t's K and V (kv_heads x head_dim, rows at k_stride / v_stride elements
+   apart) quantized into cache slot slots[t]: per head, scale = float16(absmax /
+   QMAX) raised to 2^-14, code = ENCODE(clamp(x / scale)); as kv_format.quantize_kv. */
+static inline void quantize_head_f32(const float *x, int64_t D, float qmax, kv8_t (*encode)(float),
+                                     kv8_t *codes, uint16_t *scale) {
+    float absmax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) absmax = fmaxf(absmax, fabsf(x[d]));
+    uint16_t s16 = f32_to_f16(absmax / qmax);
+    if (s16 < MIN_SCALE_F16) s16 = MIN_SCALE_F16;
+    const float s = f16_to_f32(s16);
+    for (int64_t d = 0; d < D; ++d) codes[d] = encode(fminf(fmaxf(x[d] / s, -qmax), qmax));
+    *scale = s16;
+}
+
+#define DEFINE_WRITE_KV_Q(NAME, T, TO_F32, ENCODE, QMAX)                                          \
+void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *slots,      \
+          int64_t rows, int64_t kv_heads, int64_t head_dim, kv8_t *k_cache, kv8_t *v_cache,       \
+          uint16_t *k_scale, uint16_t *v_scale) {                                                 \
+    _Pragma("omp parallel for schedule(static) if(rows * kv_heads * head_dim >= PARALLEL_MIN_ELEMENTS)") \
+    for (int64_t t = 0; t < rows; ++t) {                                                          \
+        if (slots[t] < 0) continue;                                                               \
+        float x[MAX_HEAD_DIM];                                                                    \
+        for (int64_t h = 0; h < kv_heads; ++h) {                                                  \
+            const int64_t at = slots[t] * kv_heads + h;                                           \
+            for (int64_t d = 0; d < head_dim; ++d) x[d] = TO_F32(k[t * k_stride + h * head_dim + d]); \
+            quantize_head_f32(x, head_dim, QMAX, ENCODE, k_cache + at * head_dim, k_scale + at);  \
+            for (int64_t d = 0; d < head_dim; ++d) x[d] = TO_F32(v[t * v_stride + h * head_dim + d]); \
+            quantize_head_f32(x, head_dim, QMAX, ENCODE, v_cache + at * head_dim, v_scale + at);  \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+DEFINE_WRITE_KV_Q(write_kv_f32_i8, float, f32_identity, encode_i8, 127.0f)
+DEFINE_WRITE_KV_Q(write_kv_bf16_i8, bf16_t, bf16_to_f32, encode_i8, 127.0f)
+DEFINE_WRITE_KV_Q(write_kv_f32_e4m3, float, f32_identity, encode_e4m3, 448.0f)
+DEFINE_WRITE_KV_Q(write_kv_bf16_e4m3, bf16_t, bf16_to_f32, encode_e4m3, 448.0f)
+DEFINE_WRITE_KV_Q(write_kv_f32_e5m2, float, f32_identity, encode_e5m2, 57344.0f)
+DEFINE_WRITE_KV_Q(write_kv_bf16_e5m2, bf16_t, bf16_to_f32, encode_e5m2, 57344.0f)
 
 /* Which build this is, for cpu_ops.py: floats per vector register, and the ISA path's name. */
 int vector_width(void) { return VW; }

@@ -15,7 +15,11 @@ gather copy). Its unit of work is a tile: up to 16 consecutive new tokens of
 one sequence against one KV head, all query heads of that KV head together; a
 decode token is a tile of one, and a prefill token at position ``p`` attends
 to the first ``p + 1`` tokens, which is the causal mask. Online softmax,
-float32 arithmetic, float32 and bfloat16 caches. Parallel loops run on the
+float32 arithmetic, float32 and bfloat16 caches, and 8-bit caches (int8, fp8
+e4m3, fp8 e5m2 codes with per-slot, per-head float16 scales, see
+:mod:`pagedllm.kv.kv_format`) dequantized inside the kernel, with float32 or
+bfloat16 queries; :func:`write_kv_quantized` quantizes on write exactly as
+``kv_format.quantize_kv``. Parallel loops run on the
 OpenMP runtime that PyTorch already loaded, so the two share one thread pool.
 
 When no compiler is found, the build fails, or ``PAGEDLLM_NATIVE_OPS=0`` is
@@ -47,6 +51,10 @@ MAX_ROW_FLOATS = 8192  # rows x head_dim the kernel's buffers hold
 MAX_TILE_TOKENS = 16
 
 _SOURCE_PATH = Path(__file__).with_name("cpu_ops.c")
+
+# 8-bit cache dtype -> the kernels' name suffix
+_CODE_SUFFIX = {torch.int8: "i8", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -103,9 +111,12 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         return False
     group = num_heads // num_kv_heads
+    dtypes_ok = (
+        query.dtype in _FLOAT_DTYPES if k_cache.dtype in _CODE_SUFFIX
+        else k_cache.dtype in _FLOAT_DTYPES and query.dtype == k_cache.dtype
+    )
     return (
-        k_cache.dtype in (torch.float32, torch.bfloat16)
-        and query.dtype == k_cache.dtype
+        dtypes_ok
         and head_dim <= MAX_HEAD_DIM
         and head_dim % _vector_width == 0
         and group <= MAX_ROWS
@@ -141,7 +152,7 @@ def make_tiles(seq_lens: list[int], query_lens: list[int], tokens_per_tile: int)
 
 
 def paged_attention(
-    query: torch.Tensor,  # [R, H, D], float32 or bfloat16 like the caches
+    query: torch.Tensor,  # [R, H, D], float32 or bfloat16 (like the caches when they are float)
     k_cache: torch.Tensor,  # [num_blocks, block_size, KH, D]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [S, max_blocks] int32
@@ -149,12 +160,15 @@ def paged_attention(
     scale: float,
     library: ctypes.CDLL | None = None,
     split_heads: bool | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, KH] float16, 8-bit caches only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [R, H, D], query's dtype; rows no tile covers are left unset
     """Causal paged attention of every query row a tile covers, K/V read in place.
 
     ``library`` defaults to the one :func:`available` loaded. ``split_heads``
     makes each (tile, KV head) its own work item; by default it is chosen
-    from the number of tiles."""
+    from the number of tiles. An 8-bit cache (int8, float8_e4m3fn,
+    float8_e5m2) needs its contiguous float16 scales."""
     library = library or _library
     assert library is not None, "call available() first"
     num_rows, num_heads, head_dim = query.shape
@@ -165,16 +179,29 @@ def paged_attention(
     tiles = tiles.contiguous()
     out = torch.empty((num_rows, num_heads, head_dim), dtype=query.dtype)
     kernel = library.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else library.paged_attention_f32
+    scales = (None, None)
+    if k_cache.dtype in _CODE_SUFFIX:
+        kernel = _attention_kernel(library, query.dtype, k_cache.dtype)
+        assert k_scale is not None and v_scale is not None, "an 8-bit cache needs its scales"
+        assert k_scale.dtype == v_scale.dtype == torch.float16 and k_scale.is_contiguous() and v_scale.is_contiguous()
+        scales = (k_scale.data_ptr(), v_scale.data_ptr())
     # Few tiles: one work item per (tile, KV head) keeps every thread busy. Many:
     # one per tile (its KV heads in turn), fewer and longer items.
     if split_heads is None:
         split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
     kernel(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *scales,
         tables.data_ptr(), tables.stride(0), tiles.data_ptr(), tiles.shape[0],
         num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, int(split_heads), out.data_ptr(),
     )
     return out
+
+
+def _attention_kernel(library: ctypes.CDLL, query_dtype: torch.dtype, cache_dtype: torch.dtype):
+    name = "paged_attention_" + ("bf16" if query_dtype == torch.bfloat16 else "f32")
+    if cache_dtype in _CODE_SUFFIX:
+        name += "_" + _CODE_SUFFIX[cache_dtype]
+    return getattr(library, name)
 
 
 # ---------------------------------------------------------------- layer ops
@@ -260,6 +287,41 @@ def write_kv(
     _kernel("write_kv", key.dtype, library)(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), rows,
         kv_heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+    )
+
+
+def can_write_kv_quantized(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor,
+) -> bool:
+    """Whether :func:`write_kv_quantized` takes these: CPU float32/bfloat16 K/V, an 8-bit
+    cache pair, contiguous float16 scales, and the layout :func:`write_kv` copies."""
+    return (
+        key.device.type == "cpu" and key.dtype in _FLOAT_DTYPES and value.dtype == key.dtype
+        and k_cache.device.type == "cpu" and k_cache.dtype in _CODE_SUFFIX and v_cache.dtype == k_cache.dtype
+        and key.shape[2] <= MAX_HEAD_DIM
+        and all(s.dtype == torch.float16 and s.is_contiguous() for s in (k_scale, v_scale))
+        and available()
+        and _write_kv_layout(key, value, k_cache, v_cache, slots)
+    )
+
+
+def write_kv_quantized(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, library: ctypes.CDLL | None = None,
+) -> None:
+    """As :func:`write_kv` into an 8-bit cache: each (token, head) vector quantized with
+    its own float16 scale (``k_scale``/``v_scale`` ``[num_blocks, block_size, KH]``),
+    bit for bit as ``kv_format.quantize_kv``."""
+    library = library or _library
+    assert library is not None, "call available() first"
+    rows, kv_heads, head_dim = key.shape
+    assert _write_kv_layout(key, value, k_cache, v_cache, slots)
+    slots = slots.contiguous()
+    suffix = ("bf16" if key.dtype == torch.bfloat16 else "f32") + "_" + _CODE_SUFFIX[k_cache.dtype]
+    getattr(library, f"write_kv_{suffix}")(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), rows,
+        kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
     )
 
 
@@ -419,10 +481,17 @@ def _declare(library: ctypes.CDLL) -> None:
     pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.vector_width.restype = ctypes.c_int
     library.isa_name.restype = ctypes.c_char_p
-    for fn in (library.paged_attention_f32, library.paged_attention_bf16):
-        fn.argtypes = [pointer, i64, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, f32,
-                       ctypes.c_int32, pointer]
-        fn.restype = None
+    codes = [""] + [f"_{suffix}" for suffix in _CODE_SUFFIX.values()]
+    for query_type in ("f32", "bf16"):
+        for code in codes:
+            fn = getattr(library, f"paged_attention_{query_type}{code}")
+            fn.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64,
+                           i64, i64, f32, ctypes.c_int32, pointer]
+            fn.restype = None
+            if code:
+                fn = getattr(library, f"write_kv_{query_type}{code}")
+                fn.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, i64, pointer, pointer, pointer, pointer]
+                fn.restype = None
     signatures = {
         "rms_norm": [pointer, pointer, pointer, f32, i64, i64, pointer],
         "silu_mul": [pointer, i64, i64, pointer],

@@ -86,6 +86,11 @@ def history_point(stats, previous, now: float, dt: float) -> dict:
         "prefix_hit_rate": None,
         "preemptions": 0,
         "gen_tok_s": 0.0,
+        # the prefix cache's tiers below the device (host, disk): what they hold, what they served
+        "tiers": {
+            t.name: {"blocks": t.num_blocks, "bytes": t.num_bytes, "hit_tokens": t.num_hit_tokens}
+            for t in getattr(kv, "tiers", ())
+        },
     }
     if previous is not None and dt > 0:
         queries = kv.prefix_cache_queries - previous.kv.prefix_cache_queries

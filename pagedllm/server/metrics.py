@@ -62,9 +62,36 @@ class EngineStatsCollector(Collector):
         )
         yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", kv.prefix_cache_hits)
+        yield from _tier_metrics(kv, self._model_name)
         yield self._counter("num_preemptions", "Cumulative number of preemptions.", _preemptions(stats))
         yield self._counter("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens_total)
         yield self._counter("generation_tokens", "Generation tokens produced.", stats.num_generation_tokens_total)
+
+
+def _tier_metrics(kv, model_name: str) -> Iterator[Metric]:
+    """Per tier of the prefix cache below the device (host, disk), labelled ``tier``."""
+    tiers = getattr(kv, "tiers", ())
+    labels = ["model_name", "tier"]
+    families = [
+        (CounterMetricFamily, "kv_tier_hits", "Prompt tokens served from this tier of the prefix cache.",
+         lambda t: t.num_hit_tokens),
+        (GaugeMetricFamily, "kv_tier_blocks", "KV blocks this tier holds.", lambda t: t.num_blocks),
+        (GaugeMetricFamily, "kv_tier_bytes", "Bytes of KV this tier holds.", lambda t: t.num_bytes),
+        (CounterMetricFamily, "kv_tier_read_bytes", "Bytes of KV read from this tier.", lambda t: t.num_read_bytes),
+        (CounterMetricFamily, "kv_tier_written_bytes", "Bytes of KV written to this tier.",
+         lambda t: t.num_written_bytes),
+    ]
+    for family_type, name, doc, value in families:
+        family = family_type(PREFIX + name, doc, labels=labels)
+        for tier in tiers:
+            family.add_metric([model_name, tier.name], value(tier))
+        yield family
+    seconds = CounterMetricFamily(PREFIX + "kv_tier_seconds", "Seconds spent reading or writing this tier.",
+                                  labels=[*labels, "op"])
+    for tier in tiers:
+        seconds.add_metric([model_name, tier.name, "read"], tier.read_seconds)
+        seconds.add_metric([model_name, tier.name, "write"], tier.write_seconds)
+    yield seconds
 
 
 def _preemptions(stats) -> int:

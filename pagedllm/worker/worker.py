@@ -16,6 +16,8 @@ the device. Results come back in launch order.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,11 +25,13 @@ import numpy as np
 import torch
 
 from pagedllm.attention.base import get_attention_backend
-from pagedllm.config import EngineConfig
+from pagedllm.config import DEFAULT_CUDA_KV_HOST_CACHE_MEMORY, EngineConfig
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ConfigError
-from pagedllm.kv import memory_budget
+from pagedllm.kv import kv_format, memory_budget
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.stats import TierTimes
+from pagedllm.kv.tiers import DiskTier, read_blocks, write_blocks
 from pagedllm.models.loader import load_model
 from pagedllm.native.cpu_dtype import check_cpu_dtype
 from pagedllm.runner.cuda_graphs import DecodeGraphs
@@ -142,6 +146,8 @@ class Worker:
         self.sampler = Sampler()
         self.batch = InputBatch()
         self.kv_cache: KVCache | None = None
+        self.disk_tier: DiskTier | None = None  # set by the engine when the disk tier is on (one rank)
+        self.tier_times = TierTimes()
         self.decode_graphs: DecodeGraphs | None = None
         self._generators: dict[int, torch.Generator | None] = {}
         self._launched: deque[_Launched] = deque()
@@ -154,7 +160,8 @@ class Worker:
         mc = self.model_config
         return dict(
             num_layers=mc.num_layers, block_size=self.config.block_size,
-            num_kv_heads=self.model.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype,
+            num_kv_heads=self.model.num_kv_heads, head_dim=mc.head_dim,
+            dtype=kv_format.cache_dtype(self.config.kv_cache_dtype, self.dtype),  # 8-bit codes when quantized
         )
 
     def num_kv_blocks_for_config(self) -> tuple[int, int]:
@@ -168,8 +175,22 @@ class Worker:
             num_blocks = KVCache.num_blocks_for_memory(memory, **shape)
         if num_blocks < 1:
             raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
-        num_cpu_blocks = cfg.swap_space_bytes // KVCache.bytes_per_block(**shape)
+        per_block = KVCache.bytes_per_block(**shape)
+        # One CPU pool for swap and the host tier of the prefix cache.
+        num_cpu_blocks = cfg.swap_space_bytes // per_block + self.host_tier_memory() // per_block
         return num_blocks, num_cpu_blocks
+
+    def host_tier_memory(self) -> int:
+        """Bytes of this rank's host tier (per rank, like the swap space): the configured size,
+        else 0 on a CPU device and 4 GiB on CUDA (at most an eighth of the RAM)."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        if self.config.kv_host_cache_memory is not None:
+            return self.config.kv_host_cache_memory
+        if self.device.type != "cuda":
+            return 0
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(DEFAULT_CUDA_KV_HOST_CACHE_MEMORY, ram // 8)
 
     def _default_kv_memory(self) -> int:
         if self.config.gpu_memory_utilization is not None:
@@ -285,7 +306,7 @@ class Worker:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         self.batch.update(step)
-        apply_memory_ops(self.kv_cache, step.memory_ops)
+        apply_memory_ops(self.kv_cache, step.memory_ops, self.disk_tier, self.tier_times)
         chunks = self.batch.chunks(step)
         inputs = build_model_inputs(chunks, self.config.block_size, self.device)
         self._feed_device_tokens(chunks, inputs)
@@ -398,15 +419,44 @@ class Worker:
         return entries
 
 
-def apply_memory_ops(kv_cache: KVCache, ops: list[MemoryOp]) -> None:
-    """Copies and swaps in the order decided: a block freed by one op may be the target of the next."""
+def apply_memory_ops(
+    kv_cache: KVCache, ops: list[MemoryOp], disk_tier: DiskTier | None = None, times: TierTimes | None = None
+) -> None:
+    """Copies, swaps and tier moves in the order decided: a block freed by one op may be the
+    target of the next, and an evicted block's KV is copied out before anything overwrites it."""
+    times = times if times is not None else TierTimes()
     apply = {
         MemoryOpKind.SWAP_OUT: kv_cache.swap_out,
         MemoryOpKind.SWAP_IN: kv_cache.swap_in,
         MemoryOpKind.COPY: kv_cache.copy_blocks,
+        MemoryOpKind.HOST_TIER_OUT: kv_cache.swap_out,
+        MemoryOpKind.HOST_TIER_IN: kv_cache.swap_in,
     }
     for op in ops:
+        start = time.perf_counter()
+        if op.kind in (MemoryOpKind.DISK_TIER_OUT, MemoryOpKind.HOST_TIER_TO_DISK):
+            source = kv_cache.block_tensors() if op.kind is MemoryOpKind.DISK_TIER_OUT else kv_cache.cpu_block_tensors()
+            _disk_tier_out(source, op.pairs, disk_tier)
+            times.disk_copy_seconds += time.perf_counter() - start
+            continue
+        if op.kind is MemoryOpKind.DISK_TIER_IN:
+            write_blocks(kv_cache.block_tensors(), [d for _, d in op.pairs],
+                         [disk_tier.take_claimed(ticket) for ticket, _ in op.pairs])
+            continue  # its seconds are the reader thread's (the disk tier counts them)
         apply[op.kind](op.pairs)
+        if op.kind is MemoryOpKind.HOST_TIER_OUT:
+            times.host_write_seconds += time.perf_counter() - start
+        elif op.kind is MemoryOpKind.HOST_TIER_IN:
+            times.host_read_seconds += time.perf_counter() - start
+
+
+def _disk_tier_out(source: list[torch.Tensor], pairs: list[tuple[int, int]], disk_tier: DiskTier | None) -> None:
+    """Host copies of the blocks go to the disk writer (which writes them off the step path)."""
+    if disk_tier is None:
+        raise RuntimeError("a disk-tier op reached a worker without a disk tier")
+    copies = read_blocks(source, [d for d, _ in pairs])
+    for (_, ticket), tensors in zip(pairs, copies, strict=True):
+        disk_tier.submit_write(ticket, tensors)
 
 
 def _grammar_mask(jobs: list[_Job], vocab_size: int) -> GrammarMask | None:

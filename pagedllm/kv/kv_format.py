@@ -1,0 +1,113 @@
+"""8-bit KV cache formats: their names, storage dtypes, and the reference quantizer.
+
+A quantized cache keeps, per layer, K and V codes
+``[num_blocks, block_size, num_kv_heads, head_dim]`` in the format's storage
+dtype and one float16 scale per slot and KV head
+``[num_blocks, block_size, num_kv_heads]`` beside each. The vector a token
+stores for a head is ``code.float() * scale``.
+
+Quantizing one vector ``x`` (``head_dim`` values) -- the rule every backend
+follows, and which :func:`quantize_kv` implements as the reference the
+kernels are tested against:
+
+1. ``scale = absmax(x) / QMAX`` in float32, rounded to float16 (round to
+   nearest even) and raised to at least ``2**-14`` (the smallest positive
+   normal float16), so an all-zero vector still has a usable scale;
+2. ``code = x / float(scale)`` in float32, clamped to ``[-QMAX, QMAX]`` and
+   rounded: int8 to the nearest integer (ties to even), fp8 by torch's
+   ``.to(float8)`` (round to nearest even). The clamp only matters when the
+   float16 rounding of the scale went down, and keeps fp8 codes finite.
+
+Per slot and head, rather than per block and head, because a block is filled
+a token at a time: a per-block scale would have to be known before the
+block's later tokens exist (or the block requantized as they arrive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import KV_CACHE_DTYPE_ALIASES, SUPPORTED_KV_CACHE_DTYPES
+from pagedllm.errors import ConfigError
+
+SCALE_DTYPE = torch.float16
+MIN_SCALE = 2.0**-14  # the smallest positive normal float16
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One 8-bit KV format: its canonical name, the cache tensor's dtype and the largest code."""
+
+    name: str
+    storage_dtype: torch.dtype
+    qmax: float
+
+    @property
+    def is_float(self) -> bool:
+        return self.storage_dtype != torch.int8
+
+
+FORMATS: dict[str, KVFormat] = {
+    "int8": KVFormat("int8", torch.int8, 127.0),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
+}
+ALIASES = KV_CACHE_DTYPE_ALIASES  # vLLM's spelling fp8 = fp8_e4m3
+KV_CACHE_DTYPES = SUPPORTED_KV_CACHE_DTYPES  # every accepted name of kv_cache_dtype
+assert set(KV_CACHE_DTYPES) == {"auto", *FORMATS, *ALIASES}
+_BY_DTYPE = {fmt.storage_dtype: fmt for fmt in FORMATS.values()}
+
+
+def resolve(kv_cache_dtype: str) -> KVFormat | None:
+    """The format a ``kv_cache_dtype`` names; None for ``auto`` (the model's dtype, unquantized).
+
+    Raises ConfigError naming the choices for anything else."""
+    if kv_cache_dtype == "auto":
+        return None
+    name = ALIASES.get(kv_cache_dtype, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if name not in FORMATS:
+        raise ConfigError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported yet; pagedllm accepts kv_cache_dtype "
+            f"{' or '.join(repr(v) for v in KV_CACHE_DTYPES)} only"
+        )
+    return FORMATS[name]
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the K/V cache tensors: the model's for ``auto``, else the format's storage dtype."""
+    fmt = resolve(kv_cache_dtype)
+    return model_dtype if fmt is None else fmt.storage_dtype
+
+
+def format_of(dtype: torch.dtype) -> KVFormat | None:
+    """The format whose storage dtype ``dtype`` is, or None for an unquantized (float) cache."""
+    return _BY_DTYPE.get(dtype)
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in _BY_DTYPE
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of ``x`` ``[..., head_dim]`` (any float dtype) in the format of ``dtype``.
+
+    Returns ``(codes [..., head_dim] in dtype, scales [...] float16)``; see the module docstring."""
+    fmt = _BY_DTYPE[dtype]
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=-1) / fmt.qmax).to(SCALE_DTYPE).clamp_min_(MIN_SCALE)
+    scaled = (x32 / scales.float().unsqueeze(-1)).clamp_(-fmt.qmax, fmt.qmax)
+    if fmt.is_float:
+        return scaled.to(dtype), scales
+    return scaled.round_().to(torch.int8), scales
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes [..., head_dim] * scales [...]`` computed in float32, returned as ``dtype``."""
+    return (codes.float() * scales.float().unsqueeze(-1)).to(dtype)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of an 8-bit tensor, for indexing ops CPU float8 lacks (index_copy_, ...)."""
+    return tensor.view(torch.uint8) if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else tensor
