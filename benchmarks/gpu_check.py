@@ -832,7 +832,9 @@ def _load_workload(workload_path: str | None) -> dict:
 
 
 def _backend_name(llm) -> str | None:
-    backend = getattr(getattr(llm, "llm_engine", None), "attn_backend", None)
+    """The attention backend's name; it lives on the engine's worker."""
+    engine = getattr(llm, "llm_engine", None)
+    backend = getattr(getattr(engine, "worker", None), "attn_backend", None) or getattr(engine, "attn_backend", None)
     return getattr(backend, "name", None)
 
 
