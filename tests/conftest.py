@@ -8,6 +8,24 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+_kernels_reimported = False
+
+
+def use_triton_interpreter() -> None:
+    """Without CUDA, run Triton kernels in the interpreter. triton.jit picks interpreted or
+    compiled mode when a kernel is defined, so kernel modules imported earlier in this process
+    are dropped and re-imported -- once per process: a second purge would leave the test files
+    collected before it holding classes that are no longer the ones in sys.modules."""
+    global _kernels_reimported
+    if torch.cuda.is_available() or _kernels_reimported:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in [m for m in sys.modules if m.startswith("pagedllm.attention.kernels.")]:
+        del sys.modules[name]
+    sys.modules.pop("pagedllm.attention.triton_backend", None)
+    _kernels_reimported = True
+
+
 # Nothing may reach a model hub: the reference models load from local files only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

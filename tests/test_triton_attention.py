@@ -7,22 +7,15 @@ must be set before triton is imported), on small shapes so the file stays fast.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import skip_if_interpreter_too_old
+from conftest import skip_if_interpreter_too_old, use_triton_interpreter
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    # triton.jit picks interpreted or compiled mode when a kernel is defined, so
-    # kernel modules imported earlier in this process without the flag are reloaded.
-    for _name in [m for m in sys.modules if m.startswith("pagedllm.attention.kernels.")]:
-        del sys.modules[_name]
-    sys.modules.pop("pagedllm.attention.triton_backend", None)
+use_triton_interpreter()
 
 triton = pytest.importorskip("triton", reason="triton is not installed; the Triton backend cannot run")
 skip_if_interpreter_too_old(triton)

@@ -14,19 +14,13 @@ Without CUDA the kernels run in Triton's CPU interpreter, on small shapes.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
-from conftest import skip_if_interpreter_too_old
+from conftest import skip_if_interpreter_too_old, use_triton_interpreter
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    # triton.jit picks interpreted or compiled mode when a kernel is defined.
-    for _name in [m for m in sys.modules if m.startswith("pagedllm.attention.kernels.")]:
-        del sys.modules[_name]
-    sys.modules.pop("pagedllm.attention.triton_backend", None)
+use_triton_interpreter()
 
 triton = pytest.importorskip("triton", reason="triton is not installed; the Triton backend cannot run")
 skip_if_interpreter_too_old(triton)
