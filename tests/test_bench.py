@@ -603,6 +603,56 @@ def test_serve_compare_starts_runs_and_stops_a_pagedllm_server(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_bench_stops_the_servers_it_started(tmp_path):
+    """`timeout` or `kill` ending a bench must not leave its pagedllm serve running."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "bench", "serve", "--compare", "pagedllm", "--num-prompts", "200",
+         "--input-len-range", "12:20", "--output-len", "64", "--kv-cache-memory", "64MiB", "--no-warmup",
+         "--server-log-dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        server_pid = None
+        deadline = time.monotonic() + 120
+        while server_pid is None and time.monotonic() < deadline:  # the server's own log says it is up
+            logs = list(tmp_path.glob("*.log"))
+            if logs and "Uvicorn running" in logs[0].read_text(errors="replace"):
+                server_pid = _child_pids(bench.pid)[0]
+            time.sleep(0.5)
+        assert server_pid is not None, "the bench's server did not come up"
+        bench.terminate()
+        assert bench.wait(timeout=90) != 0
+        deadline = time.monotonic() + 30
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server_pid), "the server outlived the bench"
+    finally:
+        bench.kill()
+        bench.wait()
+
+
+def _child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("PAGEDLLM_VLLM_PYTHON"), reason="set PAGEDLLM_VLLM_PYTHON to vLLM's python")
 def test_serve_compare_with_vllm_server(tmp_path):
     data = _run_cli(

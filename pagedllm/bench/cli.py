@@ -36,4 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "bench") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _stop_cleanly_on_sigterm()
     return int(importlib.import_module(args._bench_module).run(args) or 0)
+
+
+def _stop_cleanly_on_sigterm() -> None:
+    """SIGTERM (``kill``, ``timeout``) unwinds the bench like Ctrl-C, so the servers and
+    peer processes it started are stopped by their ``with`` blocks instead of outliving it."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
