@@ -288,22 +288,26 @@ def test_benchmark_environment_names_the_machine_class():
 # ---------------------------------------------------------------- threads
 
 
-@pytest.mark.parametrize("user_value", [None, "ACTIVE"])
-def test_importing_pagedllm_makes_openmp_wait_passively_unless_the_user_chose(user_value):
+@pytest.mark.parametrize("user_env", [{}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "300000"}])
+def test_importing_pagedllm_sets_a_brief_openmp_spin_unless_the_user_chose(user_env):
+    from pagedllm.native.threads import SPIN_COUNT
+
     code = (
-        "import os, pagedllm, torch; from pagedllm.bench.peers import vllm_env; "
-        "print(os.environ.get('OMP_WAIT_POLICY'), vllm_env().get('OMP_WAIT_POLICY'))"
+        "import os, pagedllm, torch; from pagedllm.bench.peers import vllm_env; peer = vllm_env(); "
+        "print(*(os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')), "
+        "*(peer.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    if user_value:
-        env["OMP_WAIT_POLICY"] = user_value
+    env.update(user_env)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    ours, peer = done.stdout.split()
-    if user_value:
-        assert ours == peer == user_value  # the user's choice, for pagedllm and its peers
+    policy, spin, peer_policy, peer_spin = done.stdout.split()
+    if user_env:  # the user's choice, for pagedllm and its peers alike
+        expected = (user_env.get("OMP_WAIT_POLICY", "None"), user_env.get("GOMP_SPINCOUNT", "None"))
+        assert (policy, spin) == (peer_policy, peer_spin) == expected
     else:
-        assert (ours, peer) == ("PASSIVE", "None")  # the peer keeps its own default
+        assert (policy, spin) == ("None", SPIN_COUNT)
+        assert (peer_policy, peer_spin) == ("None", "None")  # the peer keeps its own default
 
 
 def test_bench_compare_names_a_forced_path_or_says_what_is_allowed():

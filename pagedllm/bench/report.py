@@ -138,6 +138,7 @@ def machine_class() -> dict:
         "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
         "cpus_allowed": cores,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }
 
 
