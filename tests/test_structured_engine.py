@@ -243,3 +243,22 @@ def test_compiled_grammars_are_cached_by_text_and_bounded(llm):
         assert compiler.num_cached == 3
     finally:
         compiler._max_cached = limit
+
+
+def test_bench_mask_clock_times_the_hooks_the_engine_really_calls(llm):
+    """`bench structured` wraps the step's bitmask fill, apply and accept; if a refactor moves
+    them, the clock must fail loudly or still count, never read zero."""
+    from pagedllm.bench.structured import MaskClock
+
+    clock = MaskClock()
+    clock.install()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=_schema())
+        llm.generate([PROMPT, PROMPT + " a lamp"], params, use_tqdm=False)
+    finally:
+        clock.uninstall()
+    assert clock.num_steps >= 8 and clock.num_rows >= clock.num_steps
+    assert clock.fill_s > 0 and clock.apply_s > 0 and clock.accept_s > 0
+    steps = clock.num_steps
+    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, structured_outputs=_schema()), use_tqdm=False)
+    assert clock.num_steps == steps  # uninstalled: nothing counts any more

@@ -52,11 +52,11 @@ class MaskClock:
 
     def install(self) -> None:
         """Wraps the three hooks of pagedllm.structured for the duration of a run."""
-        from pagedllm.engine import output_processor
         from pagedllm.structured.bitmask import GrammarMask
         from pagedllm.structured.grammar import GrammarState
+        from pagedllm.worker import worker  # the worker fills each step's bitmask
 
-        fill, apply, accept = output_processor._grammar_mask, GrammarMask.apply, GrammarState.accept
+        fill, apply, accept = worker._grammar_mask, GrammarMask.apply, GrammarState.accept
 
         def timed_fill(jobs, vocab_size):
             start = time.perf_counter()
@@ -79,10 +79,10 @@ class MaskClock:
             self.accept_s += time.perf_counter() - start
             return ok
 
-        output_processor._grammar_mask = timed_fill
+        worker._grammar_mask = timed_fill
         GrammarMask.apply = timed_apply
         GrammarState.accept = timed_accept
-        self._undo = [(output_processor, "_grammar_mask", fill), (GrammarMask, "apply", apply),
+        self._undo = [(worker, "_grammar_mask", fill), (GrammarMask, "apply", apply),
                       (GrammarState, "accept", accept)]
 
     def uninstall(self) -> None:
