@@ -91,6 +91,11 @@ class MaskClock:
 
 
 def _timed_generate(llm, prompts, params) -> dict:
+    """One timed pass over ``prompts``. The prefix cache is emptied first: every pass
+    prefills the same prompts, so without this the later passes skip their prefill and
+    the constrained pass would be compared with a colder or warmer control."""
+    if not llm.llm_engine.block_manager.reset_prefix_cache():
+        raise RuntimeError("blocks are still in use between benchmark passes")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.perf_counter() - start
