@@ -214,8 +214,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert stats.num_free_cpu_blocks == NUM_CPU_BLOCKS
 
 
-class WeakHashBlockManagerMachine(BlockManagerMachine):
-    """The same machine with a hash that collides constantly: collisions may only cost hits."""
+class WeakHash:
+    """Mixin for a state machine: a hash that collides constantly while it runs, so
+    collisions may only cost hits, never serve another prefix's block."""
 
     def __init__(self) -> None:
         self._real_hash = prefix_cache.hash_block_tokens
@@ -227,6 +228,10 @@ class WeakHashBlockManagerMachine(BlockManagerMachine):
             super().teardown()
         finally:
             prefix_cache.hash_block_tokens = self._real_hash
+
+
+class WeakHashBlockManagerMachine(WeakHash, BlockManagerMachine):
+    """The same machine with a hash that collides constantly: collisions may only cost hits."""
 
 
 _SETTINGS = settings(

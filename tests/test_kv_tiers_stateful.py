@@ -26,9 +26,9 @@ from test_block_manager_stateful import (
     NUM_BLOCKS,
     NUM_CPU_BLOCKS,
     BlockManagerMachine,
+    WeakHash,
 )
 
-from pagedllm.kv import prefix_cache
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.tiers import SUFFIX, DiskTier, tier_key
 from pagedllm.step import MemoryOpKind
@@ -135,19 +135,8 @@ class TieredMachine(BlockManagerMachine):
         path.write_bytes(bytes(raw))
 
 
-class WeakHashTieredMachine(TieredMachine):
+class WeakHashTieredMachine(WeakHash, TieredMachine):
     """Constant collisions: every tier may only miss, never serve another prefix's block."""
-
-    def __init__(self) -> None:
-        self._real_hash = prefix_cache.hash_block_tokens
-        prefix_cache.hash_block_tokens = lambda parent, token_ids, extra: bytes([token_ids[0] % 3])
-        super().__init__()
-
-    def teardown(self):
-        try:
-            super().teardown()
-        finally:
-            prefix_cache.hash_block_tokens = self._real_hash
 
 
 def _teardown(self):

@@ -126,10 +126,7 @@ class Scheduler:
         request.status = SeqStatus.WAITING
         self.waiting.append(request)
         if self.block_manager.disk_tier is not None:
-            # Start reading its disk-tier blocks now, so they are in memory at admission.
-            seq = request.live_seqs()[0]
-            if self.block_manager.prefetch(seq.token_ids, request.cache_salt):
-                request.prefetch_deadline = time.monotonic() + MAX_PREFETCH_WAIT_S
+            self._start_prefetch(request)  # its disk-tier blocks are then in memory at admission
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -476,17 +473,22 @@ class Scheduler:
         MAX_PREFETCH_WAIT_S in all (running requests keep stepping meanwhile);
         after that the blocks still on disk are computed.
         """
-        bm = self.block_manager
-        if bm.disk_tier is None:
+        if self.block_manager.disk_tier is None:
             return False
-        seq = request.live_seqs()[0]
-        now = time.monotonic()
         if request.prefetch_deadline is None:
-            if not bm.prefetch(seq.token_ids, request.cache_salt):
-                return False
-            request.prefetch_deadline = now + MAX_PREFETCH_WAIT_S
-            return True
-        return now < request.prefetch_deadline and bm.prefetch(seq.token_ids, request.cache_salt)
+            return self._start_prefetch(request)
+        seq = request.live_seqs()[0]
+        return time.monotonic() < request.prefetch_deadline and self.block_manager.prefetch(
+            seq.token_ids, request.cache_salt)
+
+    def _start_prefetch(self, request: Request) -> bool:
+        """Start loading the request's disk-tier prefix into memory; True, with the
+        request's wait deadline set, when some of it is loading."""
+        seq = request.live_seqs()[0]
+        if not self.block_manager.prefetch(seq.token_ids, request.cache_salt):
+            return False
+        request.prefetch_deadline = time.monotonic() + MAX_PREFETCH_WAIT_S
+        return True
 
     def _admit(self, request: Request, out: SchedulerOutput) -> None:
         bm = self.block_manager
