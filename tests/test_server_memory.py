@@ -275,3 +275,34 @@ def test_serve_prefaults_the_kv_pools_and_the_offline_commands_do_not():
     assert EngineConfig().kv_cache_prefault is False
     with pytest.raises(ConfigError, match="kv_cache_prefault"):
         EngineConfig(kv_cache_prefault="yes")
+
+
+@pytest.mark.slow
+def test_a_real_server_is_at_its_full_size_from_the_start_and_serves(tiny_dir):
+    """``pagedllm serve`` with a 256 MiB pool: resident from start-up by default, not with the opt-out."""
+    import httpx
+    from server_fixture import ServerProcess
+
+    num_blocks = 32768  # x 8 KiB a block for this model (2 layers, 2 KV heads of 16, fp32) = 256 MiB
+    common = ("--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", str(num_blocks),
+              "--max-num-seqs", "8", "--served-model-name", "m")
+    servers = {"prefault": ServerProcess(*common), "lazy": ServerProcess(*common, "--no-kv-cache-prefault")}
+    try:
+        rss = {name: s.wait_ready().metrics()["process_resident_memory_bytes"] for name, s in servers.items()}
+        assert rss["prefault"] - rss["lazy"] > 0.9 * 256 * 2**20, rss
+        server = servers["prefault"]
+        body = {"model": "m", "prompt": "t3 t4 t5", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.base_url, timeout=60.0) as client:
+            for i in range(6):
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    for line in response.iter_lines():
+                        if i % 2 and line.startswith("data: {"):
+                            break  # hang up after the first chunk
+            assert client.post("/v1/completions", json={**body, "n": 10**6}).status_code == 400
+        idle = server.wait_idle()
+        assert idle["pagedllm:kv_used_blocks"] == 0
+        assert idle["process_resident_memory_bytes"] - rss["prefault"] < 64 * 2**20
+    finally:
+        for s in servers.values():
+            s.stop()
