@@ -591,7 +591,9 @@ static int gemm_tiled(TileKernel kernel, int64_t tile_rows, int64_t cols, const 
             if (!codes || !dw) continue;
             const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
             unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, codes, dw, mw);
-            for (int64_t t = 0; t < rt.num_tiles; t++) {
+            for (int64_t step = 0; step < rt.num_tiles; step++) {
+                /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
+                const int64_t t = g % 2 ? rt.num_tiles - 1 - step : step;
                 kernel(&rt, t, codes, dw, mw, Kp, zero, out);
                 const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
                 for (int64_t i = 0; i < num; i++)
