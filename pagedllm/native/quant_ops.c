@@ -29,7 +29,7 @@
  *      sign trick (|w| times x with w's sign), whose int16 pairs cannot
  *      saturate since |w| <= 128 and |x| <= 127.
  *   0  portable C, the reference the others are tested against.
- * Many rows (from quant_tiled_min_rows()), paths 2 and 1 (4-bit codes) take a
+ * Many rows (from quant_tiled_min_rows()), paths 2 and 1 take a
  * tiled kernel: the activations are transposed so that one vector holds 4
  * consecutive bytes of 16 (zmm) or 8 (ymm) rows; each weight dword (4 codes of
  * one output, unpacked to bytes once per call) is broadcast and one vpdpbusd /
@@ -370,20 +370,25 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_scales(const uint16_
 }
 
 /* Outputs [n0, n0 + count) (count <= cols) unpacked into a tile's scratch: codes [cols][Kp]
- * one byte per weight, dw / mw [cols][blocks] float per-block scales / mins; outputs past
- * count are zero. */
+ * one byte per weight (signed: 8-bit codes as q - 128), dw / mw [cols][blocks] float per-block
+ * scales / mins; outputs past count are zero. */
 __attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_t *q, const uint16_t *d,
                                                                     const uint16_t *m, int64_t n0, int64_t count,
                                                                     int64_t cols, int64_t Kp, int bits, int r,
-                                                                    uint8_t *codes, float *dw, float *mw) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+                                                                    int is_signed, uint8_t *codes, float *dw,
+                                                                    float *mw) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, blocks = Kp / 32;
     for (int64_t c = 0; c < cols; c++) {
         uint8_t *dst = codes + c * Kp;
         if (c >= count) {
             memset(dst, 0, (size_t)Kp);
-        } else if (bits == 8) {
+        } else if (bits == 8 && !is_signed) {
             memcpy(dst, q + (n0 + c) * row_bytes, (size_t)Kp);
+        } else if (bits == 8) {
+            const uint8_t *src = q + (n0 + c) * row_bytes;
+            for (int64_t k = 0; k < Kp; k += 32)
+                _mm256_storeu_si256((__m256i *)(dst + k), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + k)), flip));
         } else {
             const uint8_t *src = q + (n0 + c) * row_bytes;
             for (int64_t g = 0; g < Kp / 64; g++) {
@@ -398,7 +403,7 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_
 }
 
 /* out[c * tile_rows + i] = output c of the tile . activation row i of tile t, for the
- * outputs unpacked by unpack_outputs. */
+ * outputs unpacked by unpack_outputs. A kernel is one TileShape: */
 typedef void (*TileKernel)(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw, const float *mw,
                            int64_t Kp, int zero, float *out);
 
@@ -564,12 +569,61 @@ TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_
     for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
 }
 
+/* AVX2, 8 rows x 4 outputs, 8-bit codes unpacked signed (q - 128, zero 128): the sign
+ * trick, |w| . (x with w's sign), pair sums <= 2 x 128 x 127 so no saturation; widened to
+ * int32 every step. */
+TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                     const float *mw, int64_t Kp, int zero, float *out) {
+    const int64_t blocks = rt->num_blocks;
+    const int8_t *x = rt->x + t * AVX2_TILE_ROWS * Kp;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_TILE_COLS];
+    for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = (t * blocks + b) * AVX2_TILE_ROWS;
+        __m256i sums[AVX2_TILE_COLS];
+        for (int c = 0; c < AVX2_TILE_COLS; c++) sums[c] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (8 * b + s) * AVX2_TILE_ROWS * 4));
+            for (int c = 0; c < AVX2_TILE_COLS; c++) {
+                int32_t w4;
+                memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
+                const __m256i w = _mm256_set1_epi32(w4);
+                const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+                sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        const __m256 dxv = _mm256_loadu_ps(rt->dx + at);
+        for (int c = 0; c < AVX2_TILE_COLS; c++) {
+            __m256 scale = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[c * blocks + b]));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), scale, acc[c]);
+        }
+        if (mw) {
+            const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
+            for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
+        }
+    }
+    (void)zero;
+    for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
+}
+
+typedef struct {
+    TileKernel kernel;
+    int64_t rows, cols; /* activation rows x outputs per call */
+    int signed_codes;   /* 8-bit codes unpacked as q - 128 */
+} TileShape;
+
+static const TileShape VNNI_TILE = {tile_vnni, VNNI_TILE_ROWS, VNNI_TILE_COLS, 0};
+static const TileShape AVX2_Q4_TILE = {tile_avx2_q4, AVX2_TILE_ROWS, AVX2_TILE_COLS, 0};
+static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1};
+
 /* y [rows, N] through a tile kernel: groups of `cols` outputs are the parallel work items;
  * each unpacks its outputs once and runs every row tile on them. Returns 0 when out of
  * memory (y then incomplete: the caller recomputes it another way). */
-static int gemm_tiled(TileKernel kernel, int64_t tile_rows, int64_t cols, const uint8_t *q, const uint16_t *d,
-                      const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int zero, const int8_t *xq,
-                      const float *dx, const int32_t *xsum, int64_t rows, float *y) {
+static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
+                      int64_t Kp, int bits, int r, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+                      int64_t rows, float *y) {
+    const int64_t tile_rows = shape.rows, cols = shape.cols;
     RowTiles rt;
     if (!row_tiles_init(&rt, tile_rows, xq, dx, xsum, rows, Kp, zero)) {
         row_tiles_free(&rt);
@@ -590,11 +644,11 @@ static int gemm_tiled(TileKernel kernel, int64_t tile_rows, int64_t cols, const 
         for (int64_t g = 0; g < num_groups; g++) {
             if (!codes || !dw) continue;
             const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
-            unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, codes, dw, mw);
+            unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, shape.signed_codes, codes, dw, mw);
             for (int64_t step = 0; step < rt.num_tiles; step++) {
                 /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
                 const int64_t t = g % 2 ? rt.num_tiles - 1 - step : step;
-                kernel(&rt, t, codes, dw, mw, Kp, zero, out);
+                shape.kernel(&rt, t, codes, dw, mw, Kp, zero, out);
                 const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
                 for (int64_t i = 0; i < num; i++)
                     for (int64_t c = 0; c < count; c++) y[(t * tile_rows + i) * N + n0 + c] = out[c * tile_rows + i];
@@ -645,8 +699,7 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
 }
 
 /* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T.
- * isa: a path quant_isa() allows (2, 1 or 0). The AVX-512 VNNI and the AVX2 (4-bit codes)
- * paths take their tiled kernels from tiled_min_rows rows on (quant_tiled_min_rows(isa) by
+ * isa: a path quant_isa() allows (2, 1 or 0). The AVX-512 VNNI and the AVX2 paths take their tiled kernels from tiled_min_rows rows on (quant_tiled_min_rows(isa) by
  * default; other values for benchmarks and tests).
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
  * the tiled kernel out of memory) falls back to the next one down. */
@@ -656,15 +709,14 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
 #ifdef QUANT_X86
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
-            gemm_tiled(tile_vnni, VNNI_TILE_ROWS, VNNI_TILE_COLS, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
+            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
         gemm_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
-        if (bits == 4 && rows >= tiled_min_rows &&
-            gemm_tiled(tile_avx2_q4, AVX2_TILE_ROWS, AVX2_TILE_COLS, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum,
-                       rows, y))
+        if (rows >= tiled_min_rows &&
+            gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
         gemm_avx2(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
         return;

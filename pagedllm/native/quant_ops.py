@@ -69,8 +69,8 @@ def runnable_isas() -> tuple[int, ...]:
 
 
 def tiled_min_rows(path: int | None = None) -> int | None:
-    """Activation rows from which ``path`` (default :func:`isa`) takes its tiled kernel
-    (AVX2: for 4-bit codes); None for the portable path, which has none."""
+    """Activation rows from which ``path`` (default :func:`isa`) takes its tiled kernel;
+    None for the portable path, which has none."""
     assert available(), "call available() first"
     return _tiled_from[_isa if path is None else path] or None
 
