@@ -30,7 +30,7 @@ FORMATS = {
     "Q4_0": (4, 8, 32, False), "Q4_1": (4, 0, 32, True), "Q8_0": (8, 128, 32, False),
     "int4-g128": (4, 0, 128, True), "int8-g64": (8, 128, 64, False),
 }
-ROWS = [1, 3, 4, 9, 17, 40]  # per-row groups of 4 and tails; tiles of 16 and tails
+ROWS = [1, 3, 4, 9, 17, 40]  # per-row: groups of 4 and tails; tiled: tiles of 16 / 8 and tails
 
 
 def _paths() -> list[tuple[int, bool | None]]:
@@ -131,11 +131,11 @@ def test_activation_quantization_is_the_same_bytes_on_every_path(isa, in_feature
 
 
 @pytest.mark.parametrize("isa", [i for i in quant_ops.runnable_isas() if i > 0] if quant_ops.available() else [])
-def test_the_row_counts_above_reach_the_per_row_and_the_tiled_kernels(isa):
-    below = [r for r in ROWS if r < quant_ops.tiled_min_rows(isa)]
-    tiled = [r for r in ROWS if r >= quant_ops.tiled_min_rows(isa)]
-    assert len(below) >= 3 and len(tiled) >= 2  # per-row groups of 4 and a tail; full and partial tiles
-    assert quant_ops.tiled_min_rows(0) is None
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_row_counts_above_reach_the_tiled_kernel_as_dispatched(isa, bits):
+    tiled = [r for r in ROWS if r >= quant_ops.tiled_min_rows(bits, isa)]
+    assert 1 not in tiled and len(tiled) >= 3  # a tile and a partial one, as gemm dispatches them
+    assert quant_ops.tiled_min_rows(bits, 0) is None
 
 
 def test_a_path_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
@@ -175,3 +175,7 @@ def test_kernel_bench_times_each_asked_path(capsys):
     assert all(float(c) > 0 for c in cells[2:])
     with pytest.raises(ConfigError, match="not a kernel path"):
         kernel_bench.main(["--paths", "portable-rows"])
+    with pytest.raises(ConfigError, match="--threads 1"):
+        kernel_bench.main(["--clock", "cpu", "--threads", "2"])
+    assert kernel_bench.main(["--rows", "4", "--shapes", "64x128", "--clock", "cpu", "--paths", "portable"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[2].startswith("| 4 | 64x128 |")

@@ -27,7 +27,8 @@
  *      term) are precomputed per activation row, one reduction per output.
  *   1  AVX2 + FMA (no VNNI): vpmaddubsw + vpmaddwd; 8-bit codes through the
  *      sign trick (|w| times x with w's sign), whose int16 pairs cannot
- *      saturate since |w| <= 128 and |x| <= 127.
+ *      saturate since |w| <= 128 and |x| <= 127 (so 8-bit codes need zero
+ *      128, as Q8_0 and int8 have; any other takes the portable path).
  *   0  portable C, the reference the others are tested against.
  * Many rows (from quant_tiled_min_rows()), paths 2 and 1 take a
  * tiled kernel: the activations are transposed so that one vector holds 4
@@ -677,13 +678,19 @@ int quant_isa(void) {
     return 0;
 }
 
-/* Rows from which a path takes its tiled kernel (chosen by measurement:
- * python -m pagedllm.quant.kernel_bench). */
-#define VNNI_TILED_MIN_ROWS 8
-#define AVX2_TILED_MIN_ROWS 8
+/* Rows from which a path takes its tiled kernel, by measurement (python -m
+ * pagedllm.quant.kernel_bench and the row sweep in docs/benchmarks.md): below them
+ * the per-row kernels, whose vectors hold one row, waste no lanes. */
+#define VNNI_TILED_MIN_ROWS 3
+#define AVX2_Q4_TILED_MIN_ROWS 3
+#define AVX2_Q8_TILED_MIN_ROWS 5
 
-/* isa 2 or 1; 0 for a path without one. */
-int quant_tiled_min_rows(int isa) { return isa == 2 ? VNNI_TILED_MIN_ROWS : isa == 1 ? AVX2_TILED_MIN_ROWS : 0; }
+/* isa 2 or 1, codes of `bits` bits; 0 for the portable path, which has no tiled kernel. */
+int quant_tiled_min_rows(int isa, int bits) {
+    if (isa == 2) return VNNI_TILED_MIN_ROWS;
+    if (isa == 1) return bits == 4 ? AVX2_Q4_TILED_MIN_ROWS : AVX2_Q8_TILED_MIN_ROWS;
+    return 0;
+}
 
 static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
                           int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs, int64_t rows,

@@ -38,7 +38,7 @@ _library: ctypes.CDLL | None = None
 _tried = False
 _isa = 0
 _runnable: tuple[int, ...] = (0,)
-_tiled_from: dict[int, int] = {}  # path -> rows from which it takes its tiled kernel (0: none)
+_tiled_from: dict[tuple[int, int], int] = {}  # (path, bits) -> rows from which it takes its tiled kernel (0: none)
 _FORCED_TILED_FROM = {True: 1, False: 2**62}  # the same for gemm(tiled=True / False)
 
 
@@ -68,11 +68,11 @@ def runnable_isas() -> tuple[int, ...]:
     return _runnable
 
 
-def tiled_min_rows(path: int | None = None) -> int | None:
-    """Activation rows from which ``path`` (default :func:`isa`) takes its tiled kernel;
-    None for the portable path, which has none."""
+def tiled_min_rows(bits: int, path: int | None = None) -> int | None:
+    """Activation rows from which ``path`` (default :func:`isa`) takes its tiled kernel for
+    ``bits``-bit codes; None for the portable path, which has none."""
     assert available(), "call available() first"
-    return _tiled_from[_isa if path is None else path] or None
+    return _tiled_from[(_isa if path is None else path, bits)] or None
 
 
 def requested_isa(best: int) -> int:
@@ -102,7 +102,7 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("native quantized kernels unavailable (%s); quantized layers use their dequantized weight", exc)
         return None
     _runnable = tuple(range(library.quant_isa() + 1))
-    _tiled_from = {path: library.quant_tiled_min_rows(path) for path in _runnable}
+    _tiled_from = {(path, bits): library.quant_tiled_min_rows(path, bits) for path in _runnable for bits in (4, 8)}
     _isa = requested_isa(_runnable[-1])  # a bad PAGEDLLM_QUANT_ISA is the user's to fix: raise
     logger.debug("native quantized kernels: %s path", ISA_NAMES[_isa])
     return library
@@ -114,7 +114,7 @@ def build_library() -> ctypes.CDLL:
     c_int = ctypes.c_int
     library.quant_isa.restype = library.quant_tiled_min_rows.restype = c_int
     library.quant_isa.argtypes = []
-    library.quant_tiled_min_rows.argtypes = [c_int]
+    library.quant_tiled_min_rows.argtypes = [c_int, c_int]
     library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, i32, p, p, p, p, p]
     library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, p, i64, p]
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
@@ -174,7 +174,7 @@ def gemm(
     out_features = qweight.shape[0]
     y = torch.empty((rows, out_features), dtype=torch.float32)
     done = _library.quant_linear(
-        path, _tiled_from[path] if tiled is None else _FORCED_TILED_FROM[tiled], x.data_ptr(), rows, in_features,
+        path, _tiled_from[(path, bits)] if tiled is None else _FORCED_TILED_FROM[tiled], x.data_ptr(), rows, in_features,
         qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
         out_features, padded_in, bits, group_size // 32, zero, y.data_ptr(),
     )

@@ -2,11 +2,11 @@
 
 ``python -m pagedllm.quant.kernel_bench [--threads 1] [--rows 1,64] [--paths ...]``
 prints one markdown row per (rows, matrix) at the default model's shapes:
-best-of-20 milliseconds of dense float32 (oneDNN, packed weight), the native
+best-of-20 milliseconds (``--clock wall``, or ``cpu``: the thread's CPU time) of dense float32 (oneDNN, packed weight), the native
 Q4 and Q8 kernels (g32) on each path of ``--paths`` (``avx512-vnni``,
 ``avx2``: the dispatch the layers use, tiled kernel from ``tiled_min_rows()``
-rows; ``avx512-vnni-rows``, ``avx2-rows``: the per-row kernel at every row
-count; ``portable``), and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` /
+rows; ``avx512-vnni-rows``, ``avx2-rows``: the per-row kernel, ``-tiled``:
+the tiled kernel, at every row count; ``portable``), and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` /
 ``_weight_int8pack_mm`` on bfloat16 activations (random codes: only the time
 is compared). Every figure of a row comes from the same process, one after
 the other.
@@ -24,7 +24,12 @@ from pagedllm.native import quant_ops
 from pagedllm.quant import quantize_rtn
 
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # (out, in)
-ROWS_PER_KERNEL = "-rows"  # path suffix: the AVX-512 VNNI / AVX2 per-row kernel at any row count
+# path suffix -> gemm's tiled=: as dispatched, the per-row or the tiled kernel at any row count
+KERNEL_SUFFIXES = {"": None, "-rows": False, "-tiled": True}
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+_clock = time.perf_counter  # main() sets it from --clock
 
 
 def best_ms(fn, repeats: int = 20) -> float:
@@ -32,9 +37,9 @@ def best_ms(fn, repeats: int = 20) -> float:
         fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = _clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, _clock() - start)
     return 1000 * best
 
 
@@ -43,19 +48,20 @@ def parse_paths(text: str) -> list[tuple[str, int, bool | None]]:
     by_name = {name: isa for isa, name in quant_ops.ISA_NAMES.items()}
     paths = []
     for name in (part.strip() for part in text.split(",") if part.strip()):
-        base = name.removesuffix(ROWS_PER_KERNEL)
-        if base not in by_name or (name != base and base == "portable"):
-            raise ConfigError(f"--paths: {name!r} is not a kernel path; use {', '.join(by_name)}, "
-                              f"avx512-vnni-rows or avx2-rows")
+        suffix = next((s for s in KERNEL_SUFFIXES if s and name.endswith(s)), "")
+        base = name.removesuffix(suffix) if suffix else name
+        if base not in by_name or (suffix and base == "portable"):
+            raise ConfigError(f"--paths: {name!r} is not a kernel path; use {', '.join(by_name)}, or "
+                              f"avx512-vnni / avx2 with {' or '.join(s for s in KERNEL_SUFFIXES if s)}")
         if by_name[base] not in quant_ops.runnable_isas():
             raise ConfigError(f"--paths: this CPU does not run {base}")
-        paths.append((name, by_name[base], None if name == base else False))
+        paths.append((name, by_name[base], KERNEL_SUFFIXES[suffix]))
     return paths
 
 
 def default_paths() -> str:
     best = quant_ops.ISA_NAMES[quant_ops.isa()]
-    return f"{best},{best}{ROWS_PER_KERNEL}" if quant_ops.isa() > 0 else best
+    return f"{best},{best}-rows" if quant_ops.isa() > 0 else best
 
 
 def header(paths: list[tuple[str, int, bool | None]]) -> str:
@@ -94,7 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated native paths (default: the best this CPU runs and its "
                              "per-row kernel)")
     parser.add_argument("--shapes", default=None, help="comma-separated OUTxIN matrices (default: the model's)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: this thread's CPU time, which a machine shared with "
+                             "other jobs does not inflate (only with --threads 1: other threads' work is not counted)")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        raise ConfigError("--clock cpu counts the calling thread only: use it with --threads 1")
+    global _clock
+    _clock = CLOCKS[args.clock]
     if not quant_ops.available():
         raise ConfigError("the native quantized kernels are not available (no C compiler?)")
     torch.set_num_threads(args.threads)
