@@ -682,7 +682,7 @@ int quant_isa(void) {
  * pagedllm.quant.kernel_bench and the row sweep in docs/benchmarks.md): below them
  * the per-row kernels, whose vectors hold one row, waste no lanes. */
 #define VNNI_TILED_MIN_ROWS 3
-#define AVX2_Q4_TILED_MIN_ROWS 3
+#define AVX2_Q4_TILED_MIN_ROWS 4
 #define AVX2_Q8_TILED_MIN_ROWS 5
 
 /* isa 2 or 1, codes of `bits` bits; 0 for the portable path, which has no tiled kernel. */
