@@ -147,7 +147,8 @@ void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int6
     _Pragma("omp parallel for schedule(static) if(rows >= 8)")
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * K;
-        ActivationRow out = {xq + r * Kp, dx + r * (Kp / 4), xs + r * (Kp / 4), xcorr + r * (Kp / 4), xsum + r * (Kp / 32)};
+        ActivationRow out = {xq + r * Kp, dx + r * (Kp / 4), xs + r * (Kp / 4), xcorr + r * (Kp / 4),
+                             xsum + r * (Kp / 32)};
 #ifdef QUANT_X86
         if (isa >= 1) {
             quantize_row_avx2(xr, K, Kp, zero, out);
@@ -271,7 +272,7 @@ TARGET_VNNI static void dot4_vnni(const uint8_t *qrow, const uint16_t *drow, con
     for (int i = 0; i < 4; i++) out[i * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
 }
 
-TARGET_VNNI static void gemm_vnni(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
+TARGET_VNNI static void gemm_rows_vnni(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
                                   int bits, int r, int zero, const int8_t *xq, const float *dx, const float *xs,
                                   const int32_t *xcorr, int64_t rows, float *y) {
     /* scale_index[j]: lanes 0-7 take the scale of block 2j of the chunk, lanes 8-15 of block 2j + 1 */
@@ -365,7 +366,8 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_scales(const uint16_
     }
     const int64_t num = blocks / r;
     int64_t j = 0;
-    for (; j + 8 <= num; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j))));
+    for (; j + 8 <= num; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j))));
     for (; j < num; j++) out[j] = _cvtsh_ss(row[j]);
     for (int64_t b = blocks - 1; r > 1 && b >= 0; b--) out[b] = out[b / r]; /* in place: b / r <= b */
 }
@@ -389,13 +391,15 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_
         } else if (bits == 8) {
             const uint8_t *src = q + (n0 + c) * row_bytes;
             for (int64_t k = 0; k < Kp; k += 32)
-                _mm256_storeu_si256((__m256i *)(dst + k), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + k)), flip));
+                _mm256_storeu_si256((__m256i *)(dst + k),
+                                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + k)), flip));
         } else {
             const uint8_t *src = q + (n0 + c) * row_bytes;
             for (int64_t g = 0; g < Kp / 64; g++) {
                 __m256i packed = _mm256_loadu_si256((const __m256i *)(src + g * 32));
                 _mm256_storeu_si256((__m256i *)(dst + g * 64), _mm256_and_si256(packed, low4));
-                _mm256_storeu_si256((__m256i *)(dst + g * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
+                _mm256_storeu_si256((__m256i *)(dst + g * 64 + 32),
+                                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
             }
         }
         unpack_scales(c < count ? d + (n0 + c) * scales_per_row : 0, blocks, r, dw + c * blocks);
@@ -435,7 +439,8 @@ TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *
         }
         if (mw) {
             const __m512 xsv = _mm512_loadu_ps(rt->xs + at);
-            for (int c = 0; c < VNNI_TILE_COLS; c++) acc[c] = _mm512_fmadd_ps(xsv, _mm512_set1_ps(mw[c * blocks + b]), acc[c]);
+            for (int c = 0; c < VNNI_TILE_COLS; c++)
+                acc[c] = _mm512_fmadd_ps(xsv, _mm512_set1_ps(mw[c * blocks + b]), acc[c]);
         }
     }
     for (int c = 0; c < VNNI_TILE_COLS; c++) _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, acc[c]);
@@ -497,14 +502,17 @@ TARGET_AVX2 static inline void dots_avx2(const uint8_t *qrow, const uint16_t *dr
                 __m256i sums = block_lanes_avx2(w[h], x, bits, zero, xcorr + i * lanes + 8 * b);
                 __m256 scale = _mm256_set1_ps(dx[i * lanes + 8 * b] * dw);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i]);
-                if (mrow) acc_min[i] = _mm256_fmadd_ps(_mm256_set1_ps(mw), _mm256_loadu_ps(xs + i * lanes + 8 * b), acc_min[i]);
+                if (mrow) {
+                    __m256 lane_xs = _mm256_loadu_ps(xs + i * lanes + 8 * b);
+                    acc_min[i] = _mm256_fmadd_ps(_mm256_set1_ps(mw), lane_xs, acc_min[i]);
+                }
             }
         }
     }
     for (int i = 0; i < rows_n; i++) out[i * out_stride] = hsum_avx2(_mm256_add_ps(acc[i], acc_min[i]));
 }
 
-TARGET_AVX2 static void gemm_avx2(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
+TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
                                   int bits, int r, int zero, const int8_t *xq, const float *dx, const float *xs,
                                   const int32_t *xcorr, int64_t rows, float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, lanes = Kp / 4;
@@ -564,7 +572,8 @@ TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_
         }
         if (mw) {
             const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
-            for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
+            for (int c = 0; c < AVX2_TILE_COLS; c++)
+                acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
         }
     }
     for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
@@ -601,7 +610,8 @@ TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_
         }
         if (mw) {
             const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
-            for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
+            for (int c = 0; c < AVX2_TILE_COLS; c++)
+                acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
         }
     }
     (void)zero;
@@ -706,26 +716,27 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
 }
 
 /* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T.
- * isa: a path quant_isa() allows (2, 1 or 0). The AVX-512 VNNI and the AVX2 paths take their tiled kernels from tiled_min_rows rows on (quant_tiled_min_rows(isa) by
+ * isa: a path quant_isa() allows (2, 1 or 0). The AVX-512 VNNI and the AVX2 paths take
+ * their tiled kernels from tiled_min_rows rows on (quant_tiled_min_rows(isa, bits) by
  * default; other values for benchmarks and tests).
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
  * the tiled kernel out of memory) falls back to the next one down. */
-void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
-                int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs,
+void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
+                int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs,
                 const int32_t *xcorr, const int32_t *xsum, int64_t rows, float *y) {
 #ifdef QUANT_X86
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
             gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
-        gemm_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
+        gemm_rows_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
         if (rows >= tiled_min_rows &&
             gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
-        gemm_avx2(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
+        gemm_rows_avx2(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
         return;
     }
 #endif
@@ -737,8 +748,9 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
 
 /* quantize_activations then quant_gemm, scratch from the heap: one call per matmul.
  * Returns 0 when out of memory (y not written). */
-int quant_linear(int isa, int64_t tiled_min_rows, const float *x, int64_t rows, int64_t K, const uint8_t *q, const uint16_t *d,
-                 const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero, float *y) {
+int quant_linear(int isa, int64_t tiled_min_rows, const float *x, int64_t rows, int64_t K, const uint8_t *q,
+                 const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero,
+                 float *y) {
     const int64_t lanes = Kp / 4, blocks = Kp / 32;
     char *scratch = malloc((size_t)(rows * Kp + rows * lanes * 12 + rows * blocks * 4));
     if (!scratch) return 0;

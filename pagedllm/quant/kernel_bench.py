@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -78,8 +79,8 @@ def row(rows: int, out_features: int, in_features: int, paths: list[tuple[str, i
     q4, q8 = quantize_rtn(w, 4, 32), quantize_rtn(w, 8, 32)
     for _, isa, tiled in paths:
         for q in (q4, q8):
-            args = q._kernel_args()
-            times.append(best_ms(lambda: quant_ops.gemm(x, *args, isa_override=isa, tiled=tiled)))
+            call = partial(quant_ops.gemm, x, *q._kernel_args(), isa_override=isa, tiled=tiled)
+            times.append(best_ms(call))
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32)
     int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scale_zero = torch.randn(in_features // 32, out_features, 2).bfloat16()
