@@ -179,3 +179,16 @@ def test_kernel_bench_times_each_asked_path(capsys):
         kernel_bench.main(["--clock", "cpu", "--threads", "2"])
     assert kernel_bench.main(["--rows", "4", "--shapes", "64x128", "--clock", "cpu", "--paths", "portable"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[2].startswith("| 4 | 64x128 |")
+
+
+def test_every_path_gives_the_same_bits_on_two_threads():
+    weight = _exact_weight("Q4_1", 301, 576, seed=7)  # 301 x 576 x 40: large enough to run in parallel
+    x = _exact_activations(40, 576, seed=8)
+    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+    torch.set_num_threads(2)
+    try:
+        for isa, tiled in PATHS:
+            got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=isa, tiled=tiled)
+            assert torch.equal(got, portable), (isa, tiled)
+    finally:
+        torch.set_num_threads(1)
