@@ -740,6 +740,7 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
         return;
     }
 #endif
+    (void)isa; /* without x86, every path is the portable one */
     (void)tiled_min_rows;
     (void)xcorr;
     (void)xsum;
