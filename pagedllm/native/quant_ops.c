@@ -498,16 +498,21 @@ TARGET_AVX2 static inline void dots_avx2(const uint8_t *qrow, const uint16_t *dr
             const int64_t b = 2 * g + h;
             const float dw = _cvtsh_ss(drow[b / r]), mw = mrow ? _cvtsh_ss(mrow[b / r]) : 0.0f;
             for (int i = 0; i < rows_n; i++) {
+                const int slot = rows_n == 1 ? h : i; /* one row: two chains of additions, not one */
                 __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * Kp + 32 * b));
                 __m256i sums = block_lanes_avx2(w[h], x, bits, zero, xcorr + i * lanes + 8 * b);
                 __m256 scale = _mm256_set1_ps(dx[i * lanes + 8 * b] * dw);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i]);
+                acc[slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[slot]);
                 if (mrow) {
                     __m256 lane_xs = _mm256_loadu_ps(xs + i * lanes + 8 * b);
-                    acc_min[i] = _mm256_fmadd_ps(_mm256_set1_ps(mw), lane_xs, acc_min[i]);
+                    acc_min[slot] = _mm256_fmadd_ps(_mm256_set1_ps(mw), lane_xs, acc_min[slot]);
                 }
             }
         }
+    }
+    if (rows_n == 1) {
+        out[0] = hsum_avx2(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc_min[0], acc_min[1])));
+        return;
     }
     for (int i = 0; i < rows_n; i++) out[i * out_stride] = hsum_avx2(_mm256_add_ps(acc[i], acc_min[i]));
 }
