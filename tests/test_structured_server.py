@@ -210,6 +210,18 @@ def test_auto_calls_are_what_the_raw_completion_says(client):
     assert [(c.name, json.loads(c.arguments)) for c in raw_calls] == _calls(chat.tool_calls)
     assert content == chat.content
 
+
+def test_a_finished_grammar_ends_before_min_tokens(client):
+    """min_tokens cannot outlast a choice: the answer ends as the grammar does (200, "stop"),
+    streamed or not, rather than failing late."""
+    request = dict(model="default", prompt="Is the sky blue? Answer:", max_tokens=20, temperature=0,
+                   extra_body={"min_tokens": 10, "structured_outputs": {"choice": ["yes", "no"]}})
+    choice = client.completions.create(**request).choices[0]
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    chunks = list(client.completions.create(**request, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -7,7 +7,7 @@ grammar are not listed in ``rows`` and their logits are left untouched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,14 @@ class GrammarMask:
             bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=self.rows)
         return logits
+
+    def allows_only(self, row: int, token_ids: Collection[int], vocab_size: int) -> bool:
+        """Whether ``row`` of the batch allows no token outside ``token_ids`` (of the first ``vocab_size``)."""
+        words = self.bitmask[row]  # [ceil(vocab / 32)] int32
+        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1  # [words, 32]; bit j of word w
+        allowed = bits.flatten()[:vocab_size].bool()  # [vocab]
+        allowed[[t for t in token_ids if 0 <= t < vocab_size]] = False
+        return not bool(allowed.any())
 
 
 def grammar_mask(states: Sequence[GrammarState | None], vocab_size: int) -> GrammarMask | None:
