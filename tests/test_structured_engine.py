@@ -302,7 +302,7 @@ def test_bench_mask_clock_times_the_hooks_the_engine_really_calls(llm):
     finally:
         clock.uninstall()
     assert clock.num_steps >= 8 and clock.num_rows >= clock.num_steps
-    assert clock.fill_s > 0 and clock.apply_s > 0 and clock.accept_s > 0
+    assert clock.fill_s > 0 and clock.pack_s > 0 and clock.apply_s > 0 and clock.accept_s > 0
     steps = clock.num_steps
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, structured_outputs=_schema()), use_tqdm=False)
     assert clock.num_steps == steps  # uninstalled: nothing counts any more
