@@ -387,8 +387,11 @@ def llamacpp_gguf(model: str | None) -> Path:
 
 
 def bench_threads(num_threads: int | None) -> int:
-    """The thread count every backend of a comparison gets: --num-threads, else this process's CPUs."""
-    return num_threads or len(os.sched_getaffinity(0))
+    """The thread count every backend of a comparison gets: --num-threads, else pagedllm's
+    default (one per CPU of this process's affinity mask)."""
+    from pagedllm.native.threads import allowed_cpus
+
+    return num_threads or allowed_cpus()
 
 
 def run_llamacpp(workload, python: str, model: str | None, num_threads: int | None, num_slots: int):
@@ -454,6 +457,9 @@ class _LlamaCppRunner:
         ctx_params.n_seq_max = num_slots
         ctx_params.n_batch = ctx_params.n_ubatch = batch_tokens
         ctx_params.n_threads = ctx_params.n_threads_batch = num_threads
+        # One KV buffer for all sequences: llama.cpp then batches a prompt with other
+        # sequences' decode tokens in one ubatch (its split per-sequence cache would not).
+        ctx_params.kv_unified = True
         self.ctx = lc.llama_init_from_model(self.model, ctx_params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
