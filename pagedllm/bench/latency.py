@@ -19,7 +19,12 @@ import sys
 import time
 
 from pagedllm.bench import report
-from pagedllm.bench.throughput import PEER_PYTHON_ENV, add_llamacpp_arguments, dtype_name, llamacpp_available
+from pagedllm.bench.throughput import (
+    PEER_PYTHON_ENV,
+    add_llamacpp_arguments,
+    dtype_name,
+    llamacpp_available,
+)
 from pagedllm.bench.workloads import WARMUP_OUTPUT_LEN, random_workload, warmup_prompts
 
 

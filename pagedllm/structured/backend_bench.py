@@ -186,7 +186,7 @@ def walk_one_row(backend: Backend, compiled, walk: Walk) -> dict:
         fills.append(_ms(seconds))
         if not _allowed(bitmask, 0, token_id):
             raise AssertionError(f"{backend.name}: token {token_id} at position {position} of a valid document is masked")
-        ok, seconds = _timed(lambda: backend.accept(matcher, token_id))
+        ok, seconds = _timed(lambda t=token_id: backend.accept(matcher, t))
         accepts.append(_ms(seconds))
         if not ok:
             raise AssertionError(f"{backend.name}: token {token_id} at position {position} was not accepted")
