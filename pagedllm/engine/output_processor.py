@@ -179,7 +179,8 @@ class OutputProcessor:
         self._check_stop(request, seq, token, stop_str)
 
     def _fail_grammar(self, request: Request, seq: Sequence, token: int) -> None:
-        """A token the grammar forbids was drawn (e.g. min_tokens banned the only allowed stop)."""
+        """A token the grammar forbids was drawn: a safety net; the sampler never leaves a constrained row
+        without an allowed token (a finished grammar wins over the min_tokens ban)."""
         request.error = f"token {token} is not allowed by the request's structured_outputs grammar"
         seq.finish_reason = FinishReason.ERROR
         seq.grammar = None

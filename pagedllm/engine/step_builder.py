@@ -19,7 +19,7 @@ from pagedllm.engine.beam import stop_ids as beam_stop_ids
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Request, Sequence
 from pagedllm.step import NewSequence, ScheduledSeq, StepInput
-from pagedllm.structured.bitmask import grammar_mask
+from pagedllm.structured import bitmask
 
 
 def _signed_words(words: list[int]) -> list[int]:
@@ -53,8 +53,15 @@ class StepBuilder:
     def build(self, out: SchedulerOutput) -> StepInput:
         step = StepInput(step_id=next(self._step_ids), memory_ops=list(out.memory_ops))
         step.finished_seq_ids = self._drain_freed()
+        constrained: list[tuple[ScheduledSeq, Request, Sequence]] = []
         for chunk, (request, seq) in zip(out.chunks, out.entries):
-            step.scheduled.append(self._scheduled(step, chunk, request, seq))
+            scheduled = self._scheduled(step, chunk, request, seq)
+            step.scheduled.append(scheduled)
+            if chunk.needs_logits and seq.grammar is not None:
+                constrained.append((scheduled, request, seq))
+        rows = self._allowed_tokens([(request, seq) for _, request, seq in constrained])
+        for (scheduled, _, _), row in zip(constrained, rows):
+            scheduled.allowed_token_bitmask = row
         return step
 
     def _drain_freed(self) -> list[int]:
@@ -89,8 +96,6 @@ class StepBuilder:
         return scheduled
 
     def _plan_sampling(self, scheduled: ScheduledSeq, request: Request, seq: Sequence, position: int) -> None:
-        if seq.grammar is not None:
-            scheduled.allowed_token_bitmask = self._allowed_tokens(request, seq)
         if request.is_beam_search:
             scheduled.num_beam_candidates = 2 * request.params.beam_width
             return
@@ -103,22 +108,31 @@ class StepBuilder:
         if not self.send_sampled_tokens:
             self._sampled_at[seq.seq_id] = position
 
-    def grammar_masks(self, out: SchedulerOutput) -> dict[int, list[int]]:
+    def grammar_masks(self, out: SchedulerOutput) -> dict[int, bytes]:
         """Bitmask rows of the step's constrained sequences that are still live (seq_id -> row)."""
-        return {
-            seq.seq_id: self._allowed_tokens(request, seq)
-            for chunk, (request, seq) in zip(out.chunks, out.entries)
+        live = [
+            (request, seq) for chunk, (request, seq) in zip(out.chunks, out.entries)
             if chunk.needs_logits and seq.grammar is not None and not seq.is_finished
-        }
+        ]
+        return {seq.seq_id: row for (_, seq), row in zip(live, self._allowed_tokens(live))}
 
-    def _allowed_tokens(self, request: Request, seq: Sequence) -> list[int]:
-        """The grammar's bitmask row for ``seq``'s next token; a beam at its length limit
-        may take only a stop token the grammar accepts (a complete match, not a cut one)."""
-        row = grammar_mask([seq.grammar], self.vocab_size).bitmask[0]  # [ceil(vocab / 32)] int32
-        if request.is_beam_search and beam_at_limit(request, seq, self.max_model_len):
-            words = [0] * row.shape[0]
-            for token in beam_stop_ids(request.params, self.eos_token_ids):
-                if 0 <= token < self.vocab_size:
-                    words[token // 32] |= 1 << (token % 32)
-            row = row & torch.tensor(_signed_words(words), dtype=torch.int32)
-        return row.tolist()
+    def _allowed_tokens(self, entries: list[tuple[Request, Sequence]]) -> list[bytes]:
+        """The grammar's bitmask row for each sequence's next token, filled together; a beam
+        at its length limit may take only a stop token the grammar accepts (a complete match,
+        not a cut one)."""
+        if not entries:
+            return []
+        rows = bitmask.fill_rows([seq.grammar for _, seq in entries], self.vocab_size)
+        for i, (request, seq) in enumerate(entries):
+            if request.is_beam_search and beam_at_limit(request, seq, self.max_model_len):
+                rows[i] = self._only_stops(request, rows[i])
+        return rows
+
+    def _only_stops(self, request: Request, row: bytes) -> bytes:
+        """``row`` with every token but the request's stop tokens cleared."""
+        words = [0] * bitmask.num_words(self.vocab_size)
+        for token in beam_stop_ids(request.params, self.eos_token_ids):
+            if 0 <= token < self.vocab_size:
+                words[token // 32] |= 1 << (token % 32)
+        stops = torch.tensor(_signed_words(words), dtype=torch.int32)
+        return (torch.frombuffer(bytearray(row), dtype=torch.int32) & stops).numpy().tobytes()

@@ -53,7 +53,7 @@ from pagedllm.step import (
     StepInput,
     StepResult,
 )
-from pagedllm.structured.bitmask import GrammarMask
+from pagedllm.structured.bitmask import GrammarMask, mask_from_rows
 from pagedllm.worker.input_batch import BatchChunk, InputBatch, SeqState
 
 logger = logging.getLogger("pagedllm")
@@ -88,7 +88,7 @@ class _Job:
     sample_index: int
     state: SeqState  # the sequence whose chunk produced the row (a fork's parent)
     row: int
-    allowed_token_bitmask: list[int] | None = None  # the grammar's, when constrained
+    allowed_token_bitmask: bytes | None = None  # the grammar's row (pagedllm.structured.bitmask), when constrained
 
 
 @dataclass
@@ -396,8 +396,8 @@ class Worker:
         row = logits.float() / temperature if temperature > 0 else logits.float()
         log_probs = torch.log_softmax(row, dim=-1)  # [vocab]
         if sched.allowed_token_bitmask is not None:  # not renormalised: a hypothesis keeps the model's logprob
-            bitmask = torch.tensor([sched.allowed_token_bitmask], dtype=torch.int32)
-            log_probs = GrammarMask(bitmask, [0]).apply(log_probs.unsqueeze(0).contiguous())[0]
+            mask = mask_from_rows([sched.allowed_token_bitmask], log_probs.shape[0])
+            log_probs = mask.apply(log_probs.unsqueeze(0).contiguous())[0]
         values, ids = torch.topk(log_probs, min(sched.num_beam_candidates, log_probs.shape[0]))
         return BeamCandidates(sched.seq_id, ids.tolist(), values.tolist())
 
@@ -461,13 +461,7 @@ def _disk_tier_out(source: list[torch.Tensor], pairs: list[tuple[int, int]], dis
 
 def _grammar_mask(jobs: list[_Job], vocab_size: int) -> GrammarMask | None:
     """One bitmask for the jobs' rows; None when no row is constrained."""
-    rows = [i for i, job in enumerate(jobs) if job.allowed_token_bitmask is not None]
-    if not rows:
-        return None
-    bitmask = torch.full((len(jobs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for i in rows:
-        bitmask[i] = torch.tensor(jobs[i].allowed_token_bitmask, dtype=torch.int32)
-    return GrammarMask(bitmask, rows)
+    return mask_from_rows([job.allowed_token_bitmask for job in jobs], vocab_size)
 
 
 def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
