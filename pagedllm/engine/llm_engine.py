@@ -38,11 +38,6 @@ from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults a
 
 logger = logging.getLogger("pagedllm")
 
-# Holds the place of a token still being drawn on the device, for the
-# scheduler's counts; never sent to the worker (which feeds the real token
-# from the device) and replaced once read.
-_PLACEHOLDER_TOKEN = 0
-
 
 _DEFERRED = object()  # _launch_ahead ran the forward pass only (see Worker.forward_only)
 
@@ -390,13 +385,13 @@ class LLMEngine:
     # The host schedules and launches step N+1 before it reads step N's
     # tokens, so building inputs and launching kernels overlap the device's
     # work and the wait for N's tokens is (mostly) over by the time they are
-    # read. Each sequence that draws a token in N gets a placeholder at the
-    # end of its token_ids (for the scheduler's counts only: the step message
-    # says the worker holds that token, and the worker feeds it from N's
-    # output on the device); the placeholder is filled when N's tokens are
-    # read, in the same step() call: between calls token_ids hold no
-    # placeholder. Stop conditions are seen one step late; a sequence that
-    # stopped in N has computed one position in N+1 that nobody reads.
+    # read. Each sequence that draws a token in N counts it as pending
+    # (Sequence.num_pending_tokens: its position is scheduled, its id is in
+    # no token list; the step message says the worker holds that token, and
+    # the worker feeds it from N's output on the device); it becomes a known
+    # token when N's tokens are read, in the same step() call: between calls
+    # no token is pending. Stop conditions are seen one step late; a sequence
+    # that stopped in N has computed one position in N+1 that nobody reads.
     #
     # Only the steady decode state runs ahead: every running sequence drew a
     # token in N, none needs the host between steps (can_sample_ahead), and
@@ -422,10 +417,8 @@ class LLMEngine:
             current = LaunchedStep(self.processor.launched_jobs(out))
         ahead = self._launch_ahead(current, touched)
         touched.update((r.request_id, r) for r in self.processor.finish_launched(current.jobs, self.executor.collect()))
-        for _, seq in current.jobs:  # a request the scheduler failed above still holds its placeholder
-            if seq.awaits_token:
-                seq.token_ids.pop()
-                seq.awaits_token = False
+        for _, seq in current.jobs:  # a request the scheduler failed above never read its pending token
+            seq.num_pending_tokens = 0
         if ahead is not None:
             out, result, launched = ahead
             self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are real now
@@ -460,15 +453,14 @@ class LLMEngine:
         if not growing:
             return None
         for seq in growing:
-            seq.token_ids.append(_PLACEHOLDER_TOKEN)
-            seq.awaits_token = True
+            seq.num_pending_tokens = 1
         out = scheduler.schedule()
         touched.update((r.request_id, r) for r in out.failed)
         if out.is_empty:
             return None
         step = self.steps.build(out)
         self.num_overlapped_steps += 1
-        if any(seq.grammar is not None and seq.awaits_token for _, seq in out.entries):
+        if any(seq.grammar is not None and seq.num_pending_tokens for _, seq in out.entries):
             # a grammar's mask needs the token still being drawn: sample once it is read
             self.executor.forward_only(step)
             return out, _DEFERRED, None

@@ -108,7 +108,7 @@ class OutputProcessor:
         for chunk, (request, seq) in zip(out.chunks, out.entries):
             if chunk.all_logits or not can_sample_ahead(request):
                 return False
-            if seq.grammar is not None and seq.awaits_token:
+            if seq.grammar is not None and seq.num_pending_tokens:
                 return False  # its mask needs the token still being drawn
             has_job = has_job or (chunk.needs_logits and not seq.is_finished and not request.is_finished)
         return has_job
@@ -161,13 +161,10 @@ class OutputProcessor:
 
     def _accept(self, request: Request, seq: Sequence, sampled: SampledToken) -> None:
         token = sampled.token_id
-        if seq.awaits_token:
-            # The next step was scheduled before this token was read; it holds
-            # the token's place (LLMEngine's overlapped steps).
-            seq.token_ids[-1] = token
-            seq.awaits_token = False
-        else:
-            seq.token_ids.append(token)
+        seq.token_ids.append(token)
+        if seq.num_pending_tokens:
+            # The next step was scheduled before this token was read (LLMEngine's overlapped steps).
+            seq.num_pending_tokens -= 1
         seq.cumulative_logprob += sampled.logprob
         self.count_new_tokens(request, 1)
         if seq.logprobs is not None:

@@ -42,11 +42,19 @@ class ScheduledChunk:
     """New tokens of one sequence for this step (plain data for the runner)."""
 
     seq_id: int
-    token_ids: list[int]  # the tokens whose KV is computed this step
-    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    token_ids: list[int]  # the known tokens whose KV is computed this step
+    start_pos: int  # position of the chunk's first token == num_computed_tokens before the step
     block_table: list[int]
     needs_logits: bool  # the chunk completes the sequence: sample from its last position
     all_logits: bool = False  # logits at every position (prompt logprobs)
+    # Tokens after token_ids that are drawn on the device and not read yet
+    # (an overlapped step): the worker feeds them from its own output.
+    num_pending_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions computed this step: start_pos .. start_pos + num_tokens - 1."""
+        return len(self.token_ids) + self.num_pending_tokens
 
 
 @dataclass
@@ -180,7 +188,7 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(budget, out)
         self._drain_tier_ops(out)
-        out.num_batched_tokens = sum(len(c.token_ids) for c in out.chunks)
+        out.num_batched_tokens = sum(c.num_tokens for c in out.chunks)
         return out
 
     def _drain_tier_ops(self, out: SchedulerOutput) -> None:
@@ -194,11 +202,16 @@ class Scheduler:
         out.add_memory_op(kind, pairs)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
-        """The forward pass ran: advance computed counts and publish full blocks to the prefix cache."""
+        """The forward pass ran: advance computed counts and publish full blocks to the prefix cache.
+
+        Call once the step's pending tokens are known (a live sequence has none): the
+        blocks are hashed over their token ids.
+        """
         bm = self.block_manager
         for chunk, (_, seq) in zip(out.chunks, out.entries):
-            seq.num_computed_tokens += len(chunk.token_ids)
+            seq.num_computed_tokens += chunk.num_tokens
             if bm.has_seq(seq.seq_id):
+                assert seq.num_pending_tokens == 0, "a computed block is hashed over known tokens only"
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     # ---- running ----------------------------------------------------------
@@ -288,8 +301,7 @@ class Scheduler:
             return False
         seq = seqs[0]
         start = seq.num_computed_tokens
-        token_ids = seq.token_ids
-        if seq.finish_reason is not None or len(token_ids) != start + 1:
+        if seq.finish_reason is not None or seq.num_tokens != start + 1:
             return False
         block_table = self.block_manager.append_slot_in_place(seq.seq_id, start)
         if block_table is None:
@@ -297,7 +309,10 @@ class Scheduler:
         want_prompt_logprobs = (
             start < seq.prompt_len and not request.is_beam_search and request.params.prompt_logprobs is not None
         )
-        out.chunks.append(ScheduledChunk(seq.seq_id, token_ids[start:], start, block_table, True, want_prompt_logprobs))
+        out.chunks.append(ScheduledChunk(
+            seq.seq_id, seq.token_ids[start:], start, block_table, True, want_prompt_logprobs,
+            num_pending_tokens=seq.num_pending_tokens,
+        ))
         out.entries.append((request, seq))
         return True
 
@@ -313,7 +328,8 @@ class Scheduler:
             if extra > 0:
                 self._add_ops(out, MemoryOpKind.COPY, bm.append_slots(seq.seq_id, extra))
             start = seq.num_computed_tokens
-            complete = start + num_new == seq.num_tokens
+            end = start + num_new
+            complete = end == seq.num_tokens
             want_prompt_logprobs = (
                 start < seq.prompt_len  # first: a decode step needs no further checks
                 and not request.is_beam_search
@@ -322,11 +338,12 @@ class Scheduler:
             out.chunks.append(
                 ScheduledChunk(
                     seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[start : start + num_new],
+                    token_ids=seq.token_ids[start:end],
                     start_pos=start,
                     block_table=bm.get_block_table(seq.seq_id),
                     needs_logits=complete,
                     all_logits=want_prompt_logprobs,
+                    num_pending_tokens=max(0, end - len(seq.token_ids)),
                 )
             )
             out.entries.append((request, seq))

@@ -4,6 +4,11 @@ A sequence is a token list whose KV is computed up to ``num_computed_tokens``;
 the scheduler's only question about it is how far that count lags behind
 ``num_tokens``. There are no prefill/decode phases: a fresh prompt, a later
 chunk, a recompute after preemption and a decode step are all "catch up".
+
+``num_tokens`` counts the tokens the sequence has, known or not: inside an
+overlapped engine step a token may still be being drawn on the device
+(``num_pending_tokens``); its id is not known yet, so it is in no token list,
+hash, detokenizer or stop check, but its position is scheduled.
 """
 
 from __future__ import annotations
@@ -47,14 +52,15 @@ class Sequence:
     detokenizer: object | None = None  # IncrementalDetokenizer when detokenizing
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    # The last entry of token_ids holds the place of a token still being drawn
-    # on the device (only inside an overlapped engine step).
-    awaits_token: bool = False
+    # Tokens drawn on the device and not read yet; they follow token_ids (0 or
+    # 1, and 0 between engine steps: only an overlapped step sets it).
+    num_pending_tokens: int = 0
     grammar: object | None = None  # GrammarState when the request is constrained (pagedllm.structured)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus pending ones: the positions the sequence occupies."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -62,11 +68,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens whose ids are known (pending ones excluded)."""
         return len(self.token_ids) - self.prompt_len
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -74,6 +81,7 @@ class Sequence:
 
     def fork(self, sample_index: int, seq_id: int | None = None) -> Sequence:
         """A copy that continues independently (its own id and detokenizer state)."""
+        assert self.num_pending_tokens == 0, "a sequence forks only once its tokens are known"
         child = Sequence(
             seq_id=next(_seq_ids) if seq_id is None else seq_id,
             prompt_len=self.prompt_len,

@@ -67,16 +67,18 @@ class StepBuilder:
 
     def _scheduled(self, step: StepInput, chunk, request: Request, seq: Sequence) -> ScheduledSeq:
         sent = self._tables.get(seq.seq_id)
-        num_tokens = len(chunk.token_ids)
+        num_tokens = chunk.num_tokens
+        worker_drew_it = num_tokens == 1 and self._sampled_at.get(seq.seq_id) == chunk.start_pos
         if sent is None:
-            assert not seq.awaits_token, "a sequence the worker has not seen has no token in flight"
+            assert not seq.num_pending_tokens, "a sequence the worker has not seen has no token in flight"
             step.new_seqs.append(
                 NewSequence(seq.seq_id, list(seq.token_ids), seq.prompt_len, request.params, seq.sample_index)
             )
             token_ids, sent = None, []
-        elif num_tokens == 1 and self._sampled_at.get(seq.seq_id) == chunk.start_pos:
+        elif worker_drew_it:
             token_ids = None  # the worker drew it (and may not have read it back yet)
         else:
+            assert not chunk.num_pending_tokens, "a pending token is one the worker drew itself"
             token_ids = list(chunk.token_ids)
         table_start, new_blocks = _table_change(sent, chunk.block_table)
         self._tables[seq.seq_id] = list(chunk.block_table)
@@ -89,7 +91,8 @@ class StepBuilder:
         return scheduled
 
     def _plan_sampling(self, scheduled: ScheduledSeq, request: Request, seq: Sequence, position: int) -> None:
-        if seq.grammar is not None:
+        # A pending token's grammar state is not known yet: its mask comes with grammar_masks() later.
+        if seq.grammar is not None and not seq.num_pending_tokens:
             scheduled.allowed_token_bitmask = self._allowed_tokens(request, seq)
         if request.is_beam_search:
             scheduled.num_beam_candidates = 2 * request.params.beam_width
