@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import enum
 import logging
 import time
 import weakref
@@ -13,7 +14,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
+from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, Sequence, new_seq_id
 from pagedllm.engine.step_builder import StepBuilder
 from pagedllm.errors import ConfigError, RequestError
@@ -25,6 +26,7 @@ from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.step import StepResult
 from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults and resolvers are imported from here)
@@ -38,15 +40,29 @@ from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults a
 
 logger = logging.getLogger("pagedllm")
 
-
-_DEFERRED = object()  # _launch_ahead ran the forward pass only (see Worker.forward_only)
-
-
 @dataclass
 class LaunchedStep:
     """A step whose tokens are drawn on the device and not read yet (the worker holds them)."""
 
     jobs: list[tuple[Request, Sequence]]  # who gets a token from it, in row order
+
+
+class AheadMode(enum.Enum):
+    """How a step scheduled before the current step's tokens were read was run."""
+
+    LAUNCHED = "launched"  # its tokens stay on the device; a later step() reads them
+    EXECUTED = "executed"  # run and read at once: a row needs the host (logprobs, penalties, ...)
+    FORWARD_ONLY = "forward_only"  # sampled once the grammar masks, which need the current tokens, are known
+
+
+@dataclass
+class StepAhead:
+    """The step run ahead of the current one (LLMEngine._launch_ahead)."""
+
+    out: SchedulerOutput
+    mode: AheadMode
+    result: StepResult | None = None  # EXECUTED: its result, read already
+    launched: LaunchedStep | None = None  # LAUNCHED: who gets its tokens
 
 
 def _has_live_job(step: LaunchedStep) -> bool:
@@ -402,72 +418,85 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         current, self._in_flight = self._in_flight, None
         if current is None:
-            out = self.scheduler.schedule()
-            touched.update((r.request_id, r) for r in out.failed)
-            if out.is_empty:
+            current = self._start_overlap(touched)
+            if current is None:
                 return self._outputs(touched)
-            step = self.steps.build(out)
-            if not self.processor.can_launch(out):
-                result = self.executor.execute(step)
-                self.scheduler.on_step_computed(out)
-                touched.update((r.request_id, r) for r in self.processor.process(out, result))
-                return self._outputs(touched)
-            self.executor.launch(step)
-            self.scheduler.on_step_computed(out)
-            current = LaunchedStep(self.processor.launched_jobs(out))
         ahead = self._launch_ahead(current, touched)
         touched.update((r.request_id, r) for r in self.processor.finish_launched(current.jobs, self.executor.collect()))
         for _, seq in current.jobs:  # a request the scheduler failed above never read its pending token
             seq.num_pending_tokens = 0
         if ahead is not None:
-            out, result, launched = ahead
-            self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are real now
-            if result is _DEFERRED:
-                result = self.executor.sample_deferred(self.steps.grammar_masks(out))
-            if result is not None:
-                touched.update((r.request_id, r) for r in self.processor.process(out, result))
-            elif _has_live_job(launched):
-                self._in_flight = launched
-            else:
-                self.executor.collect()  # nobody reads it
+            self._finish_ahead(ahead, touched)
         return self._outputs(touched)
 
-    def _launch_ahead(self, current: LaunchedStep, touched: dict[str, Request]):
-        """Schedule and run the step after ``current`` before its tokens are read, if safe.
+    def _start_overlap(self, touched: dict[str, Request]) -> LaunchedStep | None:
+        """With nothing in flight: launch a step whose tokens may be read later and return it,
+        or run one that needs the host and process it now (None)."""
+        out = self.scheduler.schedule()
+        touched.update((r.request_id, r) for r in out.failed)
+        if out.is_empty:
+            return None
+        step = self.steps.build(out)
+        if not self.processor.can_launch(out):
+            result = self.executor.execute(step)
+            self.scheduler.on_step_computed(out)
+            touched.update((r.request_id, r) for r in self.processor.process(out, result))
+            return None
+        self.executor.launch(step)
+        self.scheduler.on_step_computed(out)
+        return LaunchedStep(self.processor.launched_jobs(out))
 
-        Returns (scheduler output, its result or None when launched, the launched step or None), or None.
-        """
-        scheduler = self.scheduler
-        live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
-        if not live or scheduler.swapped:
-            return None
-        num_running = sum(len(request.live_seqs()) for request in scheduler.running)
-        # Every running sequence decodes one token (at most one new block each),
-        # so the step below neither preempts nor fails a running request.
-        if num_running != len(live) or self.block_manager.get_num_free_blocks() < len(live):
-            return None
-        # A sequence whose token being drawn is its last by length gets no next step.
-        growing = [
-            seq for request, seq in live if seq.num_tokens + 1 < request.final_num_tokens(self.max_model_len)
-        ]
+    def _launch_ahead(self, current: LaunchedStep, touched: dict[str, Request]) -> StepAhead | None:
+        """Schedule and run the step after ``current`` before its tokens are read; None when
+        that is not safe or nothing is scheduled."""
+        growing = self._seqs_to_run_ahead(current)
         if not growing:
             return None
         for seq in growing:
             seq.num_pending_tokens = 1
-        out = scheduler.schedule()
+        out = self.scheduler.schedule()
         touched.update((r.request_id, r) for r in out.failed)
         if out.is_empty:
             return None
         step = self.steps.build(out)
         self.num_overlapped_steps += 1
         if any(seq.grammar is not None and seq.num_pending_tokens for _, seq in out.entries):
-            # a grammar's mask needs the token still being drawn: sample once it is read
             self.executor.forward_only(step)
-            return out, _DEFERRED, None
+            return StepAhead(out, AheadMode.FORWARD_ONLY)
         if not self.processor.can_launch(out):
-            return out, self.executor.execute(step), None
+            return StepAhead(out, AheadMode.EXECUTED, result=self.executor.execute(step))
         self.executor.launch(step)
-        return out, None, LaunchedStep(self.processor.launched_jobs(out))
+        return StepAhead(out, AheadMode.LAUNCHED, launched=LaunchedStep(self.processor.launched_jobs(out)))
+
+    def _seqs_to_run_ahead(self, current: LaunchedStep) -> list[Sequence]:
+        """The sequences drawing a token in ``current`` that take the next step before it is read;
+        [] unless every running sequence is one of them and the step can neither preempt nor fail."""
+        scheduler = self.scheduler
+        live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
+        if not live or scheduler.swapped:
+            return []
+        num_running = sum(len(request.live_seqs()) for request in scheduler.running)
+        # Every running sequence decodes one token (at most one new block each),
+        # so the step below neither preempts nor fails a running request.
+        if num_running != len(live) or self.block_manager.get_num_free_blocks() < len(live):
+            return []
+        # A sequence whose token being drawn is its last by length gets no next step.
+        return [seq for request, seq in live if seq.num_tokens + 1 < request.final_num_tokens(self.max_model_len)]
+
+    def _finish_ahead(self, ahead: StepAhead, touched: dict[str, Request]) -> None:
+        """After ``current``'s tokens are read: the step run ahead is computed; read it, or keep it in flight."""
+        out = ahead.out
+        self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are known now
+        if ahead.mode is AheadMode.LAUNCHED:
+            if _has_live_job(ahead.launched):
+                self._in_flight = ahead.launched
+            else:
+                self.executor.collect()  # nobody reads it
+            return
+        result = ahead.result
+        if ahead.mode is AheadMode.FORWARD_ONLY:
+            result = self.executor.sample_deferred(self.steps.grammar_masks(out))
+        touched.update((r.request_id, r) for r in self.processor.process(out, result))
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
