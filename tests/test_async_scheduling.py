@@ -138,6 +138,8 @@ def test_requests_arriving_mid_run_and_memory_pressure():
         _assert_all_blocks_free(llm)
         if mode:
             assert llm.llm_engine.num_overlapped_steps > 0
+        # one sequence per prompt, numbered by this engine alone (the first engine's ids are not shared)
+        assert llm.llm_engine.new_seq_id() == len(PROMPTS)
     _assert_same_outputs(results[True], results[False])
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
-from pagedllm.engine.sequence import FinishReason, Request, Sequence, new_seq_id
+from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.engine.step_builder import StepBuilder, _table_change
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.outputs import RequestMetrics
@@ -32,8 +33,9 @@ def _engine_side(prompt_len: int, n: int = 1):
     )
     tokens = [5 + i % 100 for i in range(prompt_len)]
     request = Request("r", None, tokens, SamplingParams(n=n, max_tokens=200), RequestMetrics(0.0))
-    request.seqs.append(Sequence(prompt_len=prompt_len, token_ids=list(tokens)))
+    request.seqs.append(Sequence(prompt_len=prompt_len, token_ids=list(tokens), seq_id=0))
     scheduler.add_request(request)
+    new_seq_id = itertools.count(1).__next__
     return scheduler, StepBuilder(scheduler, new_seq_id, vocab_size=49152, max_model_len=4096), request
 
 
@@ -93,6 +95,7 @@ def test_forks_get_their_ids_before_the_step_and_freed_sequences_are_named_once(
     parent = request.seqs[0].seq_id
     children = steps.fork_ids[parent]
     assert chunk.sample_targets == [(parent, 0), (children[0], 1), (children[1], 2)]
+    assert (parent, children) == (0, [1, 2])  # ids from the builder's source, not a process-wide counter
     request.seqs[0].finish_reason = FinishReason.STOP
     scheduler.finish_seq(request, request.seqs[0])
     nxt = steps.build(scheduler.schedule())
@@ -115,10 +118,10 @@ def test_a_pending_token_is_scheduled_by_position_and_hashed_only_once_known():
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096), bm)
     prompt = [5 + i for i in range(BLOCK_SIZE - 1)]
     request = Request("r", None, prompt, SamplingParams(max_tokens=20), RequestMetrics(0.0))
-    seq = Sequence(prompt_len=len(prompt), token_ids=list(prompt))
+    seq = Sequence(prompt_len=len(prompt), token_ids=list(prompt), seq_id=0)
     request.seqs.append(seq)
     scheduler.add_request(request)
-    steps = StepBuilder(scheduler, new_seq_id, vocab_size=49152, max_model_len=4096)
+    steps = StepBuilder(scheduler, itertools.count(1).__next__, vocab_size=49152, max_model_len=4096)
     first = scheduler.schedule()
     steps.build(first)
     scheduler.on_step_computed(first)

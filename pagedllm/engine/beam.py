@@ -171,7 +171,7 @@ def _advance_beams(processor, request: Request, beams: list[Sequence], parents: 
     for parent_index, token in zip(parents, tokens):
         parent = beams[parent_index]
         if parent_index in used:
-            child = parent.fork(sample_index=0)
+            child = parent.fork(sample_index=0, seq_id=processor.new_seq_id())
             scheduler.fork_seq(parent, child)
         else:
             used.add(parent_index)

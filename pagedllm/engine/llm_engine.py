@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import itertools
 import logging
 import time
 import weakref
@@ -15,7 +16,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedllm.engine.sequence import FinishReason, Request, Sequence, new_seq_id
+from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.engine.step_builder import StepBuilder
 from pagedllm.errors import ConfigError, RequestError
 from pagedllm.kv.block_manager import BlockManager
@@ -107,9 +108,11 @@ class LLMEngine:
         self.block_manager, self.scheduler = self._make_scheduler()
         if self.executor.uses_cuda_graphs():
             self.worker.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        # This engine's sequence ids, 0, 1, ...: another engine in the process counts on its own.
+        self.new_seq_id = itertools.count().__next__
         # Ranks other than 0 do not sample, so under tensor parallelism every token is sent.
         self.steps = StepBuilder(
-            self.scheduler, new_seq_id, self.model_config.vocab_size, self.max_model_len,
+            self.scheduler, self.new_seq_id, self.model_config.vocab_size, self.max_model_len,
             eos_token_ids=eos_token_ids, send_sampled_tokens=config.tensor_parallel_size > 1,
         )
         self.processor = OutputProcessor(self.scheduler, self.steps, self.tokenizer, self.max_model_len)

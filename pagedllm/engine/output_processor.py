@@ -44,6 +44,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self.new_seq_id = steps.new_seq_id  # the engine's sequence ids (the builder names forks with them too)
         self._num_new_tokens = 0
 
     def take_num_new_tokens(self) -> int:
@@ -56,6 +57,7 @@ class OutputProcessor:
         seq = Sequence(
             prompt_len=len(request.prompt_token_ids),
             token_ids=list(request.prompt_token_ids),
+            seq_id=self.new_seq_id(),
             sample_index=sample_index,
         )
         if request.grammar is not None:

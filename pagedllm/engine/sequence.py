@@ -14,7 +14,6 @@ hash, detokenizer or stop check, but its position is scheduled.
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -35,17 +34,17 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-_seq_ids = itertools.count()
-
-
 @dataclass(eq=False)
 class Sequence:
-    """One token stream: the prompt plus what has been generated for it."""
+    """One token stream: the prompt plus what has been generated for it.
+
+    ``seq_id`` is unique within one engine, which hands ids out (LLMEngine.new_seq_id).
+    """
 
     prompt_len: int
     token_ids: list[int]  # prompt followed by generated tokens
+    seq_id: int
     sample_index: int = 0
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
@@ -79,11 +78,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def fork(self, sample_index: int, seq_id: int | None = None) -> Sequence:
-        """A copy that continues independently (its own id and detokenizer state)."""
+    def fork(self, sample_index: int, seq_id: int) -> Sequence:
+        """A copy under ``seq_id`` that continues independently (its own detokenizer state)."""
         assert self.num_pending_tokens == 0, "a sequence forks only once its tokens are known"
         child = Sequence(
-            seq_id=next(_seq_ids) if seq_id is None else seq_id,
+            seq_id=seq_id,
             prompt_len=self.prompt_len,
             token_ids=list(self.token_ids),
             sample_index=sample_index,
@@ -161,7 +160,3 @@ class Request:
             metrics=self.metrics,
             error=self.error,
         )
-
-def new_seq_id() -> int:
-    """A sequence id not used before in this process."""
-    return next(_seq_ids)

@@ -11,6 +11,7 @@ and the worker forgets them.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +37,7 @@ def _table_change(sent: list[int], table: list[int]) -> tuple[int, list[int]]:
 
 class StepBuilder:
     def __init__(
-        self, scheduler: Scheduler, new_seq_id, vocab_size: int, max_model_len: int,
+        self, scheduler: Scheduler, new_seq_id: Callable[[], int], vocab_size: int, max_model_len: int,
         eos_token_ids: tuple[int, ...] = (), send_sampled_tokens: bool = False,
     ) -> None:
         self.scheduler = scheduler
@@ -44,7 +45,7 @@ class StepBuilder:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.send_sampled_tokens = send_sampled_tokens
-        self.new_seq_id = new_seq_id  # () -> a fresh sequence id (forks get theirs before the step)
+        self.new_seq_id = new_seq_id  # the engine's source of fresh sequence ids (forks get theirs before the step)
         self._step_ids = itertools.count()
         self._tables: dict[int, list[int]] = {}  # seq_id -> block table as the worker holds it
         self._sampled_at: dict[int, int] = {}  # seq_id -> position of the token the worker drew itself
