@@ -109,7 +109,7 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandid
 
 def at_limit(request: Request, beam: Sequence, max_model_len: int) -> bool:
     """Whether the beam's next token is its last by length (every beam has the same length)."""
-    return beam.num_tokens + 1 >= request.final_num_tokens(max_model_len)
+    return request.ends_by_length(beam.num_tokens + 1, max_model_len)
 
 
 def stop_ids(params, eos_token_ids) -> set[int]:

@@ -484,7 +484,7 @@ class LLMEngine:
         if num_running != len(live) or self.block_manager.get_num_free_blocks() < len(live):
             return []
         # A sequence whose token being drawn is its last by length gets no next step.
-        return [seq for request, seq in live if seq.num_tokens + 1 < request.final_num_tokens(self.max_model_len)]
+        return [seq for request, seq in live if not request.ends_by_length(seq.num_tokens + 1, self.max_model_len)]
 
     def _finish_ahead(self, ahead: StepAhead, touched: dict[str, Request]) -> None:
         """After ``current``'s tokens are read: the step run ahead is computed; read it, or keep it in flight."""

@@ -204,7 +204,7 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.STOP
         elif seq.grammar is not None and seq.grammar.is_terminated:
             seq.finish_reason = FinishReason.STOP  # the grammar took its stop token: nothing may follow
-        elif seq.num_tokens >= request.final_num_tokens(self.max_model_len):
+        elif request.ends_by_length(seq.num_tokens, self.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
         else:
             return

@@ -139,11 +139,15 @@ class Request:
         return self.status == SeqStatus.FINISHED
 
     def final_num_tokens(self, max_model_len: int) -> int:
-        """The most tokens a sequence of this request reaches: prompt + max_tokens, within
-        max_model_len. A sequence that reaches it ends by length (the one place that says so)."""
+        """The most tokens a sequence of this request reaches: prompt + max_tokens, within max_model_len."""
         max_tokens = self.params.max_tokens
         limit = len(self.prompt_token_ids) + max_tokens if max_tokens is not None else max_model_len
         return min(limit, max_model_len)
+
+    def ends_by_length(self, num_tokens: int, max_model_len: int) -> bool:
+        """Whether a sequence of this request that holds ``num_tokens`` tokens is done by length
+        (the one place that says so: stop checks, beams and overlapped steps ask here)."""
+        return num_tokens >= self.final_num_tokens(max_model_len)
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
