@@ -438,3 +438,18 @@ def test_steady_decode_fast_path_emits_what_the_general_path_does(seed, mode, ca
     general, _ = _random_run(seed, mode=mode, caching=caching)
     assert num_fast > 50
     assert fast == general
+
+
+def test_first_scheduled_time_is_the_first_admission_and_survives_preemption():
+    sched = make_scheduler()
+    req = make_request("a", 10)
+    sched.add_request(req)
+    assert req.metrics.first_scheduled_time is None
+    run_step(sched)
+    first = req.metrics.first_scheduled_time
+    assert first is not None and first >= req.metrics.arrival_time
+    sched._preempt(req, SchedulerOutput())  # by recompute: admitted again below
+    assert req.status is SeqStatus.WAITING
+    run_step(sched)
+    assert req.status is SeqStatus.RUNNING and req.metrics.first_scheduled_time == first
+

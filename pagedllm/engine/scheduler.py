@@ -526,3 +526,5 @@ class Scheduler:
         request.shared_prefix_len = shared if others else 0
         request.status = SeqStatus.RUNNING
         self.running.append(request)
+        if request.metrics.first_scheduled_time is None:  # a preempted request keeps its first
+            request.metrics.first_scheduled_time = time.monotonic()
