@@ -11,7 +11,7 @@ import itertools
 import math
 
 from pagedllm.engine.beam import beam_output, beam_step
-from pagedllm.engine.sequence import Request, Sequence, SeqStatus
+from pagedllm.engine.sequence import Request, SeqStatus, Sequence
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import BeamSearchParams
 from pagedllm.step import BeamCandidates

@@ -453,3 +453,27 @@ def test_first_scheduled_time_is_the_first_admission_and_survives_preemption():
     run_step(sched)
     assert req.status is SeqStatus.RUNNING and req.metrics.first_scheduled_time == first
 
+
+def _prompt_request(rid: str, tokens: list[int], **params) -> Request:
+    req = Request(rid, None, list(tokens), SamplingParams(max_tokens=4, **params), RequestMetrics(0.0))
+    req.seqs.append(Sequence(prompt_len=len(tokens), token_ids=list(tokens), seq_id=next(_seq_ids)))
+    return req
+
+
+def test_prompt_logprobs_requests_read_no_cached_prefix_but_cache_their_blocks():
+    sched = make_scheduler(num_blocks=32, budget=256, caching=True)
+    prompt = list(range(1, 21))  # 20 tokens: 2 full blocks of 8
+    first = _prompt_request("first", prompt, prompt_logprobs=1)
+    sched.add_request(first)
+    run_step(sched)
+    plain = _prompt_request("plain", prompt)
+    sched.add_request(plain)
+    out = run_step(sched)
+    assert plain.num_cached_tokens == 16  # the blocks the prompt-logprobs request computed
+    assert [(c.start_pos, len(c.token_ids)) for c, (r, _) in zip(out.chunks, out.entries) if r is plain] == [(16, 4)]
+    again = _prompt_request("again", prompt, prompt_logprobs=1)
+    sched.add_request(again)
+    out = run_step(sched)
+    assert again.num_cached_tokens == 0  # logits at every prompt position: nothing reused
+    ((chunk, _),) = [(c, r) for c, (r, _) in zip(out.chunks, out.entries) if r is again]
+    assert (chunk.start_pos, len(chunk.token_ids), chunk.all_logits) == (0, 20, True)

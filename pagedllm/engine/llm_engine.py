@@ -23,8 +23,8 @@ from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
 from pagedllm.kv.tiers import DiskTier, block_layout, layout_nbytes, model_identity, tier_key
-from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
+from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.step import StepResult
@@ -286,10 +286,6 @@ class LLMEngine:
         self._check_lengths(token_ids, params)
         self._check_kv_demand(len(token_ids), params)
         grammar = self.grammar_compiler.compile(params.structured_outputs) if params.structured_outputs else None
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            # Prompt logprobs need logits at every prompt position, so this
-            # request neither reads nor feeds the prefix cache.
-            cache_salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
         request = Request(
             request_id=request_id,
             prompt=text,

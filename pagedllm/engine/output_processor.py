@@ -8,6 +8,7 @@ The per-sequence Python here is bookkeeping (append, stop checks, detokenize).
 from __future__ import annotations
 
 import time
+
 from pagedllm.engine.beam import beam_output, beam_step
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence

@@ -133,7 +133,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = SeqStatus.WAITING
         self.waiting.append(request)
-        if self.block_manager.disk_tier is not None:
+        if self.block_manager.disk_tier is not None and not request.needs_prompt_logits:
             self._start_prefetch(request)  # its disk-tier blocks are then in memory at admission
 
     def has_unfinished_requests(self) -> bool:
@@ -306,9 +306,7 @@ class Scheduler:
         block_table = self.block_manager.append_slot_in_place(seq.seq_id, start)
         if block_table is None:
             return False
-        want_prompt_logprobs = (
-            start < seq.prompt_len and not request.is_beam_search and request.params.prompt_logprobs is not None
-        )
+        want_prompt_logprobs = start < seq.prompt_len and request.needs_prompt_logits
         out.chunks.append(ScheduledChunk(
             seq.seq_id, seq.token_ids[start:], start, block_table, True, want_prompt_logprobs,
             num_pending_tokens=seq.num_pending_tokens,
@@ -330,11 +328,7 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + num_new
             complete = end == seq.num_tokens
-            want_prompt_logprobs = (
-                start < seq.prompt_len  # first: a decode step needs no further checks
-                and not request.is_beam_search
-                and request.params.prompt_logprobs is not None
-            )
+            want_prompt_logprobs = start < seq.prompt_len and request.needs_prompt_logits  # decode: False at once
             out.chunks.append(
                 ScheduledChunk(
                     seq_id=seq.seq_id,
@@ -425,7 +419,8 @@ class Scheduler:
         if len(seqs) == 1:
             seq = seqs[0]
             return bm.can_allocate(
-                seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq), num_headroom_blocks
+                seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq), num_headroom_blocks,
+                reuse_cached_prefix=not request.needs_prompt_logits,
             )
         num_needed = self._blocks_for(request) + num_headroom_blocks
         return num_needed <= bm.get_num_free_blocks() - bm.watermark_blocks
@@ -490,7 +485,7 @@ class Scheduler:
         MAX_PREFETCH_WAIT_S in all (running requests keep stepping meanwhile);
         after that the blocks still on disk are computed.
         """
-        if self.block_manager.disk_tier is None:
+        if self.block_manager.disk_tier is None or request.needs_prompt_logits:
             return False
         if request.prefetch_deadline is None:
             return self._start_prefetch(request)
@@ -511,7 +506,8 @@ class Scheduler:
         bm = self.block_manager
         first, *others = request.live_seqs()
         num_cached = bm.allocate(first.seq_id, first.token_ids, request.cache_salt,
-                                 self._reserved_tokens(request, first))
+                                 self._reserved_tokens(request, first),
+                                 reuse_cached_prefix=not request.needs_prompt_logits)
         first.num_computed_tokens = num_cached
         self._drain_tier_ops(out)
         if not request.forked and not request.is_beam_search:

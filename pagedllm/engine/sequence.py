@@ -129,6 +129,12 @@ class Request:
         return isinstance(self.params, BeamSearchParams)
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs need logits at every prompt position: no prompt block may come from the
+        prefix cache (the blocks it computes are still cached for other requests)."""
+        return not self.is_beam_search and self.params.prompt_logprobs is not None
+
+    @property
     def num_samples(self) -> int:
         if self.is_beam_search:
             return self.params.beam_width
