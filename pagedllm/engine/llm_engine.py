@@ -41,6 +41,7 @@ from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults a
 
 logger = logging.getLogger("pagedllm")
 
+
 @dataclass
 class LaunchedStep:
     """A step whose tokens are drawn on the device and not read yet (the worker holds them)."""

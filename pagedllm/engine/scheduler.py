@@ -242,26 +242,19 @@ class Scheduler:
                 left -= take
         return plan or None
 
-    def _blocks_to_append(self, seq: Sequence, num_new: int, shared: bool) -> int:
-        bm = self.block_manager
-        num_slots = bm.get_num_slots(seq.seq_id)
-        target = seq.num_computed_tokens + num_new
-        table_len = len(bm.get_block_table(seq.seq_id))
-        blocks = max(0, math.ceil(target / bm.block_size) - table_len)
-        partial_last = num_slots % bm.block_size != 0 and target > num_slots
-        return blocks + (1 if shared and partial_last else 0)
-
     def _can_append(self, seqs: list[Sequence], plan: dict[int, int]) -> bool:
-        """Whether the planned sequences (of the live ``seqs``) can all get their new slots."""
+        """Whether the planned sequences (of the live ``seqs``) can all get their new slots
+        (the block manager counts the blocks and copy-on-writes)."""
         bm = self.block_manager
-        planned = seqs if len(seqs) == 1 else [s for s in seqs if s.seq_id in plan]
-        if len(planned) == 1:
-            seq = planned[0]
-            extra = seq.num_computed_tokens + plan[seq.seq_id] - bm.get_num_slots(seq.seq_id)
-            return extra <= 0 or bm.can_append_slots(seq.seq_id, extra)
-        shared = len(seqs) > 1
-        need = sum(self._blocks_to_append(s, plan[s.seq_id], shared) for s in planned)
-        return need <= bm.get_num_free_blocks()
+        extra = {
+            s.seq_id: s.num_computed_tokens + plan[s.seq_id] - bm.get_num_slots(s.seq_id)
+            for s in seqs if s.seq_id in plan
+        }
+        growing = {seq_id: n for seq_id, n in extra.items() if n > 0}
+        if len(growing) == 1:
+            ((seq_id, n),) = growing.items()
+            return bm.can_append_slots(seq_id, n)
+        return bm.can_append_group(growing)
 
     def _schedule_running(
         self, request: Request, budget: int, out: SchedulerOutput

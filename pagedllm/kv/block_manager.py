@@ -445,6 +445,19 @@ class BlockManager:
         shared, num_grow = self._append_plan(seq, num_new_tokens)
         return len(shared) + num_grow <= self._pool.get_num_free_blocks()
 
+    def can_append_group(self, num_new_tokens: dict[int, int]) -> bool:
+        """Whether the sequences can all grow at once, ``seq_id -> num_new_tokens`` slots each.
+
+        Counts every sequence's copy-on-writes and new blocks as if it grew
+        alone: an upper bound, since once one of them copies a block it shares
+        with another, the other writes that block in place.
+        """
+        need = 0
+        for seq_id, num_new in num_new_tokens.items():
+            shared, num_grow = self._append_plan(self._device_seq(seq_id), num_new)
+            need += len(shared) + num_grow
+        return need <= self._pool.get_num_free_blocks()
+
     def append_slots(self, seq_id: int, num_new_tokens: int = 1) -> list[BlockCopy]:
         """Extend ``seq_id`` by ``num_new_tokens`` slots (positions n .. n+k-1, n = current count).
 
