@@ -11,6 +11,7 @@ and the worker forgets them.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +37,7 @@ def _table_change(sent: list[int], table: list[int]) -> tuple[int, list[int]]:
 
 class StepBuilder:
     def __init__(
-        self, scheduler: Scheduler, new_seq_id, vocab_size: int, max_model_len: int,
+        self, scheduler: Scheduler, new_seq_id: Callable[[], int], vocab_size: int, max_model_len: int,
         eos_token_ids: tuple[int, ...] = (), send_sampled_tokens: bool = False,
     ) -> None:
         self.scheduler = scheduler
@@ -44,7 +45,7 @@ class StepBuilder:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.send_sampled_tokens = send_sampled_tokens
-        self.new_seq_id = new_seq_id  # () -> a fresh sequence id (forks get theirs before the step)
+        self.new_seq_id = new_seq_id  # the engine's source of fresh sequence ids (forks get theirs before the step)
         self._step_ids = itertools.count()
         self._tables: dict[int, list[int]] = {}  # seq_id -> block table as the worker holds it
         self._sampled_at: dict[int, int] = {}  # seq_id -> position of the token the worker drew itself
@@ -57,7 +58,8 @@ class StepBuilder:
         for chunk, (request, seq) in zip(out.chunks, out.entries):
             scheduled = self._scheduled(step, chunk, request, seq)
             step.scheduled.append(scheduled)
-            if chunk.needs_logits and seq.grammar is not None:
+            # a pending token's grammar state is not known yet: its mask comes with grammar_masks() later
+            if chunk.needs_logits and seq.grammar is not None and not seq.num_pending_tokens:
                 constrained.append((scheduled, request, seq))
         rows = self._allowed_tokens([(request, seq) for _, request, seq in constrained])
         for (scheduled, _, _), row in zip(constrained, rows):
@@ -74,16 +76,18 @@ class StepBuilder:
 
     def _scheduled(self, step: StepInput, chunk, request: Request, seq: Sequence) -> ScheduledSeq:
         sent = self._tables.get(seq.seq_id)
-        num_tokens = len(chunk.token_ids)
+        num_tokens = chunk.num_tokens
+        worker_drew_it = num_tokens == 1 and self._sampled_at.get(seq.seq_id) == chunk.start_pos
         if sent is None:
-            assert not seq.awaits_token, "a sequence the worker has not seen has no token in flight"
+            assert not seq.num_pending_tokens, "a sequence the worker has not seen has no token in flight"
             step.new_seqs.append(
                 NewSequence(seq.seq_id, list(seq.token_ids), seq.prompt_len, request.params, seq.sample_index)
             )
             token_ids, sent = None, []
-        elif num_tokens == 1 and self._sampled_at.get(seq.seq_id) == chunk.start_pos:
+        elif worker_drew_it:
             token_ids = None  # the worker drew it (and may not have read it back yet)
         else:
+            assert not chunk.num_pending_tokens, "a pending token is one the worker drew itself"
             token_ids = list(chunk.token_ids)
         table_start, new_blocks = _table_change(sent, chunk.block_table)
         self._tables[seq.seq_id] = list(chunk.block_table)

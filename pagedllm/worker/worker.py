@@ -33,6 +33,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import TierTimes
 from pagedllm.kv.tiers import DiskTier, read_blocks, write_blocks
 from pagedllm.models.loader import load_model
+from pagedllm.native import quant_ops
 from pagedllm.native.cpu_dtype import check_cpu_dtype
 from pagedllm.runner.cuda_graphs import DecodeGraphs
 from pagedllm.runner.inputs import ModelInputs, build_model_inputs, to_device
@@ -142,6 +143,7 @@ class Worker:
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_path = loaded.path
+        _build_native_kernels(self.device, config.quantization)
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler()
         self.batch = InputBatch()
@@ -417,6 +419,14 @@ class Worker:
             rank = int((row > row[token]).sum().item()) + 1
             entries.append(PromptLogprob(position, token, float(row[token]), rank, top))
         return entries
+
+
+def _build_native_kernels(device: torch.device, quantization: str | None) -> None:
+    """Compile (or load from the per-user cache) the native kernels the model calls, at start-up,
+    so that the C compiler never runs inside a forward pass. The float kernels were built when
+    the layers bound to the device; the quantized ones are built here."""
+    if device.type == "cpu" and quantization not in (None, "none"):
+        quant_ops.available()
 
 
 def apply_memory_ops(
