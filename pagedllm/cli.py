@@ -60,6 +60,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host-cache-memory", type=parse_size, default=None,
                    help="host-memory tier of the prefix cache, e.g. 4GiB (default: 0 on a CPU device, "
                    "whose KV pool already is host memory; 4GiB on CUDA)")
+    g.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=None,
+                   help="zero-fill the KV pools in host memory at start-up, so the process is at its full "
+                   "size from the start (default: on for serve, off otherwise)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -152,6 +155,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dir=args.kv_cache_dir,
         kv_cache_dir_size=args.kv_cache_dir_size,
         kv_host_cache_memory=args.kv_host_cache_memory,
+        kv_cache_prefault=bool(getattr(args, "kv_cache_prefault", None)),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

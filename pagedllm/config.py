@@ -110,6 +110,9 @@ class EngineConfig:
     RAM, on CUDA; per rank, like the swap space) and written to a
     disk tier under ``kv_cache_dir`` (off when None) of at most
     ``kv_cache_dir_size`` bytes, which a restarted engine reuses.
+    ``kv_cache_prefault``: zero-fill the KV pools held in host memory at start-up,
+    so that they are resident from the start instead of growing the process
+    block by block as they are first used (``pagedllm serve`` turns it on).
     """
 
     model: str | None = None
@@ -142,6 +145,7 @@ class EngineConfig:
     kv_cache_dir: str | None = None
     kv_cache_dir_size: int = DEFAULT_KV_CACHE_DIR_SIZE
     kv_host_cache_memory: int | None = None
+    kv_cache_prefault: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +177,8 @@ class EngineConfig:
                 f"rope_scaling must be a dict such as {{'rope_type': 'yarn', 'factor': 4.0}}, "
                 f"got {self.rope_scaling!r}"
             )
+        if not isinstance(self.kv_cache_prefault, bool):
+            raise ConfigError(f"kv_cache_prefault must be True or False, got {self.kv_cache_prefault!r}")
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
         if self.preemption_mode == "swap" and self.swap_space_bytes == 0:

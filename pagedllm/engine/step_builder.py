@@ -50,6 +50,9 @@ class StepBuilder:
         self._tables: dict[int, list[int]] = {}  # seq_id -> block table as the worker holds it
         self._sampled_at: dict[int, int] = {}  # seq_id -> position of the token the worker drew itself
         self.fork_ids: dict[int, list[int]] = {}  # parent seq_id -> ids of the samples it forks into
+        # Samples the worker drew a token for (and keeps a generator of) but that no step has
+        # scheduled yet: one that finishes on that first token must still be named as freed.
+        self._unscheduled_samples: set[int] = set()
 
     def build(self, out: SchedulerOutput) -> StepInput:
         step = StepInput(step_id=next(self._step_ids), memory_ops=list(out.memory_ops))
@@ -67,15 +70,33 @@ class StepBuilder:
         return step
 
     def _drain_freed(self) -> list[int]:
+        """Freed sequences the worker holds state for; every table here forgets them.
+
+        A parent freed before its samples were forked (aborted, failed) takes
+        their ids along: the worker drew for them."""
         freed = []
         for seq_id in self.scheduler.take_freed_seq_ids():
             self._sampled_at.pop(seq_id, None)
-            if self._tables.pop(seq_id, None) is not None:
+            held = self._tables.pop(seq_id, None) is not None
+            if seq_id in self._unscheduled_samples:
+                self._unscheduled_samples.discard(seq_id)
+                held = True
+            if held:
                 freed.append(seq_id)
+            for child_id in self.fork_ids.pop(seq_id, ()):
+                self._unscheduled_samples.discard(child_id)
+                freed.append(child_id)
         return freed
+
+    def num_tracked_seqs(self) -> int:
+        """Sequences this builder keeps anything for (live ones, and those freed since the last step)."""
+        ids = set(self._tables) | set(self._sampled_at) | set(self.fork_ids) | self._unscheduled_samples
+        ids.update(child for children in self.fork_ids.values() for child in children)
+        return len(ids)
 
     def _scheduled(self, step: StepInput, chunk, request: Request, seq: Sequence) -> ScheduledSeq:
         sent = self._tables.get(seq.seq_id)
+        self._unscheduled_samples.discard(seq.seq_id)
         num_tokens = chunk.num_tokens
         worker_drew_it = num_tokens == 1 and self._sampled_at.get(seq.seq_id) == chunk.start_pos
         if sent is None:
@@ -107,6 +128,7 @@ class StepBuilder:
         if request.params.num_samples > 1 and not request.forked:
             children = [self.new_seq_id() for _ in range(1, request.params.num_samples)]
             self.fork_ids[seq.seq_id] = children
+            self._unscheduled_samples.update(children)
             targets += [(child, index) for index, child in enumerate(children, start=1)]
         scheduled.sample_targets = targets
         if not self.send_sampled_tokens:

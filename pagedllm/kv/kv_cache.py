@@ -26,6 +26,8 @@ class KVCache:
     ``[num_blocks, block_size, num_kv_heads]`` float16.
     ``cpu_layers[i]`` has the same layout with ``num_cpu_blocks`` blocks on the
     host (pinned when the device is CUDA), and is empty when that count is 0.
+    ``prefault``: zero-fill the CPU pools now, so that every page is resident
+    from the start (see the comment in ``__init__``).
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         num_cpu_blocks: int = 0,
+        prefault: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
@@ -46,12 +49,18 @@ class KVCache:
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # On the CPU the pools are left uninitialised: zero-filling gigabytes
-        # touches every page at start-up (seconds), while the CPU attention
-        # paths only ever read slots below a sequence's length, which were
-        # written first. GPU kernels may load whole blocks and mask afterwards,
-        # so device pools start zeroed (cheap there).
-        allocate = torch.empty if self.device.type == "cpu" else torch.zeros
+        # On the CPU the pools are left uninitialised unless ``prefault``: the
+        # CPU attention paths only ever read slots below a sequence's length,
+        # which were written first, and zero-filling gigabytes takes a moment
+        # at start-up. The OS then gives the pools memory page by page as
+        # blocks are first written, so the resident size climbs by the whole
+        # pool over the first minutes of serving (the free queue hands out
+        # every block before it reuses one). ``prefault`` zero-fills them
+        # instead: the pools are resident from the start, and a machine that
+        # cannot hold them fails at start-up, not under load.
+        # GPU kernels may load whole blocks and mask afterwards, so device
+        # pools start zeroed (cheap there).
+        allocate = torch.zeros if prefault or self.device.type != "cpu" else torch.empty
         self.quantized = kv_format.is_quantized(dtype)
         self.layers: list[tuple[torch.Tensor, ...]] = [
             self._layer(allocate, shape, device=self.device) for _ in range(num_layers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,29 @@ def kernel_path(device: torch.device, dtype: torch.dtype) -> KernelPath:
 
 _onednn_probe: dict[torch.dtype, bool] = {}
 
+# oneDNN builds one primitive per input shape (the row count T changes from
+# step to step) and keeps it in two LRU caches: its own primitive cache and
+# the ideep cache of each calling thread, 1,024 entries each by default. An
+# entry holds 0.5 MiB at T=16 and 3 MiB at T=2,000 (this model's four matmul
+# shapes, measured), so a server that sees hundreds of distinct T grows by
+# gigabytes before the caches fill. 64 entries bound them to about 100-200 MiB
+# and still hold every shape of a step (a model's few matmul shapes, reused
+# by all its layers) and of the last dozen steps; a miss costs about 0.5 ms.
+ONEDNN_CACHE_CAPACITY = 64
+ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:
+    """Cap oneDNN's shape-keyed caches at ``capacity`` entries; returns the settings in force.
+
+    Both caches read their size from the environment once, when first used
+    (the ideep one once per thread), so this must run before the process's
+    first oneDNN operation; a variable the user set is left as it is.
+    """
+    if capacity < 1:  # ideep crashes on an LRU_CACHE_CAPACITY of 0
+        raise ValueError(f"oneDNN cache capacity must be >= 1, got {capacity}")
+    return {name: os.environ.setdefault(name, str(capacity)) for name in ONEDNN_CACHE_ENV}
+
 
 def onednn_linear_available(dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed-weight linear runs, and agrees with ``F.linear``, for ``dtype``.
@@ -40,8 +64,10 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
     ``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise`` are
     private ops: a build may lack them or refuse a dtype. One small probe per
     dtype answers that instead of trusting flags; any failure means the
-    layer takes ``F.linear``.
+    layer takes ``F.linear``. The probe is the process's first oneDNN call,
+    so the caches are bounded before it (:func:`bound_onednn_caches`).
     """
+    bound_onednn_caches()
     if dtype not in _onednn_probe:
         _onednn_probe[dtype] = _probe_onednn(dtype)
     return _onednn_probe[dtype]

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="HF directory or .gguf file, as `vllm serve MODEL` (same as --model)")
     add_engine_arguments(parser)
+    # A server keeps its KV pool for its whole life: resident from the start, the process's size
+    # is what the operator plans for, and it stays flat under load.
+    parser.set_defaults(kv_cache_prefault=True)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000)

@@ -221,7 +221,8 @@ class Worker:
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate this rank's KV shard: every rank the same block count, its own heads."""
         self.kv_cache = KVCache(
-            num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks, **self._kv_shape()
+            num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks,
+            prefault=self.config.kv_cache_prefault, **self._kv_shape(),
         )
 
     def uses_cuda_graphs(self) -> bool:
