@@ -13,7 +13,8 @@ most one), so uneven counts such as SmolLM2's 3 KV heads over 2 ranks work.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +24,26 @@ from pagedllm.errors import ConfigError
 def shard_range(num_items: int, size: int, rank: int) -> tuple[int, int]:
     """``[start, end)`` of rank ``rank``'s contiguous share of ``num_items``."""
     return num_items * rank // size, num_items * (rank + 1) // size
+
+
+def balanced_range(num_items: int, item_cost: float, fixed_costs: list[float], rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s contiguous share of ``num_items`` that evens out each
+    rank's total work: ``fixed_costs[r]`` (work the rank has anyway) plus ``item_cost`` per item.
+
+    A rank whose fixed work already exceeds the average gets fewer items (none
+    at worst). Equal fixed costs give an even split, as :func:`shard_range`
+    does up to rounding.
+    """
+    size = len(fixed_costs)
+    average = (sum(fixed_costs) + num_items * item_cost) / size
+
+    def boundary(r: int) -> int:  # items held by ranks before r
+        if r == size:
+            return num_items
+        wanted = sum(max(average - cost, 0.0) for cost in fixed_costs[:r]) / item_cost
+        return min(num_items, round(wanted))
+
+    return boundary(rank), max(boundary(rank), boundary(rank + 1))
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,52 @@ def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
     return HeadShard(kv * group + (rank % replicas) * per_rank, per_rank, kv, 1)
 
 
+def attention_weight_count(heads: HeadShard, hidden_size: int, head_dim: int) -> int:
+    """Weights of a rank's q/k/v and o projections: its share of a layer's attention matmul work."""
+    qkv_rows = (heads.num_q + 2 * heads.num_kv) * head_dim
+    return qkv_rows * hidden_size + hidden_size * heads.num_q * head_dim
+
+
+@dataclass
+class CollectiveCost:
+    """Calls of one kind of collective on one rank, the seconds spent inside them and the
+    bytes this rank handed in.
+
+    The seconds include waiting for the slowest rank to arrive, so the rank that
+    arrives last shows the transfer cost nearly alone, and the difference between
+    ranks is load imbalance.
+    """
+
+    num_calls: int = 0
+    seconds: float = 0.0
+    num_bytes: int = 0
+
+    def add(self, seconds: float, num_bytes: int) -> None:
+        self.num_calls += 1
+        self.seconds += seconds
+        self.num_bytes += num_bytes
+
+
+@dataclass
+class RankTimes:
+    """Where one rank's time went since the last reset (seconds, wall clock).
+
+    ``num_steps`` counts the steps run through ``Worker.execute``; ``forward_seconds`` is the whole forward pass including the model's
+    collectives (``all_reduce`` and ``logits_gather``); ``sample_seconds`` is
+    sampling on rank 0 (zero elsewhere); ``step_message`` is the step broadcast
+    (on ranks other than 0 it includes the wait for rank 0 to send it, which is
+    rank 0's scheduling and detokenization time).
+    """
+
+    rank: int = 0
+    num_steps: int = 0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    all_reduce: CollectiveCost = field(default_factory=CollectiveCost)
+    logits_gather: CollectiveCost = field(default_factory=CollectiveCost)
+    step_message: CollectiveCost = field(default_factory=CollectiveCost)
+
+
 @dataclass
 class TensorParallelGroup:
     """This process's place in a tensor-parallel group, and the model's collectives.
@@ -76,6 +143,10 @@ class TensorParallelGroup:
     size: int = 1
     group: object | None = None
     control_group: object | None = None
+    times: RankTimes = field(default_factory=RankTimes)
+
+    def __post_init__(self) -> None:
+        self.times.rank = self.rank
 
     @property
     def is_first(self) -> bool:
@@ -87,26 +158,37 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place; the identity for one rank."""
         if self.size > 1:
+            start = time.perf_counter()
             torch.distributed.all_reduce(x, group=self.group)
+            self.times.all_reduce.add(time.perf_counter() - start, x.numel() * x.element_size())
         return x
 
-    def all_gather_columns(self, x: torch.Tensor, num_columns: int) -> torch.Tensor:
-        """``[rows, local]`` shards -> ``[rows, num_columns]``, concatenated in rank order.
+    def reset_times(self) -> None:
+        self.times = RankTimes(rank=self.rank)
+
+    def gather_columns(self, x: torch.Tensor, num_columns: int) -> torch.Tensor | None:
+        """``[rows, local]`` shards -> ``[rows, num_columns]`` on the first rank, concatenated in
+        rank order; None on the others (only the first rank samples, so only it receives).
 
         Shards may differ in width by one (see :func:`shard_range`): each is
         padded to the widest for the collective and trimmed after.
         """
         if self.size == 1:
             return x
+        start = time.perf_counter()
         width = -(-num_columns // self.size)
         padded = x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, padded.contiguous(), group=self.group)
-        pieces = []
-        for rank, part in enumerate(parts):
-            start, end = shard_range(num_columns, self.size, rank)
-            pieces.append(part[:, : end - start])
-        return torch.cat(pieces, dim=1)
+        parts = [torch.empty_like(padded) for _ in range(self.size)] if self.is_first else None
+        torch.distributed.gather(padded.contiguous(), parts, dst=0, group=self.group)
+        gathered = None
+        if self.is_first:
+            pieces = []
+            for rank, part in enumerate(parts):
+                first, end = shard_range(num_columns, self.size, rank)
+                pieces.append(part[:, : end - first])
+            gathered = torch.cat(pieces, dim=1)
+        self.times.logits_gather.add(time.perf_counter() - start, padded.numel() * padded.element_size())
+        return gathered
 
 
 SINGLE_PROCESS = TensorParallelGroup()
