@@ -13,6 +13,7 @@ most one), so uneven counts such as SmolLM2's 3 KV heads over 2 ranks work.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -144,6 +145,7 @@ class TensorParallelGroup:
     group: object | None = None
     control_group: object | None = None
     times: RankTimes = field(default_factory=RankTimes)
+    shared_memory: SharedMemoryAllReduce | None = None  # the CPU all-reduce when the ranks share a host
 
     def __post_init__(self) -> None:
         self.times.rank = self.rank
@@ -159,7 +161,10 @@ class TensorParallelGroup:
         """Sum of ``x`` over the ranks, in place; the identity for one rank."""
         if self.size > 1:
             start = time.perf_counter()
-            torch.distributed.all_reduce(x, group=self.group)
+            if self.shared_memory is not None and self.shared_memory.fits(x):
+                self.shared_memory.all_reduce(x)
+            else:
+                torch.distributed.all_reduce(x, group=self.group)
             self.times.all_reduce.add(time.perf_counter() - start, x.numel() * x.element_size())
         return x
 
@@ -191,8 +196,108 @@ class TensorParallelGroup:
         return gathered
 
 
+class SharedMemoryAllReduce:
+    """All-reduce among ranks on one host through a shared-memory segment (CPU tensors only).
+
+    gloo's all-reduce goes through TCP over loopback and several thread
+    hand-offs per call (the caller, gloo's worker thread, its socket loop, on
+    every rank); the model needs 61 of them per step, each a few hundred
+    microseconds even on an idle 2-core machine (docs/benchmarks.md, "Tensor
+    parallelism on the CPU"). Here each rank copies its tensor into its slot,
+    publishes a sequence number, waits (spinning, then yielding its core) until
+    every rank published it, and sums all slots in rank order, so every rank
+    gets the same bits.
+
+    Layout of the segment: one 64-byte line per rank holding its last
+    published sequence number (int64), then two sets (even and odd sequence
+    numbers) of ``size`` slots of ``slot_bytes`` each. A rank writes set
+    ``s % 2`` for call ``s`` only after every rank published ``s - 1``, i.e.
+    finished reading call ``s - 2`` from that set. x86's total store order
+    makes the slot's bytes visible before the sequence number written after
+    them.
+    """
+
+    _LINE = 64
+
+    def __init__(self, path: str, rank: int, size: int, slot_bytes: int, timeout_s: float) -> None:
+        self.rank, self.size, self.slot_bytes, self.timeout_s = rank, size, slot_bytes, timeout_s
+        header = self._LINE * size
+        segment = torch.from_file(path, shared=True, size=header + 2 * size * slot_bytes, dtype=torch.uint8)
+        self.sequence = segment[:header].view(torch.int64).numpy()[:: self._LINE // 8]  # [size], a view
+        self.slots = segment[header:].view(2, size, slot_bytes)  # [parity, rank, bytes]
+        self.count = 0  # calls made
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.is_contiguous() and x.numel() * x.element_size() <= self.slot_bytes
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks, in place (every rank calls with the same shape and dtype)."""
+        self.count += 1
+        slots = self.slots[self.count % 2, :, : x.numel() * x.element_size()]  # [size, bytes]
+        parts = [slot.view(x.dtype).view(x.shape) for slot in slots]
+        parts[self.rank].copy_(x)
+        self.sequence[self.rank] = self.count
+        self._wait_for_all(self.count)
+        if self.size == 2:
+            x.add_(parts[1 - self.rank])  # a + b == b + a bit for bit: both ranks agree
+        else:
+            torch.sum(torch.stack(parts), dim=0, out=x)
+        return x
+
+    def _wait_for_all(self, count: int) -> None:
+        sequence = self.sequence
+        spins = 0
+        deadline = None
+        while sequence.min() < count:
+            spins += 1
+            if spins < 200:
+                continue  # the peer is usually microseconds away
+            # a shared machine: let whoever is runnable have this core; past ~20k checks
+            # (milliseconds) the peer is descheduled or busy, so sleep between checks
+            os.sched_yield() if spins < 20_000 else time.sleep(50e-6)
+            if spins % 1024 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    late = [r for r in range(self.size) if sequence[r] < count]
+                    raise RuntimeError(
+                        f"tensor-parallel ranks {late} did not reach all-reduce #{count} within "
+                        f"{self.timeout_s:.0f} s (a peer died or hangs)"
+                    )
+
+
 SINGLE_PROCESS = TensorParallelGroup()
 STARTUP_TIMEOUT_S = 300.0
+
+
+ALL_REDUCE_ENV = "PAGEDLLM_TP_ALL_REDUCE"  # "shm" (the CPU default) or "gloo"
+
+
+def cpu_all_reduce_choice() -> str:
+    choice = os.environ.get(ALL_REDUCE_ENV, "shm")
+    if choice not in ("shm", "gloo"):
+        raise ConfigError(f"{ALL_REDUCE_ENV}={choice!r}: choose shm (shared memory, the default) or gloo")
+    return choice
+
+
+def attach_shared_memory(tp: TensorParallelGroup, slot_bytes: int, timeout_s: float) -> None:
+    """Give a CPU group the shared-memory all-reduce for tensors up to ``slot_bytes`` (larger ones
+    take gloo). Collective: every rank calls it. Rank 0 creates the segment under /dev/shm and
+    removes its name once every rank mapped it, so nothing is left behind however the ranks end."""
+    import torch.distributed as dist
+
+    if tp.size == 1 or cpu_all_reduce_choice() == "gloo":
+        return
+    box = [None]
+    if tp.is_first:
+        box[0] = f"/dev/shm/pagedllm-tp-{os.getpid()}-{os.urandom(4).hex()}"
+        with open(box[0], "wb") as segment:
+            segment.truncate(64 * tp.size + 2 * tp.size * slot_bytes)
+    dist.broadcast_object_list(box, src=0, group=tp.control_group)
+    tp.shared_memory = SharedMemoryAllReduce(box[0], tp.rank, tp.size, slot_bytes, timeout_s)
+    dist.barrier(group=tp.control_group)
+    if tp.is_first:
+        os.unlink(box[0])
 
 
 def init_tensor_parallel(

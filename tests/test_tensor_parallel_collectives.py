@@ -3,7 +3,9 @@ the all-reduce's accounting, and the MLP split that evens out the ranks' work.""
 
 from __future__ import annotations
 
+import copy
 import datetime
+import os
 import socket
 import types
 
@@ -14,6 +16,7 @@ import torch.multiprocessing as mp
 
 from pagedllm.distributed import (
     TensorParallelGroup,
+    attach_shared_memory,
     attention_weight_count,
     balanced_range,
     head_shard,
@@ -55,7 +58,16 @@ def _rank_main(rank: int, port: int, results) -> None:
     local = torch.tensor([[10.0 * c + row for c in range(first, end)] for row in range(2)])
     gathered = tp.gather_columns(local, 5)
     summed = tp.all_reduce(torch.full((4, 3), float(rank + 1)))
-    results.put((rank, received, gathered, summed, tp.times))
+    times = copy.deepcopy(tp.times)  # before the shared-memory calls below
+    # the shared-memory all-reduce: many calls in a row (both parities of its slots), one too
+    # large for a slot (gloo), and bit-equal sums on both ranks
+    attach_shared_memory(tp, slot_bytes=4 * 64, timeout_s=30)
+    gen = torch.Generator().manual_seed(rank)
+    shm_sums = [tp.all_reduce(torch.randn(4, 16, generator=gen)) for _ in range(5)]
+    shm_sums.append(tp.all_reduce(torch.randn(8, 16, generator=gen)))  # 512 bytes > 256: gloo
+    # plain lists through the queue: torch would share tensors by file descriptor, gone with the process
+    gathered = None if gathered is None else gathered.tolist()
+    results.put((rank, received, gathered, summed.tolist(), times, [t.tolist() for t in shm_sums]))
     dist.destroy_process_group()
 
 
@@ -87,7 +99,7 @@ def test_step_channel_delivers_small_and_oversized_messages_intact(two_ranks):
 
 def test_logits_gather_lands_on_the_first_rank_only(two_ranks):
     want = torch.tensor([[10.0 * c + row for c in range(5)] for row in range(2)])
-    assert torch.equal(two_ranks[0][1], want)
+    assert two_ranks[0][1] == want.tolist()
     assert two_ranks[1][1] is None
     for rank in (0, 1):
         gather = two_ranks[rank][3].logits_gather
@@ -96,10 +108,20 @@ def test_logits_gather_lands_on_the_first_rank_only(two_ranks):
 
 def test_all_reduce_sums_and_counts_its_bytes(two_ranks):
     for rank in (0, 1):
-        assert torch.equal(two_ranks[rank][2], torch.full((4, 3), 3.0))
+        assert two_ranks[rank][2] == [[3.0] * 3] * 4
         cost = two_ranks[rank][3].all_reduce
         assert (cost.num_calls, cost.num_bytes) == (1, 4 * 3 * 4)
         assert cost.seconds > 0
+
+
+def test_shared_memory_all_reduce_sums_bit_equal_on_every_rank(two_ranks):
+    rank0, rank1 = two_ranks[0][4], two_ranks[1][4]
+    assert len(rank0) == len(rank1) == 6
+    assert rank0 == rank1  # bit for bit
+    # the first call's inputs, regenerated: the sum is the plain sum
+    first = [torch.randn(4, 16, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    assert rank0[0] == (first[0] + first[1]).tolist()
+    assert not any(name.startswith("pagedllm-tp-") for name in os.listdir("/dev/shm"))
 
 
 def test_single_process_collectives_are_the_identity_and_cost_nothing():

@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed import RankTimes, TensorParallelGroup, init_tensor_parallel
+from pagedllm.distributed import RankTimes, TensorParallelGroup, attach_shared_memory, init_tensor_parallel
 from pagedllm.errors import EngineDeadError
 from pagedllm.step import StepInput, StepResult
-from pagedllm.worker.worker import Worker, resolve_device
+from pagedllm.worker.worker import DEFAULT_MAX_NUM_BATCHED_TOKENS, Worker, resolve_device
 
 logger = logging.getLogger("pagedllm")
 
@@ -74,6 +74,7 @@ def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, e
     tp = init_tensor_parallel(rank, size, init_method, resolve_device(config.device), COLLECTIVE_TIMEOUT_S)
     worker = Worker(config, eos_token_ids, tp)
     num_blocks, num_cpu_blocks = _agree_on_num_blocks(worker, tp)
+    _attach_shared_memory(worker, tp)
     worker.init_kv_cache(num_blocks, num_cpu_blocks)
     channel = StepChannel(tp)
     try:
@@ -90,6 +91,16 @@ def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attach_shared_memory(worker: Worker, tp: TensorParallelGroup) -> None:
+    """On the CPU, the shared-memory all-reduce, sized for a full step's ``[tokens, hidden]``."""
+    if worker.device.type != "cpu":
+        return
+    config = worker.config
+    tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    slot_bytes = tokens * worker.model_config.hidden_size * worker.dtype.itemsize
+    attach_shared_memory(tp, slot_bytes, COLLECTIVE_TIMEOUT_S)
 
 
 def _agree_on_num_blocks(worker: Worker, tp: TensorParallelGroup) -> tuple[int, int]:
@@ -179,6 +190,7 @@ class MultiprocExecutor:
             self.channel = StepChannel(tp)
             self.worker = Worker(config, eos_token_ids, tp)
             num_blocks, num_cpu_blocks = _agree_on_num_blocks(self.worker, tp)
+            _attach_shared_memory(self.worker, tp)
         except Exception:
             self.shutdown()
             raise
