@@ -104,11 +104,13 @@ class CollectiveCost:
     num_calls: int = 0
     seconds: float = 0.0
     num_bytes: int = 0
+    cpu_seconds: float = 0.0  # of this thread (spinning waits count, sleeping ones do not)
 
-    def add(self, seconds: float, num_bytes: int) -> None:
+    def add(self, seconds: float, num_bytes: int, cpu_seconds: float = 0.0) -> None:
         self.num_calls += 1
         self.seconds += seconds
         self.num_bytes += num_bytes
+        self.cpu_seconds += cpu_seconds
 
 
 @dataclass
@@ -125,6 +127,8 @@ class RankTimes:
     rank: int = 0
     num_steps: int = 0
     forward_seconds: float = 0.0
+    forward_cpu_seconds: float = 0.0  # the forward pass's thread CPU time: unlike wall time, not
+    # inflated when other processes take the core, so it shows the ranks' shares of the work
     sample_seconds: float = 0.0
     all_reduce: CollectiveCost = field(default_factory=CollectiveCost)
     logits_gather: CollectiveCost = field(default_factory=CollectiveCost)
@@ -160,12 +164,14 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place; the identity for one rank."""
         if self.size > 1:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             if self.shared_memory is not None and self.shared_memory.fits(x):
                 self.shared_memory.all_reduce(x)
             else:
                 torch.distributed.all_reduce(x, group=self.group)
-            self.times.all_reduce.add(time.perf_counter() - start, x.numel() * x.element_size())
+            self.times.all_reduce.add(
+                time.perf_counter() - start, x.numel() * x.element_size(), time.thread_time() - start_cpu
+            )
         return x
 
     def reset_times(self) -> None:
@@ -180,7 +186,7 @@ class TensorParallelGroup:
         """
         if self.size == 1:
             return x
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         width = -(-num_columns // self.size)
         padded = x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
         parts = [torch.empty_like(padded) for _ in range(self.size)] if self.is_first else None
@@ -192,7 +198,9 @@ class TensorParallelGroup:
                 first, end = shard_range(num_columns, self.size, rank)
                 pieces.append(part[:, : end - first])
             gathered = torch.cat(pieces, dim=1)
-        self.times.logits_gather.add(time.perf_counter() - start, padded.numel() * padded.element_size())
+        self.times.logits_gather.add(
+            time.perf_counter() - start, padded.numel() * padded.element_size(), time.thread_time() - start_cpu
+        )
         return gathered
 
 

@@ -21,7 +21,7 @@ from pagedllm.distributed import (
     balanced_range,
     head_shard,
 )
-from pagedllm.models.llama import mlp_shard
+from pagedllm.models.llama import ATTENTION_WORK_PER_QUERY_HEAD, mlp_shard
 from pagedllm.step import ScheduledSeq, StepInput
 from pagedllm.worker.executor import StepChannel
 
@@ -140,11 +140,12 @@ def test_balanced_range_evens_out_fixed_work():
 
 def test_smollm2_mlp_split_gives_the_rank_with_fewer_heads_more_features():
     shards = [mlp_shard(SMOLLM2, TensorParallelGroup(rank=r, size=2)) for r in range(2)]
-    assert shards == [(0, 853), (853, 1536)]
-    work = [
-        attention_weight_count(head_shard(9, 3, 2, r), 576, 64) + 3 * 576 * (end - start)
-        for r, (start, end) in enumerate(shards)
-    ]
+    assert shards == [(0, 997), (997, 1536)]  # 3 and 6 query heads
+    work = []
+    for r, (start, end) in enumerate(shards):
+        heads = head_shard(9, 3, 2, r)
+        attention = attention_weight_count(heads, 576, 64) + ATTENTION_WORK_PER_QUERY_HEAD * heads.num_q * 576 * 64
+        work.append(attention + 3 * 576 * (end - start))
     assert abs(work[0] - work[1]) <= 3 * 576  # within one feature's weights
     # heads that split evenly keep the even split
     llama8b = types.SimpleNamespace(num_heads=32, num_kv_heads=8, hidden_size=4096, head_dim=128,

@@ -38,9 +38,11 @@ def format_rank_times(ranks: list[dict], wall_s: float, label: str = "") -> str:
         steps = max(r["num_steps"], 1)
         reduce, gather, message = r["all_reduce"], r["logits_gather"], r["step_message"]
         compute = r["forward_seconds"] - reduce["seconds"] - gather["seconds"]
+        compute_cpu = r["forward_cpu_seconds"] - reduce["cpu_seconds"] - gather["cpu_seconds"]
         rows.append([
             r["rank"], r["num_steps"],
             _share(compute, wall_s, steps),
+            round(compute_cpu, 2),
             _share(reduce["seconds"], wall_s, steps),
             reduce["num_calls"] / steps,
             reduce["num_bytes"] / max(reduce["num_calls"], 1) / 1e3,
@@ -49,9 +51,10 @@ def format_rank_times(ranks: list[dict], wall_s: float, label: str = "") -> str:
             _share(message["seconds"], wall_s, steps),
             message["num_bytes"] / max(message["num_calls"], 1) / 1e3,
         ])
-    headers = ["rank", "steps", "compute", "all-reduce", "reduces/step", "KB/reduce",
+    headers = ["rank", "steps", "compute", "compute CPU s", "all-reduce", "reduces/step", "KB/reduce",
                "logits gather", "sampling", "step message", "KB/message"]
-    note = "seconds (% of the run, ms per step); collectives include waiting for the slower rank"
+    note = ("seconds (% of the run, ms per step); collectives include waiting for the slower rank; "
+            "compute CPU s: the forward thread's CPU time less its collectives' (one thread per rank under TP)")
     return report.format_table(headers, rows, title=f"Where the time went{label}: {note}")
 
 

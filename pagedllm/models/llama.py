@@ -114,18 +114,26 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
+# The attention kernel, rotary and KV writes of one query head cost about as much as this many
+# times its q projection's weights (hidden x head_dim): measured on SmolLM2 under W64 (contexts of
+# 32-640 tokens) on 2 ranks, from the ranks' forward CPU time (docs/benchmarks.md,
+# "Tensor parallelism on the CPU"); longer contexts weigh more.
+ATTENTION_WORK_PER_QUERY_HEAD = 4.5
+
+
 def mlp_shard(config: ModelConfig, tp: TensorParallelGroup) -> tuple[int, int]:
     """This rank's ``[start, end)`` of the MLP's intermediate features.
 
     When the heads do not split evenly (SmolLM2's 3 KV groups over 2 ranks:
     3 and 6 query heads), the rank with less attention gets more of the MLP,
-    so that every rank multiplies by as many weights per token and none waits
-    for the other at each all-reduce.
+    so that every rank does as much work per token (weights, plus the attention
+    kernel's share per query head) and none waits for the other at each all-reduce.
     """
+    shards = [head_shard(config.num_heads, config.num_kv_heads, tp.size, r) for r in range(tp.size)]
     attention = [
-        attention_weight_count(head_shard(config.num_heads, config.num_kv_heads, tp.size, r),
-                               config.hidden_size, config.head_dim)
-        for r in range(tp.size)
+        attention_weight_count(h, config.hidden_size, config.head_dim)
+        + ATTENTION_WORK_PER_QUERY_HEAD * h.num_q * config.hidden_size * config.head_dim
+        for h in shards
     ]
     # gate, up and down: three weights per intermediate feature and hidden unit
     return balanced_range(config.intermediate_size, 3 * config.hidden_size, attention, tp.rank)

@@ -242,11 +242,12 @@ class Worker:
     def execute(self, step: StepInput) -> StepResult:
         """Run the step and read its results (a step launched earlier is read first)."""
         self._read_launched()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         chunks, inputs, logits = self._forward(step)
         forwarded = time.perf_counter()
         self.tp.times.num_steps += 1
         self.tp.times.forward_seconds += forwarded - start
+        self.tp.times.forward_cpu_seconds += time.thread_time() - start_cpu
         if not self.tp.is_first:
             return StepResult(step.step_id)
         result = self._sample_on_host(step, chunks, inputs, logits)
