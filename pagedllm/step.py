@@ -83,8 +83,9 @@ class ScheduledSeq:
     asks for the logprobs of the prompt tokens after each of its positions.
     ``allowed_token_bitmask`` (structured outputs): the tokens the sequence's
     grammar allows next, bit ``j`` of word ``w`` allowing token ``32 w + j``
-    (int32 words, xgrammar's layout); the others get -inf before sampling,
-    or in a beam's log-softmax before its candidates are picked.
+    (``ceil(vocab / 32)`` int32 words, xgrammar's layout, as bytes in native
+    order); the others get -inf before sampling, or in a beam's log-softmax
+    before its candidates are picked.
     """
 
     seq_id: int
@@ -96,7 +97,7 @@ class ScheduledSeq:
     sample_targets: list[tuple[int, int]] = field(default_factory=list)
     num_beam_candidates: int = 0
     prompt_logprobs: bool = False
-    allowed_token_bitmask: list[int] | None = None
+    allowed_token_bitmask: bytes | None = None
 
 
 @dataclass

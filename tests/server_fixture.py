@@ -237,9 +237,6 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def get_stats(self) -> EngineStats:
         used = len(self.requests)
         kv = KVCacheStats(

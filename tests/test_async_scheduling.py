@@ -3,7 +3,7 @@
 With ``async_scheduling=True`` the engine schedules and launches each decode
 step before it reads the previous step's tokens. On the CPU nothing overlaps
 (kernels run as they are called), but every piece of the bookkeeping runs:
-placeholders, tokens fed from the previous step's output tensor, stop
+pending tokens, tokens fed from the previous step's output tensor, stop
 conditions seen one step late. The outputs must equal the ordinary engine's,
 and every block must come back.
 """
@@ -116,7 +116,7 @@ def test_abort_while_a_step_is_in_flight(plain, overlapped):
             seen[output.request_id] = list(output.outputs[0].token_ids)
     assert engine._in_flight is not None
     engine.abort_request("r1")
-    # what r1 produced before the abort is a prefix of its full output, with no placeholder
+    # what r1 produced before the abort is a prefix of its full output, with no pending token in it
     assert want[PROMPTS[1]][0][: len(seen["r1"])] == seen["r1"]
     finals = {}
     while engine.has_unfinished_requests():
@@ -138,6 +138,8 @@ def test_requests_arriving_mid_run_and_memory_pressure():
         _assert_all_blocks_free(llm)
         if mode:
             assert llm.llm_engine.num_overlapped_steps > 0
+        # one sequence per prompt, numbered by this engine alone (the first engine's ids are not shared)
+        assert llm.llm_engine.new_seq_id() == len(PROMPTS)
     _assert_same_outputs(results[True], results[False])
 
 

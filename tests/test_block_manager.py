@@ -561,3 +561,18 @@ def test_check_invariants_catches_a_wrong_ref_count():
     manager._pool.blocks[0].ref_count = 2  # corrupt on purpose
     with pytest.raises(AssertionError, match="ref_count 2 but 1 table entries"):
         manager.check_invariants()
+
+
+def test_can_append_group_copies_only_blocks_still_shared():
+    manager = BlockManager(4, 8, enable_prefix_caching=False, watermark=0.0)
+    manager.allocate(0, list(range(1, 13)))  # blocks 0, 1 (1 partial: 4 of 8 slots)
+    manager.fork(0, 1)  # both at ref 2
+    assert manager.can_append_group({0: 1, 1: 1})  # a copy of block 1 each, at most: 2 free
+    manager.append_slots(0, 1)  # 0 copies block 1 on write
+    manager.allocate(2, [9])  # the last free block
+    assert manager.get_num_free_blocks() == 0
+    # each partial block has one holder now: both grow in place, no free block needed
+    assert manager.can_append_group({0: 1, 1: 1})
+    assert not manager.can_append_group({0: 4, 1: 1})  # 0's fourth new slot starts a block
+    assert manager.can_append_group({})
+    manager.check_invariants()

@@ -78,7 +78,7 @@ def test_cached_block_is_revived_from_the_middle_of_the_free_queue():
     pool.incref(2)
     assert pool.free_block_ids() == [0, 1, 3]
     assert pool.blocks[2].ref_count == 1
-    assert pool.blocks[2].token_ids == (1, 2)
+    assert pool.blocks[2].content.token_ids == (1, 2)
     assert pool.get_num_cached_blocks() == 0
     pool.check_invariants()
 
@@ -91,7 +91,7 @@ def test_reusing_a_cached_block_evicts_its_hash():
     pool.free([0])
     assert pool.allocate() == 0
     assert pool.blocks[0].block_hash is None
-    assert pool.blocks[0].token_ids is None
+    assert pool.blocks[0].content is None
     assert pool.lookup(block_hash, content) is None
     assert pool.get_num_cached_blocks() == 0
     pool.check_invariants()

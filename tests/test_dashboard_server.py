@@ -90,9 +90,18 @@ def test_feed_sends_hello_then_paced_snapshots_of_the_pool():
     def calls(client):
         page = client.get("/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        return _read_events(client, "/dashboard/feed", num_snapshots=3)
+        events = _read_events(client, "/dashboard/feed", num_snapshots=3)
+        return events, client.get("/metrics").text
 
-    events = _with_app(_fake_with_pool(), calls)
+    events, metrics = _with_app(_fake_with_pool(), calls)
+    cost = {
+        name: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        for name in ("snapshots", "capture_seconds", "encode_seconds")
+        if line.startswith(f"pagedllm:dashboard_{name}_total{{")
+    }
+    assert cost["snapshots"] == 3  # the feed's cost is on /metrics: one capture per snapshot sent
+    assert 0 < cost["capture_seconds"] < 5 and 0 < cost["encode_seconds"] < 5
     names = [name for name, _, _ in events]
     assert names == ["hello", "snapshot", "snapshot", "snapshot"]
     hello = events[0][1]
@@ -109,6 +118,28 @@ def test_feed_sends_hello_then_paced_snapshots_of_the_pool():
     assert tables == [0, 1, 2, 0, 1, 2]
     gaps = [b[2] - a[2] for a, b in zip(events[1:], events[2:])]
     assert min(gaps) >= FEED_INTERVAL_S * 0.8  # at most one snapshot per interval
+
+
+def test_two_open_pages_share_captures():
+    def calls(client):
+        results = [None, None]
+
+        def read(index):
+            results[index] = _read_events(client, "/dashboard/feed", num_snapshots=3)
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(30)
+        return results, client.get("/metrics").text
+
+    (first, second), metrics = _with_app(_fake_with_pool(), calls)
+    for events in (first, second):
+        assert [name for name, _, _ in events] == ["hello"] + ["snapshot"] * 3
+    (line,) = [x for x in metrics.splitlines() if x.startswith("pagedllm:dashboard_snapshots_total{")]
+    # 6 snapshots sent, at most 4 taken: the pages share captures (3 when they ask in step)
+    assert 3 <= float(line.rsplit(" ", 1)[1]) <= 4
 
 
 def test_feed_reports_an_engine_without_a_pool():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
@@ -85,9 +87,12 @@ def test_swapped_group_shows_in_the_cpu_pool_and_swap_in_targets_as_copied():
     assert cells(cpu_cells(bm)) == ([F] * 4, [0] * 4)
 
 
+_seq_ids = itertools.count()  # unique ids across this file's sequences (an engine numbers its own)
+
+
 def _request(rid: str, tokens: list[int], n: int = 1) -> Request:
     request = Request(rid, None, list(tokens), SamplingParams(n=n, max_tokens=32), RequestMetrics(0.0))
-    request.seqs.append(Sequence(prompt_len=len(tokens), token_ids=list(tokens)))
+    request.seqs.append(Sequence(prompt_len=len(tokens), token_ids=list(tokens), seq_id=next(_seq_ids)))
     return request
 
 
@@ -117,7 +122,7 @@ def test_requests_list_their_tables_in_logical_order_with_forks_and_prefix_hits(
     a = _request("a", prompt, n=2)
     scheduler.add_request(a)
     _step(scheduler)  # a's prompt computed and its first token sampled
-    child = a.seqs[0].fork(1)  # what the output processor does for n=2
+    child = a.seqs[0].fork(1, seq_id=next(_seq_ids))  # what the output processor does for n=2
     a.seqs.append(child)
     scheduler.fork_seq(a.seqs[0], child)
     b = _request("b", prompt[:16] + [50, 51])  # shares a's two full blocks

@@ -8,7 +8,6 @@ import random
 import pytest
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import sequence as sequence_module
 from pagedllm.engine.scheduler import MemoryOpKind, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from pagedllm.errors import ConfigError
@@ -16,14 +15,20 @@ from pagedllm.kv.block_manager import BlockManager
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
+_seq_ids = itertools.count()  # unique ids across this file's sequences (an engine numbers its own)
+
 
 def make_request(
     rid: str, prompt_len: int, first_token: int = 1, n: int = 1, max_tokens: int = 64
 ) -> Request:
     tokens = [first_token + i for i in range(prompt_len)]
     req = Request(rid, None, tokens, SamplingParams(n=n, max_tokens=max_tokens), RequestMetrics(0.0))
-    req.seqs.append(Sequence(prompt_len=prompt_len, token_ids=list(tokens)))
+    req.seqs.append(Sequence(prompt_len=prompt_len, token_ids=list(tokens), seq_id=next(_seq_ids)))
     return req
+
+
+def fork(seq: Sequence, sample_index: int) -> Sequence:
+    return seq.fork(sample_index, seq_id=next(_seq_ids))
 
 
 def make_scheduler(num_blocks=32, budget=64, max_seqs=8, mode="recompute", swap_blocks=0, caching=False,
@@ -156,7 +161,7 @@ def test_multi_sequence_requests_advance_in_lockstep(budget):
     req = make_request("a", 10)
     sched.add_request(req)
     run_step(sched)
-    child = req.seqs[0].fork(1)
+    child = fork(req.seqs[0], 1)
     sched.fork_seq(req.seqs[0], child)
     req.seqs.append(child)
     child.token_ids[-1] = 9  # the two samples differ
@@ -183,7 +188,7 @@ def test_recomputed_group_shares_its_full_prompt_blocks_again():
     run_step(sched)  # prefill; seqs[0] samples its first token
     parent = req.seqs[0]
     for i in (1, 2):
-        child = parent.fork(i)
+        child = fork(parent, i)
         child.token_ids[-1] = 10 + i
         sched.fork_seq(parent, child)
         req.seqs.append(child)
@@ -327,7 +332,7 @@ def test_headroom_counts_every_sequence_of_a_forked_request(num_blocks, admitted
     a = make_request("a", 16, n=2)
     sched.add_request(a)
     run_step(sched)
-    child = a.seqs[0].fork(1)
+    child = fork(a.seqs[0], 1)
     sched.fork_seq(a.seqs[0], child)
     a.seqs.append(child)
     a.forked = True
@@ -368,6 +373,7 @@ def _random_run(seed: int, *, mode: str, caching: bool, num_steps: int = 120) ->
     block ids kept, plus how often the steady decode fast path was taken.
     """
     rng = random.Random(seed)
+    seq_ids = itertools.count()  # the run's own ids, so both runs number their sequences alike
     sched = make_scheduler(num_blocks=24, budget=20, max_seqs=6, mode=mode, swap_blocks=24, caching=caching)
     requests: list[Request] = []
     names: dict[int, tuple[str, int]] = {}
@@ -389,7 +395,7 @@ def _random_run(seed: int, *, mode: str, caching: bool, num_steps: int = 120) ->
             params = SamplingParams(n=n, max_tokens=rng.randrange(1, 40),
                                     prompt_logprobs=1 if rng.random() < 0.2 else None)
             req = Request(f"r{step}", None, prompt, params, RequestMetrics(0.0))
-            req.seqs.append(Sequence(prompt_len=len(prompt), token_ids=list(prompt)))
+            req.seqs.append(Sequence(prompt_len=len(prompt), token_ids=list(prompt), seq_id=next(seq_ids)))
             sched.add_request(req)
             requests.append(req)
         out = sched.schedule()
@@ -410,7 +416,7 @@ def _random_run(seed: int, *, mode: str, caching: bool, num_steps: int = 120) ->
             if req.params.n > 1 and not req.forked:  # fan out as the output processor does
                 req.forked = True
                 for index in range(1, req.params.n):
-                    child = seq.fork(index)
+                    child = seq.fork(index, seq_id=next(seq_ids))
                     sched.fork_seq(seq, child)
                     req.seqs.append(child)
             for target in [s for s in req.seqs if s is seq or not chunk.all_logits]:
@@ -427,10 +433,47 @@ def _random_run(seed: int, *, mode: str, caching: bool, num_steps: int = 120) ->
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize(("mode", "caching"), [("recompute", True), ("swap", False), ("auto", True)])
 def test_steady_decode_fast_path_emits_what_the_general_path_does(seed, mode, caching, monkeypatch):
-    monkeypatch.setattr(sequence_module, "_seq_ids", itertools.count())
     fast, num_fast = _random_run(seed, mode=mode, caching=caching)
-    monkeypatch.setattr(sequence_module, "_seq_ids", itertools.count())
     monkeypatch.setattr(Scheduler, "_schedule_decode", lambda self, request, out: False)
     general, _ = _random_run(seed, mode=mode, caching=caching)
     assert num_fast > 50
     assert fast == general
+
+
+def test_first_scheduled_time_is_the_first_admission_and_survives_preemption():
+    sched = make_scheduler()
+    req = make_request("a", 10)
+    sched.add_request(req)
+    assert req.metrics.first_scheduled_time is None
+    run_step(sched)
+    first = req.metrics.first_scheduled_time
+    assert first is not None and first >= req.metrics.arrival_time
+    sched._preempt(req, SchedulerOutput())  # by recompute: admitted again below
+    assert req.status is SeqStatus.WAITING
+    run_step(sched)
+    assert req.status is SeqStatus.RUNNING and req.metrics.first_scheduled_time == first
+
+
+def _prompt_request(rid: str, tokens: list[int], **params) -> Request:
+    req = Request(rid, None, list(tokens), SamplingParams(max_tokens=4, **params), RequestMetrics(0.0))
+    req.seqs.append(Sequence(prompt_len=len(tokens), token_ids=list(tokens), seq_id=next(_seq_ids)))
+    return req
+
+
+def test_prompt_logprobs_requests_read_no_cached_prefix_but_cache_their_blocks():
+    sched = make_scheduler(num_blocks=32, budget=256, caching=True)
+    prompt = list(range(1, 21))  # 20 tokens: 2 full blocks of 8
+    first = _prompt_request("first", prompt, prompt_logprobs=1)
+    sched.add_request(first)
+    run_step(sched)
+    plain = _prompt_request("plain", prompt)
+    sched.add_request(plain)
+    out = run_step(sched)
+    assert plain.num_cached_tokens == 16  # the blocks the prompt-logprobs request computed
+    assert [(c.start_pos, len(c.token_ids)) for c, (r, _) in zip(out.chunks, out.entries) if r is plain] == [(16, 4)]
+    again = _prompt_request("again", prompt, prompt_logprobs=1)
+    sched.add_request(again)
+    out = run_step(sched)
+    assert again.num_cached_tokens == 0  # logits at every prompt position: nothing reused
+    ((chunk, _),) = [(c, r) for c, (r, _) in zip(out.chunks, out.entries) if r is again]
+    assert (chunk.start_pos, len(chunk.token_ids), chunk.all_logits) == (0, 20, True)

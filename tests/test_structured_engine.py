@@ -172,6 +172,50 @@ def test_ebnf_grammar_and_json_object(llm):
     assert text.startswith("{")
 
 
+
+def test_a_grammar_that_may_only_end_wins_over_min_tokens(llm):
+    """Under min_tokens the EOS ban would forbid every token a finished grammar allows:
+    the grammar's end wins (finish_reason "stop", fewer tokens than min_tokens)."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    for temperature, seed in ((0.0, None), (1.0, 11), (1.0, 12)):
+        params = SamplingParams(temperature=temperature, seed=seed, min_tokens=10, max_tokens=20, structured_outputs=choice)
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+        assert out.text in ("yes", "no") and out.finish_reason == "stop" and len(out.token_ids) < 10, out
+    # A schema whose every valid (compact) document is shorter than min_tokens: it ends valid.
+    params = SamplingParams(temperature=0, min_tokens=60, max_tokens=60, structured_outputs=_schema())
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert _valid(out.text) and out.finish_reason == "stop" and len(out.token_ids) < 60
+    _assert_all_free(llm)
+
+
+def test_min_tokens_still_holds_while_the_grammar_can_go_on(llm):
+    """Rows of one batch: a grammar that can always continue is held to min_tokens, a finished
+    one ends, an unconstrained row keeps its EOS ban."""
+    eos = llm.get_tokenizer().eos_token_id
+    forever = SamplingParams(temperature=1.0, seed=5, min_tokens=8, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex="(yes|no)+"))
+    ends = SamplingParams(temperature=1.0, seed=6, min_tokens=8, max_tokens=12,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    free = SamplingParams(temperature=1.0, seed=7, min_tokens=8, max_tokens=12, logit_bias={eos: 100.0})
+    outs = [o.outputs[0] for o in llm.generate([PROMPT, PROMPT, PROMPT], [forever, ends, free], use_tqdm=False)]
+    assert re.fullmatch("(yes|no)+", outs[0].text) and len(outs[0].token_ids) >= 8, outs[0]
+    assert outs[1].text in ("yes", "no") and outs[1].finish_reason == "stop"
+    # EOS is all but certain for the biased row, yet it comes no earlier than token 9.
+    assert eos not in outs[2].token_ids[:8] and len(outs[2].token_ids) >= 9, outs[2].token_ids
+    _assert_all_free(llm)
+
+
+def test_grammar_mask_allows_only_reads_every_bit_of_a_word():
+    from pagedllm.structured.bitmask import GrammarMask
+
+    bitmask = torch.zeros((2, 2), dtype=torch.int32)
+    bitmask[0, 0] = -2**31  # bit 31: token 31 (the sign bit)
+    bitmask[1, 1] = 1 | 4  # tokens 32 and 34
+    mask = GrammarMask(bitmask, [0, 1])
+    assert mask.allows_only(0, [31], 64) and not mask.allows_only(0, [30], 64)
+    assert mask.allows_only(1, [32, 34, 2], 64) and not mask.allows_only(1, [32], 64)
+    assert mask.allows_only(1, [], 32)  # tokens 32 and 34 lie past a 32-token vocabulary
+
 @pytest.mark.slow  # two engines per mode
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_matcher_state_survives_forced_preemption(tiny_model_dir, mode):
@@ -258,7 +302,7 @@ def test_bench_mask_clock_times_the_hooks_the_engine_really_calls(llm):
     finally:
         clock.uninstall()
     assert clock.num_steps >= 8 and clock.num_rows >= clock.num_steps
-    assert clock.fill_s > 0 and clock.apply_s > 0 and clock.accept_s > 0
+    assert clock.fill_s > 0 and clock.pack_s > 0 and clock.apply_s > 0 and clock.accept_s > 0
     steps = clock.num_steps
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, structured_outputs=_schema()), use_tqdm=False)
     assert clock.num_steps == steps  # uninstalled: nothing counts any more

@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 from server_fixture import ServerProcess
+
+from pagedllm.models.paths import default_model_path
+from pagedllm.structured.tools import TOOL_CALL_OPEN, parse_tool_calls, parse_tools
+from pagedllm.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -125,6 +130,97 @@ def test_required_tool_choice_calls_a_listed_tool(client):
     assert call.function.name in ("get_weather", "get_time")
     assert isinstance(json.loads(call.function.arguments), dict)
 
+
+
+def _weather_turn(index: int, city: str, result: str, answer: str) -> list[dict]:
+    """One earlier exchange: the user asks, the assistant calls get_weather, the tool answers."""
+    call = {"id": f"call_{index}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}
+    return [
+        {"role": "user", "content": f"What is the weather in {city}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call_{index}", "content": result},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+# Two worked examples: with them the 135M model answers a weather question with a call.
+FEW_SHOT = (_weather_turn(1, "Paris", '{"temperature": 18, "sky": "cloudy"}', "It is 18 degrees and cloudy in Paris.")
+            + _weather_turn(2, "Berlin", '{"temperature": 12, "sky": "sunny"}', "It is 12 degrees and sunny in Berlin."))
+AUTO_REQUEST = dict(model="default", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="auto", temperature=0, max_tokens=80)
+
+
+def _calls(tool_calls) -> list[tuple[str, dict]]:
+    return [(call.function.name, json.loads(call.function.arguments)) for call in tool_calls]
+
+
+def test_auto_tool_choice_calls_the_tool_with_schema_valid_arguments(client):
+    response = client.chat.completions.create(messages=FEW_SHOT + _chat("What is the weather in Tokyo?"), **AUTO_REQUEST)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Tokyo", "unit": "celsius"})]
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+        assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_streamed_auto_tool_call_equals_the_non_streamed_one(client):
+    messages = FEW_SHOT + _chat("What is the weather in Tokyo?")
+    whole = client.chat.completions.create(messages=messages, **AUTO_REQUEST).choices[0].message.tool_calls
+    content, finish = "", None
+    pieces: dict[int, dict] = {}  # tool call index -> its name and argument text, concatenated
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **AUTO_REQUEST):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            piece = pieces.setdefault(call.index, {"name": "", "arguments": "", "id": None})
+            piece["name"] += call.function.name or ""
+            piece["arguments"] += call.function.arguments or ""
+            piece["id"] = piece["id"] or call.id
+        finish = chunk.choices[0].finish_reason or finish
+    assert TOOL_CALL_OPEN not in content and "tool_call" not in content and not content.strip()
+    assert finish == "tool_calls" and all(piece["id"] for piece in pieces.values())
+    streamed = [(pieces[i]["name"], json.loads(pieces[i]["arguments"])) for i in sorted(pieces)]
+    assert streamed == _calls(whole) and streamed
+
+
+def test_auto_without_a_tool_question_answers_in_text(client):
+    messages = FEW_SHOT + _chat("Tell me a joke.")
+    choice = client.chat.completions.create(messages=messages, **AUTO_REQUEST).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert choice.message.content and TOOL_CALL_OPEN not in choice.message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                       client.chat.completions.create(messages=messages, stream=True, **AUTO_REQUEST) if chunk.choices)
+    assert streamed == choice.message.content
+
+
+def test_auto_calls_are_what_the_raw_completion_says(client):
+    """Oracle for the parser: the same prompt through /v1/completions (no tool handling) gives
+    the raw Hermes text, and parsing it gives the calls the chat endpoint returned."""
+    messages = FEW_SHOT + _chat("What is the weather in Tokyo?")
+    tokenizer = Tokenizer.load(default_model_path())
+    server_messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as the server dumps them
+    text = tokenizer.apply_chat_template(server_messages, tools=AUTO_REQUEST["tools"])
+    raw = client.completions.create(
+        model="default", prompt=tokenizer.encode(text, add_special_tokens=False), temperature=0, max_tokens=80,
+    ).choices[0].text
+    assert TOOL_CALL_OPEN in raw, raw
+    content, raw_calls = parse_tool_calls(raw, parse_tools(AUTO_REQUEST["tools"]))
+    chat = client.chat.completions.create(messages=messages, **AUTO_REQUEST).choices[0].message
+    assert [(c.name, json.loads(c.arguments)) for c in raw_calls] == _calls(chat.tool_calls)
+    assert content == chat.content
+
+
+def test_a_finished_grammar_ends_before_min_tokens(client):
+    """min_tokens cannot outlast a choice: the answer ends as the grammar does (200, "stop"),
+    streamed or not, rather than failing late."""
+    request = dict(model="default", prompt="Is the sky blue? Answer:", max_tokens=20, temperature=0,
+                   extra_body={"min_tokens": 10, "structured_outputs": {"choice": ["yes", "no"]}})
+    choice = client.completions.create(**request).choices[0]
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    chunks = list(client.completions.create(**request, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 @pytest.mark.parametrize(
     ("body", "param"),

@@ -5,9 +5,10 @@ drives the engine's step loop, stamping the moment every new token comes
 out. TTFT is submission to first token; TPOT is the mean gap between later
 tokens, (last - first) / (n - 1); decode tok/s is its inverse.
 
-``--compare pagedllm,vllm`` times the same prompts through vLLM's own engine
-step loop as well (in vLLM's virtualenv, see :mod:`pagedllm.bench.peers`),
-stamped the same way.
+``--compare pagedllm,vllm,llamacpp`` times the same prompts through vLLM's own
+engine step loop and through llama.cpp on the same GGUF file as well (each in
+its own virtualenv, see :mod:`pagedllm.bench.peers`), stamped the same way,
+with the same thread count.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import sys
 import time
 
 from pagedllm.bench import report
-from pagedllm.bench.throughput import PEER_PYTHON_ENV, dtype_name
+from pagedllm.bench.throughput import (
+    PEER_PYTHON_ENV,
+    add_llamacpp_arguments,
+    dtype_name,
+    llamacpp_available,
+)
 from pagedllm.bench.workloads import WARMUP_OUTPUT_LEN, random_workload, warmup_prompts
 
 
@@ -75,6 +81,17 @@ def run_latency_vllm(args: argparse.Namespace, python: str) -> dict:
     return {**summarize_runs("vllm", dtype, args.input_len, args.output_len, runs), "vllm": version}
 
 
+def run_latency_llamacpp(args: argparse.Namespace) -> dict:
+    """The same prompts (same seed) through llama.cpp on the same GGUF, one at a time."""
+    from pagedllm.bench.peers import find_llamacpp_python, run_llamacpp_latency
+
+    workload = random_workload(args.runs, (args.input_len, args.input_len), args.output_len, seed=args.seed)
+    python, _ = find_llamacpp_python(args.llamacpp_python)
+    data = run_llamacpp_latency(workload, python, args.model, args.num_threads)
+    info = {key: data[key] for key in ("llama_cpp_python", "threads", "build_flags", "system_info", "gguf")}
+    return {**summarize_runs("llamacpp", data["dtype"], args.input_len, args.output_len, data["runs"]), **info}
+
+
 def summarize_runs(backend: str, dtype: str, input_len: int, output_len: int, runs: list[dict]) -> dict:
     summary = {
         key: report.summarize([r[key] for r in runs if r[key] is not None])
@@ -103,10 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="inter-token latency per run (matplotlib)")
     g.add_argument(
-        "--compare", default=None, metavar="pagedllm,vllm",
-        help="also time the same prompts through vLLM (needs --peer-python)",
+        "--compare", default=None, metavar="pagedllm,vllm,llamacpp",
+        help="also time the same prompts through vLLM (needs --peer-python) and/or llama.cpp (--llamacpp-python)",
     )
     g.add_argument("--peer-python", default=None, metavar="PATH", help="the python of vLLM's virtualenv")
+    add_llamacpp_arguments(g)
     add_engine_arguments(parser)
 
 
@@ -120,9 +138,11 @@ def run(args: argparse.Namespace) -> int:
     python = None
     if args.compare:
         backends = [b.strip() for b in args.compare.split(",") if b.strip()]
-        if not backends or not set(backends) <= {"pagedllm", "vllm"}:
-            print(f"--compare {args.compare!r}: choose from pagedllm, vllm", file=sys.stderr)
+        if not backends or not set(backends) <= {"pagedllm", "vllm", "llamacpp"}:
+            print(f"--compare {args.compare!r}: choose from pagedllm, vllm, llamacpp", file=sys.stderr)
             return 2
+        if "llamacpp" in backends and not llamacpp_available(args):
+            backends.remove("llamacpp")
         python = args.peer_python or os.environ.get(PEER_PYTHON_ENV)
         if "vllm" in backends and not python:
             print("--compare vllm needs --peer-python PATH (the python of vLLM's virtualenv)", file=sys.stderr)
@@ -132,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     for backend in backends:
         if backend == "pagedllm":
             result = run_latency(config, args.input_len, args.output_len, args.runs, args.seed, args.warmup)
+        elif backend == "llamacpp":
+            result = run_latency_llamacpp(args)
         else:
             result = run_latency_vllm(args, python)
         print(format_result(result))

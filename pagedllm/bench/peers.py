@@ -7,6 +7,11 @@
   so only the standard library is imported at module level. vLLM cannot read
   the GGUF's tokenizer and config the way transformers does, so the model is
   exported once to an HF directory (safetensors + tokenizer files).
+- llama.cpp (``llama-cpp-python`` built from source) in its own virtualenv,
+  through the same script (``python peers.py llamacpp ...``), on the GGUF
+  file itself: its C API driven directly (``llama_batch`` over several
+  sequences, greedy argmax), so one step decodes every running request, as
+  llama.cpp's server does with its slots.
 """
 
 from __future__ import annotations
@@ -351,7 +356,261 @@ def _vllm_time_one(engine, request_id: str, prompt: dict, params, output_len: in
     }
 
 
+# ---- llama.cpp ------------------------------------------------------------------------
+
+# Environment variable naming the python of llama-cpp-python's virtualenv.
+LLAMACPP_PYTHON_ENV = "PAGEDLLM_LLAMACPP_PYTHON"
+DEFAULT_LLAMACPP_SLOTS = 32
+# Written next to the virtualenv's python by whoever built llama-cpp-python: the build flags.
+LLAMACPP_BUILD_FLAGS_FILE = "BUILD_FLAGS.txt"
+
+
+def find_llamacpp_python(explicit: str | None) -> tuple[str | None, str | None]:
+    """(python of llama-cpp-python's virtualenv, None), or (None, why the peer is skipped)."""
+    python = explicit or os.environ.get(LLAMACPP_PYTHON_ENV)
+    if not python:
+        return None, f"no llama.cpp virtualenv: pass --llamacpp-python PATH or set ${LLAMACPP_PYTHON_ENV}"
+    if not Path(python).exists():
+        return None, f"llama.cpp's python {python!r} does not exist"
+    return python, None
+
+
+def llamacpp_gguf(model: str | None) -> Path:
+    """The GGUF file llama.cpp runs: the one pagedllm loads (default: the default model)."""
+    from pagedllm.errors import ConfigError
+    from pagedllm.models.paths import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.suffix != ".gguf":
+        raise ConfigError(f"the llama.cpp peer runs GGUF files only; {str(path)!r} is an HF directory")
+    return path
+
+
+def bench_threads(num_threads: int | None) -> int:
+    """The thread count every backend of a comparison gets: --num-threads, else pagedllm's
+    default (one per CPU of this process's affinity mask)."""
+    from pagedllm.native.threads import allowed_cpus
+
+    return num_threads or allowed_cpus()
+
+
+def run_llamacpp(workload, python: str, model: str | None, num_threads: int | None, num_slots: int):
+    """The workload through llama.cpp with ``num_slots`` sequences decoded together."""
+    from pagedllm.bench.throughput import ThroughputResult
+
+    data = _run_llamacpp_script(workload, python, model, num_threads, ["--slots", str(num_slots)])
+    return ThroughputResult(
+        backend="llamacpp",
+        dtype=data["dtype"],
+        num_requests=data["num_requests"],
+        prompt_tokens=data["prompt_tokens"],
+        output_tokens=data["output_tokens"],
+        wall_s=data["wall_s"],
+        load_s=data["load_s"],
+        extra={key: data[key] for key in ("llama_cpp_python", "threads", "slots", "build_flags", "system_info", "gguf")},
+    )
+
+
+def run_llamacpp_latency(workload, python: str, model: str | None, num_threads: int | None) -> dict:
+    """Each prompt alone through llama.cpp, stamped per token; the JSON of the script's latency mode."""
+    return _run_llamacpp_script(workload, python, model, num_threads, ["--mode", "latency", "--slots", "1"])
+
+
+def _run_llamacpp_script(workload, python: str, model: str | None, num_threads: int | None, extra_args: list[str]) -> dict:
+    import tempfile
+
+    from pagedllm.errors import ConfigError
+    from pagedllm.native.threads import without_pagedllm_defaults
+
+    gguf = llamacpp_gguf(model)
+    with tempfile.TemporaryDirectory(prefix="pagedllm-llamacpp-") as tmp:
+        workload_file, out_file = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        workload.save(workload_file)
+        cmd = [
+            python, str(Path(__file__).resolve()), "llamacpp", "--gguf", str(gguf), "--workload", str(workload_file),
+            "--out", str(out_file), "--threads", str(bench_threads(num_threads)), *extra_args,
+        ]
+        env = without_pagedllm_defaults(dict(os.environ))
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+        if done.returncode != 0 or not out_file.is_file():
+            raise ConfigError(f"the llama.cpp run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        return json.loads(out_file.read_text())
+
+
+class _LlamaCppRunner:
+    """Inside llama-cpp-python's virtualenv: one model and context, greedy decoding of many
+    sequences per ``llama_decode`` call. Sequence ``s`` of the context is slot ``s``; a
+    finished request's slot is emptied (``llama_memory_seq_rm``) and taken by the next."""
+
+    def __init__(self, gguf: str, num_slots: int, ctx_per_slot: int, num_threads: int, batch_tokens: int) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        model_params = lc.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self.model = lc.llama_model_load_from_file(gguf.encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        ctx_params = lc.llama_context_default_params()
+        ctx_params.n_ctx = num_slots * ctx_per_slot
+        ctx_params.n_seq_max = num_slots
+        ctx_params.n_batch = ctx_params.n_ubatch = batch_tokens
+        ctx_params.n_threads = ctx_params.n_threads_batch = num_threads
+        # One KV buffer for all sequences: llama.cpp then batches a prompt with other
+        # sequences' decode tokens in one ubatch (its split per-sequence cache would not).
+        ctx_params.kv_unified = True
+        self.ctx = lc.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch_tokens = batch_tokens
+        self.batch = lc.llama_batch_init(batch_tokens, 0, num_slots)
+        self.memory = lc.llama_get_memory(self.ctx)
+
+    def describe(self) -> str:
+        import ctypes
+
+        buf = ctypes.create_string_buffer(256)
+        self.lc.llama_model_desc(self.model, buf, len(buf))
+        return buf.value.decode()
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One ``llama_decode`` of (token, position, slot, wants_logits) entries; the greedy
+        next token of each entry that wants logits, in order."""
+        import numpy as np
+
+        batch = self.batch
+        for i, (token, pos, slot, wants) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0] = slot
+            batch.logits[i] = wants
+        batch.n_tokens = len(entries)
+        status = self.lc.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with {status}")
+        out = []
+        for i, (_, _, _, wants) in enumerate(entries):
+            if wants:
+                logits = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                out.append(int(logits.argmax()))
+        return out
+
+    def free_slot(self, slot: int) -> None:
+        self.lc.llama_memory_seq_rm(self.memory, slot, -1, -1)
+
+
+class _Slot:
+    """A request running in one llama.cpp sequence: its next input is ``last_token`` at ``position``."""
+
+    def __init__(self, request: int, prompt_len: int) -> None:
+        self.request = request
+        self.prompt_len = prompt_len
+        self.last_token = -1  # set by the first decode, before it is ever read
+        self.num_new = 0
+
+    @property
+    def position(self) -> int:
+        return self.prompt_len + self.num_new - 1  # the newest token's position
+
+
+def _llamacpp_generate(runner: _LlamaCppRunner, prompts: list[list[int]], output_len: int, num_slots: int,
+                       on_token=None) -> int:
+    """Continuous batching over ``num_slots`` slots: each step decodes every running
+    sequence's last token plus as many waiting prompts as fit; ``output_len`` new tokens
+    each (EOS ignored). Returns the number of new tokens; ``on_token(request)`` per token."""
+    from collections import deque
+
+    waiting = deque(enumerate(prompts))
+    free = list(range(num_slots - 1, -1, -1))
+    running: dict[int, _Slot] = {}  # llama.cpp sequence id -> its request
+    num_new = 0
+    while waiting or running:
+        order = list(running)
+        entries = [(running[s].last_token, running[s].position, s, True) for s in order]
+        while waiting and free and len(entries) + len(waiting[0][1]) <= runner.batch_tokens:
+            request, prompt = waiting.popleft()
+            slot = free.pop()
+            entries += [(t, pos, slot, pos == len(prompt) - 1) for pos, t in enumerate(prompt)]
+            running[slot] = _Slot(request, len(prompt))
+            order.append(slot)
+        for slot, token in zip(order, runner.decode(entries)):
+            state = running[slot]
+            state.last_token, state.num_new = token, state.num_new + 1
+            num_new += 1
+            if on_token is not None:
+                on_token(state.request)
+            if state.num_new == output_len:
+                del running[slot]
+                runner.free_slot(slot)
+                free.append(slot)
+    return num_new
+
+
+def _llamacpp_main(argv: list[str]) -> int:
+    """Inside llama-cpp-python's virtualenv: load the GGUF, warm up, time the workload, write JSON."""
+    parser = argparse.ArgumentParser(prog="peers.py llamacpp")
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--slots", type=int, default=DEFAULT_LLAMACPP_SLOTS)
+    parser.add_argument("--mode", choices=["throughput", "latency"], default="throughput")
+    args = parser.parse_args(argv)
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path(here)]
+    import llama_cpp
+
+    workload = json.loads(Path(args.workload).read_text())
+    prompts = [list(p) for p in workload["prompt_token_ids"]]
+    output_len = int(workload["output_len"])
+    longest = max(len(p) for p in prompts) + output_len
+    start = time.perf_counter()
+    runner = _LlamaCppRunner(args.gguf, args.slots, _round_up(longest, 256), args.threads,
+                             batch_tokens=max(2048, _round_up(max(len(p) for p in prompts) + args.slots, 256)))
+    load_s = time.perf_counter() - start
+    _llamacpp_generate(runner, [list(range(100, 116))] * min(4, args.slots), 4, args.slots)  # warm-up
+    flags_file = Path(sys.executable).parent.parent / LLAMACPP_BUILD_FLAGS_FILE
+    info = {
+        "llama_cpp_python": llama_cpp.__version__,
+        "dtype": runner.describe(),
+        "threads": args.threads,
+        "slots": args.slots,
+        "gguf": args.gguf,
+        "build_flags": flags_file.read_text().strip() if flags_file.is_file() else None,
+        "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        "load_s": load_s,
+    }
+    if args.mode == "latency":
+        runs = [_llamacpp_time_one(runner, p, output_len) for p in prompts]
+        Path(args.out).write_text(json.dumps({**info, "runs": runs}))
+        return 0
+    start = time.perf_counter()
+    num_new = _llamacpp_generate(runner, prompts, output_len, args.slots)
+    wall_s = time.perf_counter() - start
+    result = {**info, "num_requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
+              "output_tokens": num_new, "wall_s": wall_s}
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def _llamacpp_time_one(runner: _LlamaCppRunner, prompt: list[int], output_len: int) -> dict:
+    """llama.cpp's counterpart of ``latency.time_one_request`` (same keys, same arithmetic)."""
+    stamps: list[float] = []
+    start = time.perf_counter()
+    _llamacpp_generate(runner, [prompt], output_len, 1, on_token=lambda _: stamps.append(time.perf_counter()))
+    decode_s = stamps[-1] - stamps[0]
+    return {
+        "ttft_s": stamps[0] - start,
+        "tpot_s": decode_s / (len(stamps) - 1) if len(stamps) > 1 else None,
+        "decode_tokens_per_s": (len(stamps) - 1) / decode_s if decode_s > 0 else None,
+        "e2e_s": stamps[-1] - start,
+        "inter_token_s": [b - a for a, b in zip(stamps, stamps[1:])],
+    }
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] != "vllm":
-        sys.exit("usage: python peers.py vllm --model-dir DIR --workload FILE --out FILE [--dtype D]")
-    sys.exit(_vllm_main(sys.argv[2:]))
+    if len(sys.argv) < 2 or sys.argv[1] not in ("vllm", "llamacpp"):
+        sys.exit("usage: python peers.py vllm --model-dir DIR --workload FILE --out FILE [--dtype D]\n"
+                 "       python peers.py llamacpp --gguf FILE --workload FILE --out FILE [--threads N]")
+    sys.exit((_vllm_main if sys.argv[1] == "vllm" else _llamacpp_main)(sys.argv[2:]))

@@ -5,9 +5,10 @@ under one JSON schema, then unconstrained again (the two unconstrained runs
 bracket the constrained one, so drift on a shared machine shows). The schema
 asks for at least ``MIN_ITEMS`` strings, so no request can finish it before
 max_tokens and all runs generate the same number of tokens. Mask time per
-step is the host time spent filling the bitmasks (per sequence, xgrammar's
-fill) and applying them (one batched op), summed over the constrained run's
-steps; accept time is the matchers' advance past each sampled token.
+step is the host time spent filling the bitmasks (one xgrammar call per
+sequence, into one tensor, engine side), packing them into the batch's mask
+(worker side) and applying them (one batched op), per step of the constrained
+run; accept time is the matchers' advance past each sampled token.
 Grammar compile time is measured on a 20-field schema: first use, then the
 cached lookup.
 """
@@ -41,9 +42,16 @@ def twenty_field_schema(nonce: str) -> dict:
 
 @dataclass
 class MaskClock:
-    """Host seconds in bitmask fill+apply and in matcher accepts, and how many steps had a mask."""
+    """Host seconds in the grammar's bitmask work, and how many fills (steps with a mask) it timed.
+
+    ``fill_s``: the matchers' fill of a step's rows (engine side, one tensor);
+    ``pack_s``: the worker joining the rows into the batch's mask; ``apply_s``:
+    the one batched op on the logits; ``accept_s``: the matchers' advance past
+    each sampled token.
+    """
 
     fill_s: float = 0.0
+    pack_s: float = 0.0
     apply_s: float = 0.0
     accept_s: float = 0.0
     num_steps: int = 0
@@ -51,20 +59,26 @@ class MaskClock:
     _undo: list = field(default_factory=list)
 
     def install(self) -> None:
-        """Wraps the three hooks of pagedllm.structured for the duration of a run."""
-        from pagedllm.structured.bitmask import GrammarMask
+        """Wraps the hooks of pagedllm.structured for the duration of a run."""
+        from pagedllm.structured import bitmask
         from pagedllm.structured.grammar import GrammarState
-        from pagedllm.worker import worker  # the worker fills each step's bitmask
+        from pagedllm.worker import worker  # the worker packs each step's rows into one mask
 
-        fill, apply, accept = worker._grammar_mask, GrammarMask.apply, GrammarState.accept
+        fill, pack = bitmask.fill_rows, worker._grammar_mask
+        apply, accept = bitmask.GrammarMask.apply, GrammarState.accept
 
-        def timed_fill(jobs, vocab_size):
+        def timed_fill(states, vocab_size):
             start = time.perf_counter()
-            mask = fill(jobs, vocab_size)
-            if mask is not None:
-                self.fill_s += time.perf_counter() - start
-                self.num_steps += 1
-                self.num_rows += len(mask.rows)
+            rows = fill(states, vocab_size)
+            self.fill_s += time.perf_counter() - start
+            self.num_steps += 1
+            self.num_rows += len(rows)
+            return rows
+
+        def timed_pack(jobs, vocab_size):
+            start = time.perf_counter()
+            mask = pack(jobs, vocab_size)
+            self.pack_s += time.perf_counter() - start
             return mask
 
         def timed_apply(mask, logits):
@@ -79,15 +93,20 @@ class MaskClock:
             self.accept_s += time.perf_counter() - start
             return ok
 
-        worker._grammar_mask = timed_fill
-        GrammarMask.apply = timed_apply
+        bitmask.fill_rows = timed_fill
+        worker._grammar_mask = timed_pack
+        bitmask.GrammarMask.apply = timed_apply
         GrammarState.accept = timed_accept
-        self._undo = [(worker, "_grammar_mask", fill), (GrammarMask, "apply", apply),
-                      (GrammarState, "accept", accept)]
+        self._undo = [(bitmask, "fill_rows", fill), (worker, "_grammar_mask", pack),
+                      (bitmask.GrammarMask, "apply", apply), (GrammarState, "accept", accept)]
 
     def uninstall(self) -> None:
         for owner, name, original in self._undo:
             setattr(owner, name, original)
+
+    @property
+    def total_s(self) -> float:
+        return self.fill_s + self.pack_s + self.apply_s + self.accept_s
 
 
 def _timed_generate(llm, prompts, params) -> dict:
@@ -160,9 +179,10 @@ def run(args: argparse.Namespace) -> int:
         "ratio_vs_mean_unconstrained": runs["json_schema"]["output_tok_s"] / (
             (runs["unconstrained_before"]["output_tok_s"] + runs["unconstrained_after"]["output_tok_s"]) / 2),
         "mask_fill_ms_per_step": clock.fill_s / steps * 1e3,
+        "mask_pack_ms_per_step": clock.pack_s / steps * 1e3,
         "mask_apply_ms_per_step": clock.apply_s / steps * 1e3,
         "accept_ms_per_step": clock.accept_s / steps * 1e3,
-        "mask_share_of_constrained_wall": (clock.fill_s + clock.apply_s + clock.accept_s) / runs["json_schema"]["wall_s"],
+        "mask_share_of_constrained_wall": clock.total_s / runs["json_schema"]["wall_s"],
         "num_masked_steps": clock.num_steps,
         "mean_masked_rows": clock.num_rows / steps,
         "num_outputs_starting_as_json": num_valid_prefixes,

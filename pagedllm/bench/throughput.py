@@ -3,7 +3,7 @@
 All requests are submitted at once, greedy, ``ignore_eos``, prompts as token
 ids; the clock runs from the first submission to the last finished request,
 after a warm-up of a few short requests. The same workload can be run through
-HF transformers and vLLM (:mod:`pagedllm.bench.peers`); ``--compare`` runs
+HF transformers, vLLM and llama.cpp (:mod:`pagedllm.bench.peers`); ``--compare`` runs
 each backend in its own process, one after another, and prints them side by side.
 """
 
@@ -28,7 +28,7 @@ from pagedllm.bench.workloads import (
 )
 from pagedllm.errors import ConfigError
 
-BACKENDS = ("pagedllm", "hf", "vllm")
+BACKENDS = ("pagedllm", "hf", "vllm", "llamacpp")
 # Environment variable naming the python of vLLM's virtualenv, when --peer-python is not given.
 PEER_PYTHON_ENV = "PAGEDLLM_VLLM_PYTHON"
 
@@ -146,6 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer-python", default=None,
         help=f"python of the virtualenv with vLLM (default: ${PEER_PYTHON_ENV})",
     )
+    add_llamacpp_arguments(g)
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="a few short requests before timing")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="draw the results (matplotlib)")
@@ -178,6 +179,11 @@ def run_backend(args: argparse.Namespace, workload: Workload) -> ThroughputResul
         return run_pagedllm(workload, engine_config_from_args(args), args.warmup)
     if args.backend == "hf":
         return peers.run_hf(workload, args.model, args.dtype, args.hf_batch_size, args.num_threads, args.warmup)
+    if args.backend == "llamacpp":
+        python, skipped = peers.find_llamacpp_python(args.llamacpp_python)
+        if python is None:
+            raise ConfigError(f"--backend llamacpp: {skipped}")
+        return peers.run_llamacpp(workload, python, args.model, args.num_threads, args.llamacpp_slots)
     python = args.peer_python or os.environ.get(PEER_PYTHON_ENV)
     if not python:
         raise ConfigError(f"--backend vllm needs --peer-python PATH (the python of vLLM's virtualenv) or ${PEER_PYTHON_ENV}")
@@ -186,6 +192,7 @@ def run_backend(args: argparse.Namespace, workload: Workload) -> ThroughputResul
 
 def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
     """Run each backend of ``--compare`` in a fresh process on the same workload file."""
+    from pagedllm.bench.peers import find_llamacpp_python
     from pagedllm.native.cpu_ops import ISA_ENV, ISA_PATHS
 
     backends = split_compare(args.compare)
@@ -205,6 +212,8 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
         workload_file = Path(tmp) / "workload.json"
         workload.save(workload_file)
         for index, (label, (backend, isa, extra)) in enumerate(zip(backends, specs)):
+            if backend == "llamacpp" and not llamacpp_available(args):
+                continue
             out = Path(tmp) / f"{index}-{backend}.json"
             cmd = [
                 sys.executable, "-m", "pagedllm.cli", "bench", "throughput",
@@ -213,6 +222,9 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
             ]
             if args.peer_python:
                 cmd += ["--peer-python", args.peer_python]
+            if backend == "llamacpp":
+                cmd += ["--llamacpp-python", find_llamacpp_python(args.llamacpp_python)[0],
+                        "--llamacpp-slots", str(args.llamacpp_slots)]
             if not args.warmup:
                 cmd.append("--no-warmup")
             cmd += engine_argv(args) + extra  # a variant's flags come last and win
@@ -225,6 +237,28 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
                 )
             results.append({**report.read_json(out), "backend": label})
     return results
+
+
+def add_llamacpp_arguments(group) -> None:
+    from pagedllm.bench.peers import DEFAULT_LLAMACPP_SLOTS, LLAMACPP_PYTHON_ENV
+
+    group.add_argument(
+        "--llamacpp-python", default=None, metavar="PATH",
+        help=f"python of the virtualenv with llama-cpp-python (default: ${LLAMACPP_PYTHON_ENV}); "
+             "without one the llamacpp peer is skipped",
+    )
+    group.add_argument("--llamacpp-slots", type=int, default=DEFAULT_LLAMACPP_SLOTS,
+                       help="sequences llama.cpp decodes together (its server's --parallel)")
+
+
+def llamacpp_available(args: argparse.Namespace) -> bool:
+    """Whether llama.cpp's virtualenv is there; prints the line saying why it is skipped when not."""
+    from pagedllm.bench.peers import find_llamacpp_python
+
+    python, skipped = find_llamacpp_python(args.llamacpp_python)
+    if python is None:
+        print(f"skipping llamacpp: {skipped}", file=sys.stderr, flush=True)
+    return python is not None
 
 
 def split_compare(text: str) -> list[str]:

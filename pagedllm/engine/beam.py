@@ -10,7 +10,10 @@ side, a surviving continuation is its parent beam (first child) or a fork of it
 Parents with no surviving child are freed at once.
 
 Scores are kept in float32 tensors and ranked with ``torch.topk`` so that
-near-ties break the same way as the reference implementation.
+near-ties break the same way as the reference implementation. Which
+hypotheses exist is said by counts and boolean masks, never by a score: the
+finished pool holds only real hypotheses (fewer than W until W have ended),
+and a continuation that ends never becomes a live beam.
 """
 
 from __future__ import annotations
@@ -24,29 +27,35 @@ from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.step import BeamCandidates
 
-_NEG = -1.0e9
-
 
 @dataclass
 class BeamState:
+    """A request's beams between steps.
+
+    The finished pool, best first: ``finished_scores[i]`` (length-penalised),
+    ``finished_tokens[i]`` (generated ids) and ``finished_logprobs[i]`` (raw
+    summed logprob) describe hypothesis i; at most ``width`` of them.
+    """
+
     width: int
     running_scores: torch.Tensor  # [num_live_beams] float32, aligned with request.seqs
-    finished_scores: torch.Tensor  # [width] float32, length-penalised; -1e9 = empty slot
-    finished_flags: torch.Tensor  # [width] bool
-    finished_tokens: list[list[int]] = field(default_factory=list)  # generated ids per slot
-    finished_logprobs: list[float] = field(default_factory=list)  # raw summed logprob per slot
+    finished_scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float32))  # [num_finished]
+    finished_tokens: list[list[int]] = field(default_factory=list)
+    finished_logprobs: list[float] = field(default_factory=list)
     improvement_possible: bool = True
 
     @classmethod
     def start(cls, width: int) -> BeamState:
-        return cls(
-            width=width,
-            running_scores=torch.zeros(1),
-            finished_scores=torch.full((width,), _NEG),
-            finished_flags=torch.zeros(width, dtype=torch.bool),
-            finished_tokens=[[] for _ in range(width)],
-            finished_logprobs=[0.0] * width,
-        )
+        return cls(width=width, running_scores=torch.zeros(1))
+
+    @property
+    def num_finished(self) -> int:
+        return len(self.finished_tokens)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether ``width`` hypotheses have finished (a later one enters only by beating one)."""
+        return self.num_finished == self.width
 
 
 def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandidates]]) -> None:
@@ -73,11 +82,10 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandid
     gen_len = beams[0].num_output_tokens + 1  # length of every candidate
     ends = _candidate_ends(processor, request, beams[0], tokens, gen_len)
     _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len)
-    run_scores = top_scores + ends.float() * _NEG
-    keep_scores, keep = torch.topk(run_scores, k=min(width, run_scores.numel()))
-    if request.grammar is not None:  # a beam must be able to go on: allowed, and not ended
-        alive = torch.isfinite(keep_scores) & ~ends[keep]
-        keep_scores, keep = keep_scores[alive], keep[alive]
+    # The next beams: the best W continuations that go on (not ended; allowed, under a grammar).
+    goes_on = (~ends & torch.isfinite(top_scores)).nonzero().flatten()  # [num_going_on], rank order
+    keep_scores, best = torch.topk(top_scores[goes_on], k=min(width, goes_on.numel()))
+    keep = goes_on[best]
     if keep.numel() == 0:
         processor.scheduler.finish_request(request, FinishReason.STOP)
         request.metrics.finished_time = time.monotonic()
@@ -86,7 +94,7 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandid
 
     done = (
         not state.improvement_possible
-        or (bool(state.finished_flags.all()) and params.early_stopping is True)
+        or (state.is_full and params.early_stopping is True)
         or bool(ends.all())
     )
     if done:
@@ -101,7 +109,7 @@ def beam_step(processor, request: Request, rows: list[tuple[Sequence, BeamCandid
 
 def at_limit(request: Request, beam: Sequence, max_model_len: int) -> bool:
     """Whether the beam's next token is its last by length (every beam has the same length)."""
-    return beam.num_tokens + 1 >= request.final_num_tokens(max_model_len)
+    return request.ends_by_length(beam.num_tokens + 1, max_model_len)
 
 
 def stop_ids(params, eos_token_ids) -> set[int]:
@@ -115,36 +123,43 @@ def _candidate_ends(processor, request: Request, beam: Sequence, tokens: list[in
 
 
 def _update_finished(state, request, beams, parents, tokens, top_scores, ends, gen_len) -> None:
+    """Continuations among the first W that end (and are allowed) join the finished pool,
+    which keeps its W best.
+
+    None joins once the search is settled: no improvement is possible, or the
+    pool is full and ``early_stopping`` is True.
+    """
     params = request.params
     width = state.width
-    in_top = torch.arange(len(tokens)) < width
-    just_finished = ends & in_top
-    scores = top_scores / (gen_len ** params.length_penalty)
-    if bool(state.finished_flags.all()) and params.early_stopping is True:
-        scores = scores + _NEG
-    if not state.improvement_possible:
-        scores = scores + _NEG
-    scores = scores + (~just_finished).float() * _NEG
-    merged = torch.cat([state.finished_scores, scores])
-    best = torch.topk(merged, k=width).indices.tolist()
-    cand_tokens = [beams[p].output_token_ids + [t] for p, t in zip(parents, tokens)]
-    all_tokens = state.finished_tokens + cand_tokens
-    all_logprobs = state.finished_logprobs + top_scores.tolist()
-    flags = torch.cat([state.finished_flags, just_finished])
+    settled = not state.improvement_possible or (state.is_full and params.early_stopping is True)
+    if settled:
+        return
+    # (a continuation a grammar forbids has score -inf: never a hypothesis)
+    joins = ends & (torch.arange(len(tokens)) < width) & torch.isfinite(top_scores)
+    joining = joins.nonzero().flatten().tolist()  # rank order
+    if not joining:
+        return
+    scores = top_scores[joining] / (gen_len ** params.length_penalty)
+    merged = torch.cat([state.finished_scores, scores])  # [num_finished + num_joining]
+    best = torch.topk(merged, k=min(width, merged.numel())).indices.tolist()
+    all_tokens = state.finished_tokens + [beams[parents[i]].output_token_ids + [tokens[i]] for i in joining]
+    all_logprobs = state.finished_logprobs + top_scores[joining].tolist()
     state.finished_scores = merged[best].clone()
-    state.finished_flags = flags[best].clone()
     state.finished_tokens = [all_tokens[i] for i in best]
     state.finished_logprobs = [all_logprobs[i] for i in best]
 
 
 def _update_improvement(state: BeamState, params, keep_scores: torch.Tensor, gen_len: int) -> None:
+    """Whether a live beam can still beat the worst finished hypothesis; while the pool
+    has room, any finished hypothesis is an improvement."""
+    if not state.is_full:
+        return
     if params.early_stopping == "never" and params.length_penalty > 0.0:
         hypothetical_len = params.max_tokens
     else:
         hypothetical_len = gen_len
     best_running = keep_scores[0] / (hypothetical_len ** params.length_penalty)
-    worst = torch.where(state.finished_flags, state.finished_scores.min(), torch.tensor(_NEG))
-    state.improvement_possible = state.improvement_possible and bool((best_running > worst).any())
+    state.improvement_possible = state.improvement_possible and bool(best_running > state.finished_scores.min())
 
 
 def _advance_beams(processor, request: Request, beams: list[Sequence], parents: list[int], tokens: list[int]) -> None:
@@ -156,7 +171,7 @@ def _advance_beams(processor, request: Request, beams: list[Sequence], parents: 
     for parent_index, token in zip(parents, tokens):
         parent = beams[parent_index]
         if parent_index in used:
-            child = parent.fork(sample_index=0)
+            child = parent.fork(sample_index=0, seq_id=processor.new_seq_id())
             scheduler.fork_seq(parent, child)
         else:
             used.add(parent_index)
@@ -183,9 +198,7 @@ def beam_output(processor, request: Request) -> RequestOutput | None:
     outputs = []
     if state is not None:
         eos = set(processor.eos_token_ids) | set(request.params.stop_token_ids)
-        for i, (tokens, logprob) in enumerate(zip(state.finished_tokens, state.finished_logprobs)):
-            if not state.finished_flags[i]:
-                continue
+        for tokens, logprob in zip(state.finished_tokens, state.finished_logprobs):
             ended_by_stop = bool(tokens) and tokens[-1] in eos and not request.params.ignore_eos
             outputs.append(
                 CompletionOutput(

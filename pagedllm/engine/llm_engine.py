@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import enum
+import itertools
 import logging
 import time
 import weakref
@@ -13,18 +15,19 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
-from pagedllm.engine.sequence import FinishReason, Request, Sequence, new_seq_id
+from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.engine.step_builder import StepBuilder
 from pagedllm.errors import ConfigError, RequestError
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
 from pagedllm.kv.tiers import DiskTier, block_layout, layout_nbytes, model_identity, tier_key
-from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
+from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.step import StepResult
 from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults and resolvers are imported from here)
@@ -38,20 +41,30 @@ from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults a
 
 logger = logging.getLogger("pagedllm")
 
-# Holds the place of a token still being drawn on the device, for the
-# scheduler's counts; never sent to the worker (which feeds the real token
-# from the device) and replaced once read.
-_PLACEHOLDER_TOKEN = 0
-
-
-_DEFERRED = object()  # _launch_ahead ran the forward pass only (see Worker.forward_only)
-
 
 @dataclass
 class LaunchedStep:
     """A step whose tokens are drawn on the device and not read yet (the worker holds them)."""
 
     jobs: list[tuple[Request, Sequence]]  # who gets a token from it, in row order
+
+
+class AheadMode(enum.Enum):
+    """How a step scheduled before the current step's tokens were read was run."""
+
+    LAUNCHED = "launched"  # its tokens stay on the device; a later step() reads them
+    EXECUTED = "executed"  # run and read at once: a row needs the host (logprobs, penalties, ...)
+    FORWARD_ONLY = "forward_only"  # sampled once the grammar masks, which need the current tokens, are known
+
+
+@dataclass
+class StepAhead:
+    """The step run ahead of the current one (LLMEngine._launch_ahead)."""
+
+    out: SchedulerOutput
+    mode: AheadMode
+    result: StepResult | None = None  # EXECUTED: its result, read already
+    launched: LaunchedStep | None = None  # LAUNCHED: who gets its tokens
 
 
 def _has_live_job(step: LaunchedStep) -> bool:
@@ -96,9 +109,11 @@ class LLMEngine:
         self.block_manager, self.scheduler = self._make_scheduler()
         if self.executor.uses_cuda_graphs():
             self.worker.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        # This engine's sequence ids, 0, 1, ...: another engine in the process counts on its own.
+        self.new_seq_id = itertools.count().__next__
         # Ranks other than 0 do not sample, so under tensor parallelism every token is sent.
         self.steps = StepBuilder(
-            self.scheduler, new_seq_id, self.model_config.vocab_size, self.max_model_len,
+            self.scheduler, self.new_seq_id, self.model_config.vocab_size, self.max_model_len,
             eos_token_ids=eos_token_ids, send_sampled_tokens=config.tensor_parallel_size > 1,
         )
         self.processor = OutputProcessor(self.scheduler, self.steps, self.tokenizer, self.max_model_len)
@@ -272,10 +287,6 @@ class LLMEngine:
         self._check_lengths(token_ids, params)
         self._check_kv_demand(len(token_ids), params)
         grammar = self.grammar_compiler.compile(params.structured_outputs) if params.structured_outputs else None
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            # Prompt logprobs need logits at every prompt position, so this
-            # request neither reads nor feeds the prefix cache.
-            cache_salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -390,13 +401,13 @@ class LLMEngine:
     # The host schedules and launches step N+1 before it reads step N's
     # tokens, so building inputs and launching kernels overlap the device's
     # work and the wait for N's tokens is (mostly) over by the time they are
-    # read. Each sequence that draws a token in N gets a placeholder at the
-    # end of its token_ids (for the scheduler's counts only: the step message
-    # says the worker holds that token, and the worker feeds it from N's
-    # output on the device); the placeholder is filled when N's tokens are
-    # read, in the same step() call: between calls token_ids hold no
-    # placeholder. Stop conditions are seen one step late; a sequence that
-    # stopped in N has computed one position in N+1 that nobody reads.
+    # read. Each sequence that draws a token in N counts it as pending
+    # (Sequence.num_pending_tokens: its position is scheduled, its id is in
+    # no token list; the step message says the worker holds that token, and
+    # the worker feeds it from N's output on the device); it becomes a known
+    # token when N's tokens are read, in the same step() call: between calls
+    # no token is pending. Stop conditions are seen one step late; a sequence
+    # that stopped in N has computed one position in N+1 that nobody reads.
     #
     # Only the steady decode state runs ahead: every running sequence drew a
     # token in N, none needs the host between steps (can_sample_ahead), and
@@ -407,75 +418,85 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         current, self._in_flight = self._in_flight, None
         if current is None:
-            out = self.scheduler.schedule()
-            touched.update((r.request_id, r) for r in out.failed)
-            if out.is_empty:
+            current = self._start_overlap(touched)
+            if current is None:
                 return self._outputs(touched)
-            step = self.steps.build(out)
-            if not self.processor.can_launch(out):
-                result = self.executor.execute(step)
-                self.scheduler.on_step_computed(out)
-                touched.update((r.request_id, r) for r in self.processor.process(out, result))
-                return self._outputs(touched)
-            self.executor.launch(step)
-            self.scheduler.on_step_computed(out)
-            current = LaunchedStep(self.processor.launched_jobs(out))
         ahead = self._launch_ahead(current, touched)
         touched.update((r.request_id, r) for r in self.processor.finish_launched(current.jobs, self.executor.collect()))
-        for _, seq in current.jobs:  # a request the scheduler failed above still holds its placeholder
-            if seq.awaits_token:
-                seq.token_ids.pop()
-                seq.awaits_token = False
+        for _, seq in current.jobs:  # a request the scheduler failed above never read its pending token
+            seq.num_pending_tokens = 0
         if ahead is not None:
-            out, result, launched = ahead
-            self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are real now
-            if result is _DEFERRED:
-                result = self.executor.sample_deferred(self.steps.grammar_masks(out))
-            if result is not None:
-                touched.update((r.request_id, r) for r in self.processor.process(out, result))
-            elif _has_live_job(launched):
-                self._in_flight = launched
-            else:
-                self.executor.collect()  # nobody reads it
+            self._finish_ahead(ahead, touched)
         return self._outputs(touched)
 
-    def _launch_ahead(self, current: LaunchedStep, touched: dict[str, Request]):
-        """Schedule and run the step after ``current`` before its tokens are read, if safe.
+    def _start_overlap(self, touched: dict[str, Request]) -> LaunchedStep | None:
+        """With nothing in flight: launch a step whose tokens may be read later and return it,
+        or run one that needs the host and process it now (None)."""
+        out = self.scheduler.schedule()
+        touched.update((r.request_id, r) for r in out.failed)
+        if out.is_empty:
+            return None
+        step = self.steps.build(out)
+        if not self.processor.can_launch(out):
+            result = self.executor.execute(step)
+            self.scheduler.on_step_computed(out)
+            touched.update((r.request_id, r) for r in self.processor.process(out, result))
+            return None
+        self.executor.launch(step)
+        self.scheduler.on_step_computed(out)
+        return LaunchedStep(self.processor.launched_jobs(out))
 
-        Returns (scheduler output, its result or None when launched, the launched step or None), or None.
-        """
-        scheduler = self.scheduler
-        live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
-        if not live or scheduler.swapped:
-            return None
-        num_running = sum(len(request.live_seqs()) for request in scheduler.running)
-        # Every running sequence decodes one token (at most one new block each),
-        # so the step below neither preempts nor fails a running request.
-        if num_running != len(live) or self.block_manager.get_num_free_blocks() < len(live):
-            return None
-        # A sequence whose token being drawn is its last by length gets no next step.
-        growing = [
-            seq for request, seq in live if seq.num_tokens + 1 < request.final_num_tokens(self.max_model_len)
-        ]
+    def _launch_ahead(self, current: LaunchedStep, touched: dict[str, Request]) -> StepAhead | None:
+        """Schedule and run the step after ``current`` before its tokens are read; None when
+        that is not safe or nothing is scheduled."""
+        growing = self._seqs_to_run_ahead(current)
         if not growing:
             return None
         for seq in growing:
-            seq.token_ids.append(_PLACEHOLDER_TOKEN)
-            seq.awaits_token = True
-        out = scheduler.schedule()
+            seq.num_pending_tokens = 1
+        out = self.scheduler.schedule()
         touched.update((r.request_id, r) for r in out.failed)
         if out.is_empty:
             return None
         step = self.steps.build(out)
         self.num_overlapped_steps += 1
-        if any(seq.grammar is not None and seq.awaits_token for _, seq in out.entries):
-            # a grammar's mask needs the token still being drawn: sample once it is read
+        if any(seq.grammar is not None and seq.num_pending_tokens for _, seq in out.entries):
             self.executor.forward_only(step)
-            return out, _DEFERRED, None
+            return StepAhead(out, AheadMode.FORWARD_ONLY)
         if not self.processor.can_launch(out):
-            return out, self.executor.execute(step), None
+            return StepAhead(out, AheadMode.EXECUTED, result=self.executor.execute(step))
         self.executor.launch(step)
-        return out, None, LaunchedStep(self.processor.launched_jobs(out))
+        return StepAhead(out, AheadMode.LAUNCHED, launched=LaunchedStep(self.processor.launched_jobs(out)))
+
+    def _seqs_to_run_ahead(self, current: LaunchedStep) -> list[Sequence]:
+        """The sequences drawing a token in ``current`` that take the next step before it is read;
+        [] unless every running sequence is one of them and the step can neither preempt nor fail."""
+        scheduler = self.scheduler
+        live = [(request, seq) for request, seq in current.jobs if not seq.is_finished and not request.is_finished]
+        if not live or scheduler.swapped:
+            return []
+        num_running = sum(len(request.live_seqs()) for request in scheduler.running)
+        # Every running sequence decodes one token (at most one new block each),
+        # so the step below neither preempts nor fails a running request.
+        if num_running != len(live) or self.block_manager.get_num_free_blocks() < len(live):
+            return []
+        # A sequence whose token being drawn is its last by length gets no next step.
+        return [seq for request, seq in live if not request.ends_by_length(seq.num_tokens + 1, self.max_model_len)]
+
+    def _finish_ahead(self, ahead: StepAhead, touched: dict[str, Request]) -> None:
+        """After ``current``'s tokens are read: the step run ahead is computed; read it, or keep it in flight."""
+        out = ahead.out
+        self.scheduler.on_step_computed(out)  # the tokens it hashes for the prefix cache are known now
+        if ahead.mode is AheadMode.LAUNCHED:
+            if _has_live_job(ahead.launched):
+                self._in_flight = ahead.launched
+            else:
+                self.executor.collect()  # nobody reads it
+            return
+        result = ahead.result
+        if ahead.mode is AheadMode.FORWARD_ONLY:
+            result = self.executor.sample_deferred(self.steps.grammar_masks(out))
+        touched.update((r.request_id, r) for r in self.processor.process(out, result))
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []

@@ -8,6 +8,7 @@ The per-sequence Python here is bookkeeping (append, stop checks, detokenize).
 from __future__ import annotations
 
 import time
+
 from pagedllm.engine.beam import beam_output, beam_step
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
@@ -44,6 +45,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self.new_seq_id = steps.new_seq_id  # the engine's sequence ids (the builder names forks with them too)
         self._num_new_tokens = 0
 
     def take_num_new_tokens(self) -> int:
@@ -56,6 +58,7 @@ class OutputProcessor:
         seq = Sequence(
             prompt_len=len(request.prompt_token_ids),
             token_ids=list(request.prompt_token_ids),
+            seq_id=self.new_seq_id(),
             sample_index=sample_index,
         )
         if request.grammar is not None:
@@ -108,7 +111,7 @@ class OutputProcessor:
         for chunk, (request, seq) in zip(out.chunks, out.entries):
             if chunk.all_logits or not can_sample_ahead(request):
                 return False
-            if seq.grammar is not None and seq.awaits_token:
+            if seq.grammar is not None and seq.num_pending_tokens:
                 return False  # its mask needs the token still being drawn
             has_job = has_job or (chunk.needs_logits and not seq.is_finished and not request.is_finished)
         return has_job
@@ -161,13 +164,10 @@ class OutputProcessor:
 
     def _accept(self, request: Request, seq: Sequence, sampled: SampledToken) -> None:
         token = sampled.token_id
-        if seq.awaits_token:
-            # The next step was scheduled before this token was read; it holds
-            # the token's place (LLMEngine's overlapped steps).
-            seq.token_ids[-1] = token
-            seq.awaits_token = False
-        else:
-            seq.token_ids.append(token)
+        seq.token_ids.append(token)
+        if seq.num_pending_tokens:
+            # The next step was scheduled before this token was read (LLMEngine's overlapped steps).
+            seq.num_pending_tokens -= 1
         seq.cumulative_logprob += sampled.logprob
         self.count_new_tokens(request, 1)
         if seq.logprobs is not None:
@@ -179,7 +179,8 @@ class OutputProcessor:
         self._check_stop(request, seq, token, stop_str)
 
     def _fail_grammar(self, request: Request, seq: Sequence, token: int) -> None:
-        """A token the grammar forbids was drawn (e.g. min_tokens banned the only allowed stop)."""
+        """A token the grammar forbids was drawn: a safety net; the sampler never leaves a constrained row
+        without an allowed token (a finished grammar wins over the min_tokens ban)."""
         request.error = f"token {token} is not allowed by the request's structured_outputs grammar"
         seq.finish_reason = FinishReason.ERROR
         seq.grammar = None
@@ -205,7 +206,7 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.STOP
         elif seq.grammar is not None and seq.grammar.is_terminated:
             seq.finish_reason = FinishReason.STOP  # the grammar took its stop token: nothing may follow
-        elif seq.num_tokens >= request.final_num_tokens(self.max_model_len):
+        elif request.ends_by_length(seq.num_tokens, self.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
         else:
             return

@@ -42,11 +42,19 @@ class ScheduledChunk:
     """New tokens of one sequence for this step (plain data for the runner)."""
 
     seq_id: int
-    token_ids: list[int]  # the tokens whose KV is computed this step
-    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    token_ids: list[int]  # the known tokens whose KV is computed this step
+    start_pos: int  # position of the chunk's first token == num_computed_tokens before the step
     block_table: list[int]
     needs_logits: bool  # the chunk completes the sequence: sample from its last position
     all_logits: bool = False  # logits at every position (prompt logprobs)
+    # Tokens after token_ids that are drawn on the device and not read yet
+    # (an overlapped step): the worker feeds them from its own output.
+    num_pending_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions computed this step: start_pos .. start_pos + num_tokens - 1."""
+        return len(self.token_ids) + self.num_pending_tokens
 
 
 @dataclass
@@ -125,7 +133,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = SeqStatus.WAITING
         self.waiting.append(request)
-        if self.block_manager.disk_tier is not None:
+        if self.block_manager.disk_tier is not None and not request.needs_prompt_logits:
             self._start_prefetch(request)  # its disk-tier blocks are then in memory at admission
 
     def has_unfinished_requests(self) -> bool:
@@ -180,7 +188,7 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(budget, out)
         self._drain_tier_ops(out)
-        out.num_batched_tokens = sum(len(c.token_ids) for c in out.chunks)
+        out.num_batched_tokens = sum(c.num_tokens for c in out.chunks)
         return out
 
     def _drain_tier_ops(self, out: SchedulerOutput) -> None:
@@ -194,11 +202,16 @@ class Scheduler:
         out.add_memory_op(kind, pairs)
 
     def on_step_computed(self, out: SchedulerOutput) -> None:
-        """The forward pass ran: advance computed counts and publish full blocks to the prefix cache."""
+        """The forward pass ran: advance computed counts and publish full blocks to the prefix cache.
+
+        Call once the step's pending tokens are known (a live sequence has none): the
+        blocks are hashed over their token ids.
+        """
         bm = self.block_manager
         for chunk, (_, seq) in zip(out.chunks, out.entries):
-            seq.num_computed_tokens += len(chunk.token_ids)
+            seq.num_computed_tokens += chunk.num_tokens
             if bm.has_seq(seq.seq_id):
+                assert seq.num_pending_tokens == 0, "a computed block is hashed over known tokens only"
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     # ---- running ----------------------------------------------------------
@@ -229,26 +242,19 @@ class Scheduler:
                 left -= take
         return plan or None
 
-    def _blocks_to_append(self, seq: Sequence, num_new: int, shared: bool) -> int:
-        bm = self.block_manager
-        num_slots = bm.get_num_slots(seq.seq_id)
-        target = seq.num_computed_tokens + num_new
-        table_len = len(bm.get_block_table(seq.seq_id))
-        blocks = max(0, math.ceil(target / bm.block_size) - table_len)
-        partial_last = num_slots % bm.block_size != 0 and target > num_slots
-        return blocks + (1 if shared and partial_last else 0)
-
     def _can_append(self, seqs: list[Sequence], plan: dict[int, int]) -> bool:
-        """Whether the planned sequences (of the live ``seqs``) can all get their new slots."""
+        """Whether the planned sequences (of the live ``seqs``) can all get their new slots
+        (the block manager counts the blocks and copy-on-writes)."""
         bm = self.block_manager
-        planned = seqs if len(seqs) == 1 else [s for s in seqs if s.seq_id in plan]
-        if len(planned) == 1:
-            seq = planned[0]
-            extra = seq.num_computed_tokens + plan[seq.seq_id] - bm.get_num_slots(seq.seq_id)
-            return extra <= 0 or bm.can_append_slots(seq.seq_id, extra)
-        shared = len(seqs) > 1
-        need = sum(self._blocks_to_append(s, plan[s.seq_id], shared) for s in planned)
-        return need <= bm.get_num_free_blocks()
+        extra = {
+            s.seq_id: s.num_computed_tokens + plan[s.seq_id] - bm.get_num_slots(s.seq_id)
+            for s in seqs if s.seq_id in plan
+        }
+        growing = {seq_id: n for seq_id, n in extra.items() if n > 0}
+        if len(growing) == 1:
+            ((seq_id, n),) = growing.items()
+            return bm.can_append_slots(seq_id, n)
+        return bm.can_append_group(growing)
 
     def _schedule_running(
         self, request: Request, budget: int, out: SchedulerOutput
@@ -288,16 +294,16 @@ class Scheduler:
             return False
         seq = seqs[0]
         start = seq.num_computed_tokens
-        token_ids = seq.token_ids
-        if seq.finish_reason is not None or len(token_ids) != start + 1:
+        if seq.finish_reason is not None or seq.num_tokens != start + 1:
             return False
         block_table = self.block_manager.append_slot_in_place(seq.seq_id, start)
         if block_table is None:
             return False
-        want_prompt_logprobs = (
-            start < seq.prompt_len and not request.is_beam_search and request.params.prompt_logprobs is not None
-        )
-        out.chunks.append(ScheduledChunk(seq.seq_id, token_ids[start:], start, block_table, True, want_prompt_logprobs))
+        want_prompt_logprobs = start < seq.prompt_len and request.needs_prompt_logits
+        out.chunks.append(ScheduledChunk(
+            seq.seq_id, seq.token_ids[start:], start, block_table, True, want_prompt_logprobs,
+            num_pending_tokens=seq.num_pending_tokens,
+        ))
         out.entries.append((request, seq))
         return True
 
@@ -313,20 +319,18 @@ class Scheduler:
             if extra > 0:
                 self._add_ops(out, MemoryOpKind.COPY, bm.append_slots(seq.seq_id, extra))
             start = seq.num_computed_tokens
-            complete = start + num_new == seq.num_tokens
-            want_prompt_logprobs = (
-                start < seq.prompt_len  # first: a decode step needs no further checks
-                and not request.is_beam_search
-                and request.params.prompt_logprobs is not None
-            )
+            end = start + num_new
+            complete = end == seq.num_tokens
+            want_prompt_logprobs = start < seq.prompt_len and request.needs_prompt_logits  # decode: False at once
             out.chunks.append(
                 ScheduledChunk(
                     seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[start : start + num_new],
+                    token_ids=seq.token_ids[start:end],
                     start_pos=start,
                     block_table=bm.get_block_table(seq.seq_id),
                     needs_logits=complete,
                     all_logits=want_prompt_logprobs,
+                    num_pending_tokens=max(0, end - len(seq.token_ids)),
                 )
             )
             out.entries.append((request, seq))
@@ -408,7 +412,8 @@ class Scheduler:
         if len(seqs) == 1:
             seq = seqs[0]
             return bm.can_allocate(
-                seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq), num_headroom_blocks
+                seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq), num_headroom_blocks,
+                reuse_cached_prefix=not request.needs_prompt_logits,
             )
         num_needed = self._blocks_for(request) + num_headroom_blocks
         return num_needed <= bm.get_num_free_blocks() - bm.watermark_blocks
@@ -473,7 +478,7 @@ class Scheduler:
         MAX_PREFETCH_WAIT_S in all (running requests keep stepping meanwhile);
         after that the blocks still on disk are computed.
         """
-        if self.block_manager.disk_tier is None:
+        if self.block_manager.disk_tier is None or request.needs_prompt_logits:
             return False
         if request.prefetch_deadline is None:
             return self._start_prefetch(request)
@@ -494,7 +499,8 @@ class Scheduler:
         bm = self.block_manager
         first, *others = request.live_seqs()
         num_cached = bm.allocate(first.seq_id, first.token_ids, request.cache_salt,
-                                 self._reserved_tokens(request, first))
+                                 self._reserved_tokens(request, first),
+                                 reuse_cached_prefix=not request.needs_prompt_logits)
         first.num_computed_tokens = num_cached
         self._drain_tier_ops(out)
         if not request.forked and not request.is_beam_search:
@@ -509,3 +515,5 @@ class Scheduler:
         request.shared_prefix_len = shared if others else 0
         request.status = SeqStatus.RUNNING
         self.running.append(request)
+        if request.metrics.first_scheduled_time is None:  # a preempted request keeps its first
+            request.metrics.first_scheduled_time = time.monotonic()

@@ -4,12 +4,16 @@ A sequence is a token list whose KV is computed up to ``num_computed_tokens``;
 the scheduler's only question about it is how far that count lags behind
 ``num_tokens``. There are no prefill/decode phases: a fresh prompt, a later
 chunk, a recompute after preemption and a decode step are all "catch up".
+
+``num_tokens`` counts the tokens the sequence has, known or not: inside an
+overlapped engine step a token may still be being drawn on the device
+(``num_pending_tokens``); its id is not known yet, so it is in no token list,
+hash, detokenizer or stop check, but its position is scheduled.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -30,31 +34,32 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-_seq_ids = itertools.count()
-
-
 @dataclass(eq=False)
 class Sequence:
-    """One token stream: the prompt plus what has been generated for it."""
+    """One token stream: the prompt plus what has been generated for it.
+
+    ``seq_id`` is unique within one engine, which hands ids out (LLMEngine.new_seq_id).
+    """
 
     prompt_len: int
     token_ids: list[int]  # prompt followed by generated tokens
+    seq_id: int
     sample_index: int = 0
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer when detokenizing
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    # The last entry of token_ids holds the place of a token still being drawn
-    # on the device (only inside an overlapped engine step).
-    awaits_token: bool = False
+    # Tokens drawn on the device and not read yet; they follow token_ids (0 or
+    # 1, and 0 between engine steps: only an overlapped step sets it).
+    num_pending_tokens: int = 0
     grammar: object | None = None  # GrammarState when the request is constrained (pagedllm.structured)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus pending ones: the positions the sequence occupies."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -62,20 +67,22 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens whose ids are known (pending ones excluded)."""
         return len(self.token_ids) - self.prompt_len
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def fork(self, sample_index: int, seq_id: int | None = None) -> Sequence:
-        """A copy that continues independently (its own id and detokenizer state)."""
+    def fork(self, sample_index: int, seq_id: int) -> Sequence:
+        """A copy under ``seq_id`` that continues independently (its own detokenizer state)."""
+        assert self.num_pending_tokens == 0, "a sequence forks only once its tokens are known"
         child = Sequence(
-            seq_id=next(_seq_ids) if seq_id is None else seq_id,
+            seq_id=seq_id,
             prompt_len=self.prompt_len,
             token_ids=list(self.token_ids),
             sample_index=sample_index,
@@ -122,6 +129,12 @@ class Request:
         return isinstance(self.params, BeamSearchParams)
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs need logits at every prompt position: no prompt block may come from the
+        prefix cache (the blocks it computes are still cached for other requests)."""
+        return not self.is_beam_search and self.params.prompt_logprobs is not None
+
+    @property
     def num_samples(self) -> int:
         if self.is_beam_search:
             return self.params.beam_width
@@ -132,11 +145,15 @@ class Request:
         return self.status == SeqStatus.FINISHED
 
     def final_num_tokens(self, max_model_len: int) -> int:
-        """The most tokens a sequence of this request reaches: prompt + max_tokens, within
-        max_model_len. A sequence that reaches it ends by length (the one place that says so)."""
+        """The most tokens a sequence of this request reaches: prompt + max_tokens, within max_model_len."""
         max_tokens = self.params.max_tokens
         limit = len(self.prompt_token_ids) + max_tokens if max_tokens is not None else max_model_len
         return min(limit, max_model_len)
+
+    def ends_by_length(self, num_tokens: int, max_model_len: int) -> bool:
+        """Whether a sequence of this request that holds ``num_tokens`` tokens is done by length
+        (the one place that says so: stop checks, beams and overlapped steps ask here)."""
+        return num_tokens >= self.final_num_tokens(max_model_len)
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
@@ -153,7 +170,3 @@ class Request:
             metrics=self.metrics,
             error=self.error,
         )
-
-def new_seq_id() -> int:
-    """A sequence id not used before in this process."""
-    return next(_seq_ids)

@@ -316,13 +316,14 @@ class BlockManager:
         cache_salt: str | None = None,
         num_reserved_tokens: int | None = None,
         num_headroom_blocks: int = 0,
+        reuse_cached_prefix: bool = True,
     ) -> bool:
         """Whether ``allocate`` would succeed and still leave the watermark free.
 
         ``num_headroom_blocks`` more must stay free as well: what the sequences
         already running need to keep growing.
         """
-        hits, _ = self._find_cached_prefix(token_ids, cache_salt)
+        hits = self._reusable_prefix(token_ids, cache_salt, reuse_cached_prefix)
         num_needed = self._num_blocks_to_take(token_ids, num_reserved_tokens, hits) + num_headroom_blocks
         return self._pool.get_num_free_blocks() - num_needed >= self.watermark_blocks
 
@@ -332,6 +333,7 @@ class BlockManager:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         num_reserved_tokens: int | None = None,
+        reuse_cached_prefix: bool = True,
     ) -> int:
         """Create ``seq_id``'s table covering ``len(token_ids)`` slots; return the cached-token count.
 
@@ -340,12 +342,15 @@ class BlockManager:
         take_tier_ops) and are cached on the device again at once; the rest
         are fresh. With ``num_reserved_tokens`` the table covers that many
         slots up front. The watermark is not enforced here (see can_allocate).
+        ``reuse_cached_prefix=False``: every block is fresh and no cache query
+        is counted (a sequence that needs logits at every prompt position);
+        its full blocks are still registered for others (cache_full_blocks).
         """
         if seq_id in self._seqs:
             raise BlockManagerError(
                 f"sequence {seq_id} already has blocks; free it before allocating again"
             )
-        hits, _ = self._find_cached_prefix(token_ids, cache_salt)
+        hits = self._reusable_prefix(token_ids, cache_salt, reuse_cached_prefix)
         num_needed = self._num_blocks_to_take(token_ids, num_reserved_tokens, hits)
         if num_needed > self._pool.get_num_free_blocks():
             raise BlockManagerError(
@@ -364,11 +369,16 @@ class BlockManager:
         )
         self._num_table_entries += len(table)
         num_cached_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and reuse_cached_prefix:
             self._num_prefix_queries += len(token_ids)
             self._num_prefix_hits += sum(self.block_size for hit in hits if hit.tier is Tier.DEVICE)
         self._update_peaks()
         return num_cached_tokens
+
+    def _reusable_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, reuse_cached_prefix: bool
+    ) -> list[_PrefixHit]:
+        return self._find_cached_prefix(token_ids, cache_salt)[0] if reuse_cached_prefix else []
 
     def _take_hits(self, hits: list[_PrefixHit]) -> list[int]:
         """Device block ids for the hits, in chain order.
@@ -434,6 +444,19 @@ class BlockManager:
         seq = self._device_seq(seq_id)
         shared, num_grow = self._append_plan(seq, num_new_tokens)
         return len(shared) + num_grow <= self._pool.get_num_free_blocks()
+
+    def can_append_group(self, num_new_tokens: dict[int, int]) -> bool:
+        """Whether the sequences can all grow at once, ``seq_id -> num_new_tokens`` slots each.
+
+        Counts every sequence's copy-on-writes and new blocks as if it grew
+        alone: an upper bound, since once one of them copies a block it shares
+        with another, the other writes that block in place.
+        """
+        need = 0
+        for seq_id, num_new in num_new_tokens.items():
+            shared, num_grow = self._append_plan(self._device_seq(seq_id), num_new)
+            need += len(shared) + num_grow
+        return need <= self._pool.get_num_free_blocks()
 
     def append_slots(self, seq_id: int, num_new_tokens: int = 1) -> list[BlockCopy]:
         """Extend ``seq_id`` by ``num_new_tokens`` slots (positions n .. n+k-1, n = current count).

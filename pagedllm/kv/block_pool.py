@@ -37,11 +37,6 @@ class KVCacheBlock:
         self.block_hash: BlockHash | None = None
         self.content: BlockContent | None = None
 
-    @property
-    def token_ids(self) -> tuple[int, ...] | None:
-        """The token ids the block holds, known only while it is hashed."""
-        return None if self.content is None else self.content.token_ids
-
     def __repr__(self) -> str:
         cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_count}{cached})"

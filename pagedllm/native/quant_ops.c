@@ -16,14 +16,27 @@
  *
  * The activations are quantized per 32-block to int8 with a float scale
  * (as llama.cpp's Q8 activations are), so a block's dot product is one
- * integer sum: with AVX-512 VNNI, vpdpbusd multiplies 64 unsigned weight bytes
- * by 64 signed activation bytes per instruction. The per-lane terms (the
- * activation scale of each 4-weight lane, the zero-point correction and the
- * min term) are precomputed once per activation row, so the inner loop has no
- * horizontal sums; one reduction per output.
+ * integer sum, dot - zero * xsum, scaled by dx * d (plus m * dx * xsum).
+ * Every path computes exactly these integer sums; only the order of the
+ * float additions differs.
  *
- * The AVX-512 path is chosen at run time (__builtin_cpu_supports); the
- * portable C path computes the same integer sums in the same order of blocks.
+ * Paths, chosen at run time (__builtin_cpu_supports) or forced by the caller:
+ *   2  AVX-512 VNNI. Few activation rows: per output, vpdpbusd multiplies 64
+ *      unsigned weight bytes by 64 signed activation bytes; the per-lane terms
+ *      (activation scale of each 4-weight lane, zero-point correction, min
+ *      term) are precomputed per activation row, one reduction per output.
+ *   1  AVX2 + FMA (no VNNI): vpmaddubsw + vpmaddwd; 8-bit codes through the
+ *      sign trick (|w| times x with w's sign), whose int16 pairs cannot
+ *      saturate since |w| <= 128 and |x| <= 127 (so 8-bit codes need zero
+ *      128, as Q8_0 and int8 have; any other takes the portable path).
+ *   0  portable C, the reference the others are tested against.
+ * Many rows (from quant_tiled_min_rows()), paths 2 and 1 take a
+ * tiled kernel: the activations are transposed so that one vector holds 4
+ * consecutive bytes of 16 (zmm) or 8 (ymm) rows; each weight dword (4 codes of
+ * one output, unpacked to bytes once per call) is broadcast and one vpdpbusd /
+ * vpmaddubsw gives that output's partial sums for all those rows. So the
+ * unpacked weights are reused by every row, and a block's scale costs one
+ * multiply per (block, output, vector of rows) instead of per (block, output, row).
  * Parallel loops use the OpenMP runtime PyTorch has already loaded.
  */
 #include <math.h>
@@ -56,28 +69,95 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* Activation rows, quantized: xq [rows, Kp] int8; per 4-element lane
- * (Kp / 4 of them): dx the block's scale, xs = dx * sum(xq of the lane),
- * xcorr = zero * sum(xq of the lane). Elements k >= K are zero. */
-void quantize_activations(const float *x, int64_t rows, int64_t K, int64_t Kp, int32_t zero,
-                          int8_t *xq, float *dx, float *xs, int32_t *xcorr) {
+/* Activation rows, quantized: xq [rows, Kp] int8 in [-127, 127]; per 4-element
+ * lane (Kp / 4 of them): dx the block's scale, xs = dx * sum(xq of the lane),
+ * xcorr = zero * sum(xq of the lane); per 32-block, xsum [rows, Kp / 32] =
+ * sum(xq of the block). Elements k >= K are zero. Every path rounds the same
+ * way (to nearest even) and writes the same bytes. */
+typedef struct {
+    int8_t *xq;     /* the row's Kp codes */
+    float *dx, *xs; /* the row's Kp / 4 lanes */
+    int32_t *xcorr; /* Kp / 4 lanes */
+    int32_t *xsum;  /* Kp / 32 blocks */
+} ActivationRow;
+
+/* Block [b, b + 32) of row xr (K elements, b < K). */
+static void quantize_block_portable(const float *xr, int64_t b, int64_t K, int32_t zero, ActivationRow out) {
+    float amax = 0.0f;
+    for (int64_t k = b; k < b + 32 && k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t *qr = out.xq;
+    int32_t block_sum = 0;
+    for (int64_t k = b; k < b + 32; k++) {
+        qr[k] = k < K ? (int8_t)lrintf(xr[k] * inv) : 0;
+        block_sum += qr[k];
+    }
+    out.xsum[b / 32] = block_sum;
+    for (int64_t lane = b / 4; lane < (b + 32) / 4; lane++) {
+        int32_t sum = qr[4 * lane] + qr[4 * lane + 1] + qr[4 * lane + 2] + qr[4 * lane + 3];
+        out.dx[lane] = d;
+        out.xs[lane] = d * (float)sum;
+        out.xcorr[lane] = zero * sum;
+    }
+}
+
+#ifdef QUANT_X86
+/* A whole block (b + 32 <= K) with 8-float vectors: the same bytes as the portable code. */
+__attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const float *xr, int64_t b, int32_t zero,
+                                                                         ActivationRow out) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], amax8 = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(xr + b + 8 * j);
+        amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[j], magnitude));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4), d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+    /* packs interleave 128-bit lanes: dwords come out as a0 b0 c0 d0 a1 b1 c1 d1 */
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(out.xq + b), bytes);
+    const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+    const int64_t lane = b / 4;
+    _mm256_storeu_ps(out.dx + lane, _mm256_set1_ps(d));
+    _mm256_storeu_ps(out.xs + lane, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lane_sums)));
+    _mm256_storeu_si256((__m256i *)(out.xcorr + lane), _mm256_mullo_epi32(lane_sums, _mm256_set1_epi32(zero)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(lane_sums), _mm256_extracti128_si256(lane_sums, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    out.xsum[b / 32] = _mm_cvtsi128_si32(s4);
+}
+
+/* One row: whole blocks with vectors, a partial last block with the portable code. */
+__attribute__((target("avx2,fma,f16c"))) static void quantize_row_avx2(const float *xr, int64_t K, int64_t Kp,
+                                                                       int32_t zero, ActivationRow out) {
+    int64_t b = 0;
+    for (; b + 32 <= K; b += 32) quantize_block_avx2(xr, b, zero, out);
+    for (; b < Kp; b += 32) quantize_block_portable(xr, b, K, zero, out);
+}
+#endif
+
+/* isa >= 1 takes the AVX2 code for whole blocks (every CPU with a vector path has AVX2). */
+void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int64_t Kp, int32_t zero,
+                          int8_t *xq, float *dx, float *xs, int32_t *xcorr, int32_t *xsum) {
     _Pragma("omp parallel for schedule(static) if(rows >= 8)")
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * K;
-        int8_t *qr = xq + r * Kp;
-        for (int64_t b = 0; b < Kp; b += 32) {
-            float amax = 0.0f;
-            for (int64_t k = b; k < b + 32 && k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
-            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int64_t k = b; k < b + 32; k++) qr[k] = k < K ? (int8_t)lrintf(xr[k] * inv) : 0;
-            for (int64_t lane = b / 4; lane < (b + 32) / 4; lane++) {
-                int32_t sum = qr[4 * lane] + qr[4 * lane + 1] + qr[4 * lane + 2] + qr[4 * lane + 3];
-                dx[r * (Kp / 4) + lane] = d;
-                xs[r * (Kp / 4) + lane] = d * (float)sum;
-                xcorr[r * (Kp / 4) + lane] = zero * sum;
-            }
+        ActivationRow out = {xq + r * Kp, dx + r * (Kp / 4), xs + r * (Kp / 4), xcorr + r * (Kp / 4),
+                             xsum + r * (Kp / 32)};
+#ifdef QUANT_X86
+        if (isa >= 1) {
+            quantize_row_avx2(xr, K, Kp, zero, out);
+            continue;
         }
+#endif
+        for (int64_t b = 0; b < Kp; b += 32) quantize_block_portable(xr, b, K, zero, out);
     }
+    (void)isa;
 }
 
 /* ------------------------------------------------------------ portable path */
@@ -192,7 +272,7 @@ TARGET_VNNI static void dot4_vnni(const uint8_t *qrow, const uint16_t *drow, con
     for (int i = 0; i < 4; i++) out[i * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
 }
 
-TARGET_VNNI static void gemm_vnni(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
+TARGET_VNNI static void gemm_rows_vnni(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
                                   int bits, int r, int zero, const int8_t *xq, const float *dx, const float *xs,
                                   const int32_t *xcorr, int64_t rows, float *y) {
     /* scale_index[j]: lanes 0-7 take the scale of block 2j of the chunk, lanes 8-15 of block 2j + 1 */
@@ -225,30 +305,411 @@ TARGET_VNNI static void gemm_vnni(const uint8_t *q, const uint16_t *d, const uin
         }
     }
 }
+/* ------------------------------------------------------------ many rows: the tiled kernels */
+
+#define VNNI_TILE_ROWS 16 /* activation rows per zmm: one int32 lane each */
+#define VNNI_TILE_COLS 8  /* outputs per register tile: 8 int32 + 8 float accumulators */
+#define AVX2_TILE_ROWS 8  /* per ymm */
+#define AVX2_TILE_COLS 4  /* 4 int16 + 4 float accumulators of 16 ymm registers */
+#define MAX_TILE_OUT (VNNI_TILE_ROWS * VNNI_TILE_COLS)
+
+/* The activations of one call in the tiled kernels' order. Tile t holds rows
+ * [tile_rows * t, tile_rows * (t + 1)); lanes of rows past the last are zero
+ * (and never stored). */
+typedef struct {
+    int64_t tile_rows, num_tiles, num_blocks;
+    int8_t *x;   /* [tiles][Kp / 4][tile_rows][4]: lane i of quad l is row i's xq[4l .. 4l + 4) */
+    float *dx;   /* [tiles][blocks][tile_rows] the block's activation scale */
+    float *xs;   /* [tiles][blocks][tile_rows] dx * xsum: the min term's activation side */
+    int32_t *zc; /* [tiles][blocks][tile_rows] -zero * xsum: the zero-point correction */
+} RowTiles;
+
+static int row_tiles_init(RowTiles *t, int64_t tile_rows, const int8_t *xq, const float *dx, const int32_t *xsum,
+                          int64_t rows, int64_t Kp, int32_t zero) {
+    const int64_t blocks = Kp / 32, quads = Kp / 4, tiles = (rows + tile_rows - 1) / tile_rows;
+    t->tile_rows = tile_rows;
+    t->num_tiles = tiles;
+    t->num_blocks = blocks;
+    t->x = calloc((size_t)(tiles * tile_rows * Kp), 1);
+    t->dx = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
+    t->xs = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
+    t->zc = calloc((size_t)(tiles * blocks * tile_rows), sizeof(int32_t));
+    if (!t->x || !t->dx || !t->xs || !t->zc) return 0;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t tile = i / tile_rows, lane = i % tile_rows;
+        int8_t *dst = t->x + tile * tile_rows * Kp + lane * 4;
+        for (int64_t l = 0; l < quads; l++) memcpy(dst + l * tile_rows * 4, xq + i * Kp + 4 * l, 4);
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t at = (tile * blocks + b) * tile_rows + lane;
+            const int32_t sum = xsum[i * blocks + b];
+            t->dx[at] = dx[i * quads + 8 * b];
+            t->xs[at] = dx[i * quads + 8 * b] * (float)sum;
+            t->zc[at] = -zero * sum;
+        }
+    }
+    return 1;
+}
+
+static void row_tiles_free(RowTiles *t) {
+    free(t->x);
+    free(t->dx);
+    free(t->xs);
+    free(t->zc);
+}
+
+/* out [blocks] float: block b's value of a row of blocks / r float16 scales (no row: zeros). */
+__attribute__((target("avx2,fma,f16c"))) static void unpack_scales(const uint16_t *row, int64_t blocks, int r,
+                                                                   float *out) {
+    if (!row) {
+        memset(out, 0, (size_t)blocks * sizeof(float));
+        return;
+    }
+    const int64_t num = blocks / r;
+    int64_t j = 0;
+    for (; j + 8 <= num; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + j))));
+    for (; j < num; j++) out[j] = _cvtsh_ss(row[j]);
+    for (int64_t b = blocks - 1; r > 1 && b >= 0; b--) out[b] = out[b / r]; /* in place: b / r <= b */
+}
+
+/* Outputs [n0, n0 + count) (count <= cols) unpacked into a tile's scratch: codes [cols][Kp]
+ * one byte per weight (signed: 8-bit codes as q - 128), dw / mw [cols][blocks] float per-block
+ * scales / mins; outputs past count are zero. */
+__attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_t *q, const uint16_t *d,
+                                                                    const uint16_t *m, int64_t n0, int64_t count,
+                                                                    int64_t cols, int64_t Kp, int bits, int r,
+                                                                    int is_signed, uint8_t *codes, float *dw,
+                                                                    float *mw) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, blocks = Kp / 32;
+    for (int64_t c = 0; c < cols; c++) {
+        uint8_t *dst = codes + c * Kp;
+        if (c >= count) {
+            memset(dst, 0, (size_t)Kp);
+        } else if (bits == 8 && !is_signed) {
+            memcpy(dst, q + (n0 + c) * row_bytes, (size_t)Kp);
+        } else if (bits == 8) {
+            const uint8_t *src = q + (n0 + c) * row_bytes;
+            for (int64_t k = 0; k < Kp; k += 32)
+                _mm256_storeu_si256((__m256i *)(dst + k),
+                                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + k)), flip));
+        } else {
+            const uint8_t *src = q + (n0 + c) * row_bytes;
+            for (int64_t g = 0; g < Kp / 64; g++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(src + g * 32));
+                _mm256_storeu_si256((__m256i *)(dst + g * 64), _mm256_and_si256(packed, low4));
+                _mm256_storeu_si256((__m256i *)(dst + g * 64 + 32),
+                                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
+            }
+        }
+        unpack_scales(c < count ? d + (n0 + c) * scales_per_row : 0, blocks, r, dw + c * blocks);
+        if (mw) unpack_scales(c < count ? m + (n0 + c) * scales_per_row : 0, blocks, r, mw + c * blocks);
+    }
+}
+
+/* out[c * tile_rows + i] = output c of the tile . activation row i of tile t, for the
+ * outputs unpacked by unpack_outputs. A kernel is one TileShape: */
+typedef void (*TileKernel)(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw, const float *mw,
+                           int64_t Kp, int zero, float *out);
+
+/* AVX-512 VNNI, 16 rows x 8 outputs, any codes. */
+TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                  const float *mw, int64_t Kp, int zero, float *out) {
+    const int64_t blocks = rt->num_blocks;
+    const int8_t *x = rt->x + t * VNNI_TILE_ROWS * Kp;
+    __m512 acc[VNNI_TILE_COLS];
+    for (int c = 0; c < VNNI_TILE_COLS; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = (t * blocks + b) * VNNI_TILE_ROWS;
+        const __m512i init = zero ? _mm512_loadu_si512((const void *)(rt->zc + at)) : _mm512_setzero_si512();
+        __m512i dot[VNNI_TILE_COLS];
+        for (int c = 0; c < VNNI_TILE_COLS; c++) dot[c] = init;
+        for (int s = 0; s < 8; s++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(x + (8 * b + s) * VNNI_TILE_ROWS * 4));
+            for (int c = 0; c < VNNI_TILE_COLS; c++) {
+                int32_t w4;
+                memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
+                dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(w4), xv);
+            }
+        }
+        const __m512 dxv = _mm512_loadu_ps(rt->dx + at);
+        for (int c = 0; c < VNNI_TILE_COLS; c++) {
+            __m512 scale = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[c * blocks + b]));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, acc[c]);
+        }
+        if (mw) {
+            const __m512 xsv = _mm512_loadu_ps(rt->xs + at);
+            for (int c = 0; c < VNNI_TILE_COLS; c++)
+                acc[c] = _mm512_fmadd_ps(xsv, _mm512_set1_ps(mw[c * blocks + b]), acc[c]);
+        }
+    }
+    for (int c = 0; c < VNNI_TILE_COLS; c++) _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, acc[c]);
+}
+
+/* ------------------------------------------------------------ AVX2 + FMA path */
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* The 64 codes of group g of a weight row, one byte each: w[0] block 2g, w[1] block 2g + 1. */
+TARGET_AVX2 static inline void unpack_group_avx2(const uint8_t *qrow, int64_t g, int bits, __m256i w[2]) {
+    if (bits == 4) {
+        const __m256i low4 = _mm256_set1_epi8(0x0f);
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(qrow + g * 32));
+        w[0] = _mm256_and_si256(packed, low4);
+        w[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    } else {
+        w[0] = _mm256_loadu_si256((const __m256i *)(qrow + g * 64));
+        w[1] = _mm256_loadu_si256((const __m256i *)(qrow + g * 64 + 32));
+    }
+}
+
+/* The 8 lane sums (4 weights each) of one block, zero point applied: sum (q - zero) * x.
+ * 8-bit codes need zero == 128: q - 128 is a signed byte, |q - 128| <= 128. */
+TARGET_AVX2 static inline __m256i block_lanes_avx2(__m256i w, __m256i x, int bits, int zero, const int32_t *xcorr) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (bits == 8) {
+        __m256i sw = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(sw), _mm256_sign_epi8(x, sw)), ones);
+    }
+    __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones); /* 2 * 15 * 127: no saturation */
+    return zero ? _mm256_sub_epi32(lanes, _mm256_loadu_si256((const __m256i *)xcorr)) : lanes;
+}
+
+TARGET_AVX2 static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* rows_n (1..4) outputs: one row of weights . rows_n quantized activation rows; each
+ * group of weights is unpacked once for all of them. */
+TARGET_AVX2 static inline void dots_avx2(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow,
+                                         int64_t Kp, int bits, int r, int zero, const int8_t *xq,
+                                         const float *dx, const float *xs, const int32_t *xcorr, int rows_n,
+                                         float *out, int64_t out_stride) {
+    const int64_t lanes = Kp / 4;
+    __m256 acc[4], acc_min[4];
+    for (int i = 0; i < 4; i++) acc[i] = acc_min[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < Kp / 64; g++) {
+        __m256i w[2];
+        unpack_group_avx2(qrow, g, bits, w);
+        for (int h = 0; h < 2; h++) {
+            const int64_t b = 2 * g + h;
+            const float dw = _cvtsh_ss(drow[b / r]), mw = mrow ? _cvtsh_ss(mrow[b / r]) : 0.0f;
+            for (int i = 0; i < rows_n; i++) {
+                const int slot = rows_n == 1 ? h : i; /* one row: two chains of additions, not one */
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * Kp + 32 * b));
+                __m256i sums = block_lanes_avx2(w[h], x, bits, zero, xcorr + i * lanes + 8 * b);
+                __m256 scale = _mm256_set1_ps(dx[i * lanes + 8 * b] * dw);
+                acc[slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[slot]);
+                if (mrow) {
+                    __m256 lane_xs = _mm256_loadu_ps(xs + i * lanes + 8 * b);
+                    acc_min[slot] = _mm256_fmadd_ps(_mm256_set1_ps(mw), lane_xs, acc_min[slot]);
+                }
+            }
+        }
+    }
+    if (rows_n == 1) {
+        out[0] = hsum_avx2(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc_min[0], acc_min[1])));
+        return;
+    }
+    for (int i = 0; i < rows_n; i++) out[i * out_stride] = hsum_avx2(_mm256_add_ps(acc[i], acc_min[i]));
+}
+
+TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
+                                  int bits, int r, int zero, const int8_t *xq, const float *dx, const float *xs,
+                                  const int32_t *xcorr, int64_t rows, float *y) {
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, lanes = Kp / 4;
+    const int64_t tile = 16; /* outputs per work item: their weights stay in L1 across activation rows */
+    const int64_t num_tiles = (N + tile - 1) / tile;
+    _Pragma("omp parallel for schedule(static) if(num_tiles > 1 && N * Kp * rows >= 65536)")
+    for (int64_t t = 0; t < num_tiles; t++) {
+        const int64_t n_end = (t + 1) * tile < N ? (t + 1) * tile : N;
+        for (int64_t i = 0; i < rows; i += 4) {
+            const int rows_n = rows - i < 4 ? (int)(rows - i) : 4;
+            for (int64_t n = t * tile; n < n_end; n++) {
+                const uint8_t *qrow = q + n * row_bytes;
+                const uint16_t *drow = d + n * scales_per_row, *mrow = m ? m + n * scales_per_row : 0;
+                const int8_t *x = xq + i * Kp;
+                const float *dxi = dx + i * lanes, *xsi = xs + i * lanes;
+                const int32_t *xci = xcorr + i * lanes;
+                /* a constant count per call lets the compiler keep the accumulators in registers */
+                switch (rows_n) {
+                case 4: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 4, y + i * N + n, N); break;
+                case 3: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 3, y + i * N + n, N); break;
+                case 2: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 2, y + i * N + n, N); break;
+                default: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 1, y + i * N + n, N); break;
+                }
+            }
+        }
+    }
+}
+
+/* AVX2, 8 rows x 4 outputs, 4-bit codes only: vpmaddubsw pair sums of one block add up in
+ * int16 without overflow (8 steps x 2 x 15 x 127 = 30480). */
+TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                     const float *mw, int64_t Kp, int zero, float *out) {
+    const int64_t blocks = rt->num_blocks;
+    const int8_t *x = rt->x + t * AVX2_TILE_ROWS * Kp;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_TILE_COLS];
+    for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = (t * blocks + b) * AVX2_TILE_ROWS;
+        __m256i pairs[AVX2_TILE_COLS];
+        for (int c = 0; c < AVX2_TILE_COLS; c++) pairs[c] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (8 * b + s) * AVX2_TILE_ROWS * 4));
+            for (int c = 0; c < AVX2_TILE_COLS; c++) {
+                int32_t w4;
+                memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
+                pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), xv));
+            }
+        }
+        const __m256 dxv = _mm256_loadu_ps(rt->dx + at);
+        const __m256i zc = _mm256_loadu_si256((const __m256i *)(rt->zc + at));
+        for (int c = 0; c < AVX2_TILE_COLS; c++) {
+            __m256i sums = _mm256_madd_epi16(pairs[c], ones);
+            if (zero) sums = _mm256_add_epi32(sums, zc);
+            __m256 scale = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[c * blocks + b]));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c]);
+        }
+        if (mw) {
+            const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
+            for (int c = 0; c < AVX2_TILE_COLS; c++)
+                acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
+        }
+    }
+    for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
+}
+
+/* AVX2, 8 rows x 4 outputs, 8-bit codes unpacked signed (q - 128, zero 128): the sign
+ * trick, |w| . (x with w's sign), pair sums <= 2 x 128 x 127 so no saturation; widened to
+ * int32 every step. */
+TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                     const float *mw, int64_t Kp, int zero, float *out) {
+    const int64_t blocks = rt->num_blocks;
+    const int8_t *x = rt->x + t * AVX2_TILE_ROWS * Kp;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_TILE_COLS];
+    for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = (t * blocks + b) * AVX2_TILE_ROWS;
+        __m256i sums[AVX2_TILE_COLS];
+        for (int c = 0; c < AVX2_TILE_COLS; c++) sums[c] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (8 * b + s) * AVX2_TILE_ROWS * 4));
+            for (int c = 0; c < AVX2_TILE_COLS; c++) {
+                int32_t w4;
+                memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
+                const __m256i w = _mm256_set1_epi32(w4);
+                const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+                sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        const __m256 dxv = _mm256_loadu_ps(rt->dx + at);
+        for (int c = 0; c < AVX2_TILE_COLS; c++) {
+            __m256 scale = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[c * blocks + b]));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), scale, acc[c]);
+        }
+        if (mw) {
+            const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
+            for (int c = 0; c < AVX2_TILE_COLS; c++)
+                acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
+        }
+    }
+    (void)zero;
+    for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
+}
+
+typedef struct {
+    TileKernel kernel;
+    int64_t rows, cols; /* activation rows x outputs per call */
+    int signed_codes;   /* 8-bit codes unpacked as q - 128 */
+} TileShape;
+
+static const TileShape VNNI_TILE = {tile_vnni, VNNI_TILE_ROWS, VNNI_TILE_COLS, 0};
+static const TileShape AVX2_Q4_TILE = {tile_avx2_q4, AVX2_TILE_ROWS, AVX2_TILE_COLS, 0};
+static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1};
+
+/* y [rows, N] through a tile kernel: groups of `cols` outputs are the parallel work items;
+ * each unpacks its outputs once and runs every row tile on them. Returns 0 when out of
+ * memory (y then incomplete: the caller recomputes it another way). */
+static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
+                      int64_t Kp, int bits, int r, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+                      int64_t rows, float *y) {
+    const int64_t tile_rows = shape.rows, cols = shape.cols;
+    RowTiles rt;
+    if (!row_tiles_init(&rt, tile_rows, xq, dx, xsum, rows, Kp, zero)) {
+        row_tiles_free(&rt);
+        return 0;
+    }
+    const int64_t num_groups = (N + cols - 1) / cols, blocks = Kp / 32;
+    int failed = 0;
+    _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
+    {
+        uint8_t *codes = malloc((size_t)(cols * Kp));
+        float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
+        float out[MAX_TILE_OUT];
+        if (!codes || !dw) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < num_groups; g++) {
+            if (!codes || !dw) continue;
+            const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
+            unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, shape.signed_codes, codes, dw, mw);
+            for (int64_t step = 0; step < rt.num_tiles; step++) {
+                /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
+                const int64_t t = g % 2 ? rt.num_tiles - 1 - step : step;
+                shape.kernel(&rt, t, codes, dw, mw, Kp, zero, out);
+                const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
+                for (int64_t i = 0; i < num; i++)
+                    for (int64_t c = 0; c < count; c++) y[(t * tile_rows + i) * N + n0 + c] = out[c * tile_rows + i];
+            }
+        }
+        free(codes);
+        free(dw);
+    }
+    row_tiles_free(&rt);
+    return !failed;
+}
 #endif
 
-/* 2: AVX-512 VNNI, 0: portable C. */
+/* ------------------------------------------------------------ dispatch */
+
+/* The best path this CPU runs: 2 (AVX-512 VNNI), 1 (AVX2 + FMA + F16C) or 0 (portable C). */
 int quant_isa(void) {
 #ifdef QUANT_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl"))
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
         return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return 1;
 #endif
     return 0;
 }
 
-/* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T.
- * isa: 2 (AVX-512 VNNI, only where quant_isa() says so) or 0 (portable). */
-void quant_gemm(int isa, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
-                int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs, const int32_t *xcorr,
-                int64_t rows, float *y) {
-#ifdef QUANT_X86
-    if (isa == 2) {
-        gemm_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
-        return;
-    }
-#endif
+/* Rows from which a path takes its tiled kernel, by measurement (python -m
+ * pagedllm.quant.kernel_bench and the row sweep in docs/benchmarks.md): below them
+ * the per-row kernels, whose vectors hold one row, waste no lanes. */
+#define VNNI_TILED_MIN_ROWS 3
+#define AVX2_Q4_TILED_MIN_ROWS 4
+#define AVX2_Q8_TILED_MIN_ROWS 5
+
+/* isa 2 or 1, codes of `bits` bits; 0 for the portable path, which has no tiled kernel. */
+int quant_tiled_min_rows(int isa, int bits) {
+    if (isa == 2) return VNNI_TILED_MIN_ROWS;
+    if (isa == 1) return bits == 4 ? AVX2_Q4_TILED_MIN_ROWS : AVX2_Q8_TILED_MIN_ROWS;
+    return 0;
+}
+
+static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
+                          int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs, int64_t rows,
+                          float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r;
     _Pragma("omp parallel for schedule(static) if(N * Kp * rows >= 65536)")
     for (int64_t n = 0; n < N; n++) {
@@ -259,17 +720,53 @@ void quant_gemm(int isa, const uint8_t *q, const uint16_t *d, const uint16_t *m,
     }
 }
 
-/* quantize_activations then quant_gemm, scratch from the heap: one call per matmul. */
-void quant_linear(int isa, const float *x, int64_t rows, int64_t K, const uint8_t *q, const uint16_t *d,
-                  const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero, float *y) {
-    int64_t lanes = Kp / 4;
-    char *scratch = malloc((size_t)(rows * Kp + rows * lanes * 12));
+/* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T.
+ * isa: a path quant_isa() allows (2, 1 or 0). The AVX-512 VNNI and the AVX2 paths take
+ * their tiled kernels from tiled_min_rows rows on (quant_tiled_min_rows(isa, bits) by
+ * default; other values for benchmarks and tests).
+ * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
+ * the tiled kernel out of memory) falls back to the next one down. */
+void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
+                int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs,
+                const int32_t *xcorr, const int32_t *xsum, int64_t rows, float *y) {
+#ifdef QUANT_X86
+    if (isa == 2) {
+        if (rows >= tiled_min_rows &&
+            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
+            return;
+        gemm_rows_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
+        return;
+    }
+    if (isa == 1 && (bits == 4 || zero == 128)) {
+        if (rows >= tiled_min_rows &&
+            gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
+            return;
+        gemm_rows_avx2(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
+        return;
+    }
+#endif
+    (void)isa; /* without x86, every path is the portable one */
+    (void)tiled_min_rows;
+    (void)xcorr;
+    (void)xsum;
+    gemm_portable(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, rows, y);
+}
+
+/* quantize_activations then quant_gemm, scratch from the heap: one call per matmul.
+ * Returns 0 when out of memory (y not written). */
+int quant_linear(int isa, int64_t tiled_min_rows, const float *x, int64_t rows, int64_t K, const uint8_t *q,
+                 const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero,
+                 float *y) {
+    const int64_t lanes = Kp / 4, blocks = Kp / 32;
+    char *scratch = malloc((size_t)(rows * Kp + rows * lanes * 12 + rows * blocks * 4));
+    if (!scratch) return 0;
     int8_t *xq = (int8_t *)scratch;
     float *dx = (float *)(scratch + rows * Kp), *xs = dx + rows * lanes;
-    int32_t *xcorr = (int32_t *)(xs + rows * lanes);
-    quantize_activations(x, rows, K, Kp, zero, xq, dx, xs, xcorr);
-    quant_gemm(isa, q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
+    int32_t *xcorr = (int32_t *)(xs + rows * lanes), *xsum = xcorr + rows * lanes;
+    quantize_activations(isa, x, rows, K, Kp, zero, xq, dx, xs, xcorr, xsum);
+    quant_gemm(isa, tiled_min_rows, q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, xsum, rows, y);
     free(scratch);
+    return 1;
 }
 
 /* out [num, K] float32: weight rows rows[0..num) dequantized (the embedding lookup). */

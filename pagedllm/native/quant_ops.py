@@ -1,10 +1,14 @@
 """Loader of the quantized-matmul kernels (``quant_ops.c`` beside this file).
 
 Built like :mod:`pagedllm.native.cpu_ops` (system C compiler, per-user cache,
-``ctypes``), but without ``-march=native``: the AVX-512 VNNI path carries its
-own target attribute and is chosen at run time by :func:`isa`, so one build
-serves any x86-64 CPU. ``PAGEDLLM_NATIVE_OPS=0`` disables it, as it does the
-other kernels; the quantized layers then compute on their dequantized weight.
+``ctypes``), but without ``-march=native``: the AVX-512 VNNI and AVX2 paths
+carry their own target attributes and the best one the CPU runs is chosen at
+run time (:func:`isa`), so one build serves any x86-64 CPU.
+``PAGEDLLM_QUANT_ISA`` (``auto``, ``portable``, ``avx2``, ``avx512-vnni``)
+forces a path, as ``gemm(..., isa_override=)`` does per call: an AVX-512
+machine runs, tests and benchmarks all three. ``PAGEDLLM_NATIVE_OPS=0``
+disables the kernels, as it does the other native ones; the quantized layers
+then compute on their dequantized weight.
 """
 
 from __future__ import annotations
@@ -26,12 +30,16 @@ from pagedllm.native.cpu_ops import _compiler
 logger = logging.getLogger("pagedllm")
 
 _SOURCE_PATH = Path(__file__).with_name("quant_ops.c")
-ISA_NAMES = {2: "avx512-vnni", 0: "portable"}
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}  # the C path numbers, cheapest first
+ISA_ENV = "PAGEDLLM_QUANT_ISA"
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
 _isa = 0
+_runnable: tuple[int, ...] = (0,)
+_tiled_from: dict[tuple[int, int], int] = {}  # (path, bits) -> rows from which it takes its tiled kernel (0: none)
+_FORCED_TILED_FROM = {True: 1, False: 2**62}  # the same for gemm(tiled=True / False)
 
 
 def available() -> bool:
@@ -48,35 +56,71 @@ def available() -> bool:
 
 
 def isa() -> int:
-    """The code path this CPU runs: 2 (AVX-512 VNNI) or 0 (portable C)."""
+    """The path the kernels run: 2 (AVX-512 VNNI), 1 (AVX2 + FMA) or 0 (portable C);
+    the best of :func:`runnable_isas` unless ``PAGEDLLM_QUANT_ISA`` names another."""
     assert available(), "call available() first"
     return _isa
+
+
+def runnable_isas() -> tuple[int, ...]:
+    """The paths this CPU runs, cheapest first (each path's CPU needs include the ones below it)."""
+    assert available(), "call available() first"
+    return _runnable
+
+
+def tiled_min_rows(bits: int, path: int | None = None) -> int | None:
+    """Activation rows from which ``path`` (default :func:`isa`) takes its tiled kernel for
+    ``bits``-bit codes; None for the portable path, which has none."""
+    assert available(), "call available() first"
+    return _tiled_from[(_isa if path is None else path, bits)] or None
+
+
+def requested_isa(best: int) -> int:
+    """The path ``$PAGEDLLM_QUANT_ISA`` names (``auto``: ``best``). Raises ConfigError for an
+    unknown name or a path above ``best``, the best this CPU runs."""
+    from pagedllm.errors import ConfigError
+
+    name = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if name == "auto":
+        return best
+    by_name = {v: k for k, v in ISA_NAMES.items()}
+    if name not in by_name:
+        raise ConfigError(f"{ISA_ENV}={name!r} is not a quantized-kernel path; use auto or one of "
+                          f"{', '.join(ISA_NAMES.values())}")
+    if by_name[name] > best:
+        raise ConfigError(f"{ISA_ENV}={name}: this CPU runs only {', '.join(ISA_NAMES[i] for i in range(best + 1))}")
+    return by_name[name]
 
 
 def _load() -> ctypes.CDLL | None:
     if _compiler() is None or platform.system() != "Linux":
         return None
-    global _isa
+    global _isa, _runnable, _tiled_from
     try:
         library = build_library()
-        _isa = library.quant_isa()
-        return library
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("native quantized kernels unavailable (%s); quantized layers use their dequantized weight", exc)
         return None
+    _runnable = tuple(range(library.quant_isa() + 1))
+    _tiled_from = {(path, bits): library.quant_tiled_min_rows(path, bits) for path in _runnable for bits in (4, 8)}
+    _isa = requested_isa(_runnable[-1])  # a bad PAGEDLLM_QUANT_ISA is the user's to fix: raise
+    logger.debug("native quantized kernels: %s path", ISA_NAMES[_isa])
+    return library
 
 
 def build_library() -> ctypes.CDLL:
     library = ctypes.CDLL(str(_build(_compiler(), ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"])))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    library.quant_isa.restype = ctypes.c_int
+    c_int = ctypes.c_int
+    library.quant_isa.restype = library.quant_tiled_min_rows.restype = c_int
     library.quant_isa.argtypes = []
-    library.quantize_activations.argtypes = [p, i64, i64, i64, i32, p, p, p, p]
-    library.quant_gemm.argtypes = [ctypes.c_int, p, p, p, i64, i64, ctypes.c_int, ctypes.c_int, i32,
-                                   p, p, p, p, i64, p]
-    library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, ctypes.c_int, ctypes.c_int, i32, p, i64, p]
-    library.quant_linear.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, i64, ctypes.c_int, ctypes.c_int, i32, p]
-    for fn in (library.quantize_activations, library.quant_gemm, library.quant_dequantize_rows, library.quant_linear):
+    library.quant_tiled_min_rows.argtypes = [c_int, c_int]
+    library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, i32, p, p, p, p, p]
+    library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, p, i64, p]
+    library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
+    library.quant_linear.argtypes = [c_int, i64, p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
+    library.quant_linear.restype = c_int
+    for fn in (library.quantize_activations, library.quant_gemm, library.quant_dequantize_rows):
         fn.restype = None
     return library
 
@@ -116,17 +160,26 @@ def gemm(
     scales: torch.Tensor,  # [N, Kp / group] float16
     mins: torch.Tensor | None,  # like scales
     bits: int, group_size: int, zero: int, padded_in: int,
-    isa_override: int | None = None,
+    isa_override: int | None = None, tiled: bool | None = None,
 ) -> torch.Tensor:  # [T, N] float32
-    """``x @ W^T`` of a quantized weight (see quant_ops.c for the layout)."""
+    """``x @ W^T`` of a quantized weight (see quant_ops.c for the layout).
+
+    ``isa_override`` runs another path of :func:`runnable_isas` than :func:`isa`. The
+    AVX-512 VNNI and AVX2 paths take their tiled kernel from :func:`tiled_min_rows` rows
+    (``tiled=None``), at any row count (``True``) or never (``False``)."""
+    path = _isa if isa_override is None else isa_override
+    if path not in _runnable:
+        raise ValueError(f"quantized-kernel path {path} is not one this CPU runs: {_runnable}")
     rows, in_features = x.shape
     out_features = qweight.shape[0]
     y = torch.empty((rows, out_features), dtype=torch.float32)
-    _library.quant_linear(
-        _isa if isa_override is None else isa_override, x.data_ptr(), rows, in_features,
+    done = _library.quant_linear(
+        path, _tiled_from[(path, bits)] if tiled is None else _FORCED_TILED_FROM[tiled], x.data_ptr(), rows, in_features,
         qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
         out_features, padded_in, bits, group_size // 32, zero, y.data_ptr(),
     )
+    if not done:
+        raise MemoryError(f"quantized matmul scratch for {rows} rows x {padded_in} inputs")
     return y
 
 
@@ -141,5 +194,29 @@ def dequantize_rows(
     _library.quant_dequantize_rows(
         qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(), padded_in,
         in_features, bits, group_size // 32, zero, rows.data_ptr(), rows.numel(), out.data_ptr(),
+    )
+    return out
+
+
+def quantize_activations(
+    x: torch.Tensor,  # [T, K] float32, contiguous
+    padded_in: int, zero: int, isa_override: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The kernels' int8 activations of ``x`` (what :func:`gemm` computes first), for tests:
+    ``xq`` [T, Kp] int8, per 4-element lane ``dx``, ``xs`` [T, Kp / 4] float32 and ``xcorr``
+    int32, per 32-block ``xsum`` [T, Kp / 32] int32 (see quant_ops.c)."""
+    path = _isa if isa_override is None else isa_override
+    if path not in _runnable:
+        raise ValueError(f"quantized-kernel path {path} is not one this CPU runs: {_runnable}")
+    rows, in_features = x.shape
+    lanes, blocks = padded_in // 4, padded_in // 32
+    out = {
+        "xq": torch.empty((rows, padded_in), dtype=torch.int8),
+        "dx": torch.empty((rows, lanes)), "xs": torch.empty((rows, lanes)),
+        "xcorr": torch.empty((rows, lanes), dtype=torch.int32), "xsum": torch.empty((rows, blocks), dtype=torch.int32),
+    }
+    _library.quantize_activations(
+        path, x.data_ptr(), rows, in_features, padded_in, zero,
+        *(out[name].data_ptr() for name in ("xq", "dx", "xs", "xcorr", "xsum")),
     )
     return out

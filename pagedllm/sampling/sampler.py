@@ -13,7 +13,10 @@ full log-softmax is computed only when a row asks for logprobs.
 
 A grammar mask (structured outputs) comes first: it sets the tokens a
 constrained row's grammar forbids to -inf in one batched op, so every later
-step, and the reported logprobs, see the constrained distribution.
+step, and the reported logprobs, see the constrained distribution. Where the
+grammar allows nothing but tokens the min_tokens ban would remove (its
+document is complete and may only end), the grammar's end wins and the ban is
+not applied to that row: no row is ever left with every token forbidden.
 
 Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)``
 i.i.d. per token picks token ``i`` with probability ``p_i``. A row with a seed
@@ -23,7 +26,7 @@ its tokens do not depend on the rest of the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +101,9 @@ class Sampler:
             logits = grammar_mask.apply(logits)  # in place; constrained rows' logprobs are the masked ones
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
-            token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)  # [rows]
+            token_ids = _choose_tokens(_apply_logit_processors(logits, rows, grammar_mask), rows)  # [rows]
             return _gather_logprobs(raw_logprobs, token_ids, rows)
-        token_ids, chosen = self.sample_tensors(logits, rows, None)
+        token_ids, chosen = self._sample_masked(logits, rows, grammar_mask)
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), None, None)
 
     def sample_tensors(
@@ -117,6 +120,12 @@ class Sampler:
         logits = logits.float()
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)
+        return self._sample_masked(logits, rows, grammar_mask)
+
+    def _sample_masked(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample_tensors`` on float32 logits that ``grammar_mask`` (if any) was already applied to."""
         # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
         # materialising the whole log-softmax.
         argmax = None
@@ -124,7 +133,7 @@ class Sampler:
             argmax, normaliser = cpu_ops.argmax_logsumexp(logits)  # one pass over each row
         else:
             normaliser = torch.logsumexp(logits, dim=-1)  # [rows]
-        processed = _apply_logit_processors(logits, rows)
+        processed = _apply_logit_processors(logits, rows, grammar_mask)
         if argmax is not None and processed is logits and all(r.params.is_greedy for r in rows):
             token_ids = argmax
         else:
@@ -160,17 +169,20 @@ def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------- logit processors
 
 
-def _apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _apply_logit_processors(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None = None
+) -> torch.Tensor:
     """Bias, min_tokens ban and penalties; returns a new tensor only when something applies.
 
     The order is the pipeline's: additive bias, then bans (the min_tokens ban
     here; a per-row allowed-token mask, such as a grammar's bitmask, is one
     more ban applied at this point, before penalties and temperature), then
-    penalties.
+    penalties. ``grammar_mask`` (already applied to ``logits``) exempts the rows
+    whose grammar may only end from the min_tokens ban.
     """
     vocab = logits.shape[1]
     bias = _sparse_entries(rows, vocab, _bias_entries)
-    banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries)
+    banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries, skip=_rows_the_grammar_ends(rows, grammar_mask, vocab))
     uses_repetition = any(r.params.repetition_penalty != 1.0 for r in rows)
     uses_output_penalty = any(
         r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in rows
@@ -205,10 +217,22 @@ def _min_tokens_ban_entries(row: SamplingRow) -> dict[int, float]:
     return dict.fromkeys(banned, 0.0)
 
 
+def _rows_the_grammar_ends(rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None, vocab: int) -> set[int]:
+    """Constrained rows under a min_tokens ban whose grammar allows only banned tokens (its stop):
+    the grammar's end wins there, as banning it would forbid every token of the row."""
+    if grammar_mask is None:
+        return set()
+    return {
+        i for i in grammar_mask.rows
+        if (ban := _min_tokens_ban_entries(rows[i])) and grammar_mask.allows_only(i, ban, vocab)
+    }
+
+
 def _sparse_entries(
-    rows: Sequence[SamplingRow], vocab: int, entries_of
+    rows: Sequence[SamplingRow], vocab: int, entries_of, skip: Collection[int] = ()
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Flattens per-row ``{token: value}`` dicts into (row, token, value) index tensors.
+    """Flattens per-row ``{token: value}`` dicts into (row, token, value) index tensors,
+    leaving out the rows in ``skip``.
 
     Token ids outside the vocabulary are dropped: the engine rejects them at
     request time, and the sampler must not crash the batch for one bad row.
@@ -217,6 +241,8 @@ def _sparse_entries(
     tok_idx: list[int] = []
     values: list[float] = []
     for i, row in enumerate(rows):
+        if i in skip:
+            continue
         for token, value in entries_of(row).items():
             if 0 <= token < vocab:
                 row_idx.append(i)

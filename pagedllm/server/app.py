@@ -551,7 +551,7 @@ def build_app(
         install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
             401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
             "invalid_request_error", code="invalid_api_key",
-        ))
+        ), registry=metrics.registry)
     return app
 
 

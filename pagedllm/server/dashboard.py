@@ -26,13 +26,18 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from pagedllm.kv.snapshot import snapshot_engine
+from pagedllm.server.metrics import PREFIX
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -144,29 +149,80 @@ class StatsHistory:
 # ---- snapshots -------------------------------------------------------------------
 
 
-def _capture(engine) -> object:
-    """Runs on the engine thread: the snapshot and the copy targets since the previous one."""
-    return snapshot_engine(engine, engine.block_manager.take_recent_writes())
+def _capture(engine) -> tuple[object, float]:
+    """Runs on the engine thread: (the snapshot and the copy targets since the previous one,
+    the seconds the engine thread spent on it)."""
+    start = time.perf_counter()
+    snapshot = snapshot_engine(engine, engine.block_manager.take_recent_writes())
+    return snapshot, time.perf_counter() - start
+
+
+@dataclass
+class SnapshotCost:
+    """What the feed has cost so far: ``capture_s`` on the engine thread (the engine steps
+    not at all meanwhile), ``encode_s`` on the server's event loop (packing and compressing;
+    it holds the interpreter lock part of that time). Exported on ``/metrics``."""
+
+    num_snapshots: int = 0
+    capture_s: float = 0.0
+    encode_s: float = 0.0
 
 
 class SnapshotSource:
-    """Engine-thread snapshots shared by every open page: at most one per ``FEED_INTERVAL_S``."""
+    """Engine-thread snapshots shared by every open page: at most one per ``FEED_INTERVAL_S``.
+
+    Snapshots are numbered from 1; a page asks for the first one newer than the one it
+    sent last, so it never receives the same snapshot twice, and pages that ask within
+    one interval share a capture.
+    """
 
     def __init__(self, engine) -> None:
         self._engine = engine
         self._lock = asyncio.Lock()
         self._latest: dict | None = None
-        self._latest_at = 0.0
+        self._latest_number = 0
+        self._latest_at = -FEED_INTERVAL_S  # monotonic time of the latest capture's start
+        self.cost = SnapshotCost()
 
-    async def latest(self) -> dict:
+    async def newer_than(self, number: int) -> tuple[int, dict]:
+        """(its number, the packed snapshot) of the first snapshot numbered above ``number``,
+        taken now or once the interval since the previous capture has passed."""
         async with self._lock:
-            if self._latest is None or time.monotonic() - self._latest_at >= FEED_INTERVAL_S:
-                snapshot = await asyncio.wait_for(
-                    self._engine.call_on_engine_thread(_capture), _CAPTURE_TIMEOUT_S
-                )
-                self._latest = snapshot.to_json()  # compression happens here, off the engine thread
-                self._latest_at = time.monotonic()
-            return self._latest
+            if self._latest is not None and self._latest_number > number:
+                return self._latest_number, self._latest
+            await asyncio.sleep(max(0.0, self._latest_at + FEED_INTERVAL_S - time.monotonic()))
+            self._latest_at = time.monotonic()
+            snapshot, capture_s = await asyncio.wait_for(
+                self._engine.call_on_engine_thread(_capture), _CAPTURE_TIMEOUT_S
+            )
+            start = time.perf_counter()
+            self._latest = snapshot.to_json()  # compression happens here, off the engine thread
+            self.cost.encode_s += time.perf_counter() - start
+            self.cost.capture_s += capture_s
+            self.cost.num_snapshots += 1
+            self._latest_number += 1
+            return self._latest_number, self._latest
+
+
+class SnapshotCostCollector(Collector):
+    """``pagedllm:dashboard_*`` counters from a :class:`SnapshotCost`, read at scrape time."""
+
+    def __init__(self, cost: SnapshotCost, model_name: str) -> None:
+        self._cost = cost
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        figures = (
+            ("dashboard_snapshots", "Snapshots the dashboard feed has taken.", self._cost.num_snapshots),
+            ("dashboard_capture_seconds", "Engine-thread seconds spent taking dashboard snapshots.",
+             self._cost.capture_s),
+            ("dashboard_encode_seconds", "Event-loop seconds spent packing dashboard snapshots.",
+             self._cost.encode_s),
+        )
+        for name, doc, value in figures:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
 
 
 def engine_settings(engine) -> dict:
@@ -212,24 +268,29 @@ def _event(name: str, payload: dict) -> str:
 
 
 async def feed_events(source: SnapshotSource, history: StatsHistory, settings: dict) -> AsyncIterator[str]:
-    """The feed of one page: hello, then a snapshot every FEED_INTERVAL_S (or as fast as the engine answers)."""
+    """The feed of one page: hello, then a new snapshot every FEED_INTERVAL_S (or as fast as the engine answers)."""
     yield _event("hello", {"settings": settings, "history": history.points(), "interval_s": FEED_INTERVAL_S})
+    number = 0
     while True:
-        start = time.monotonic()
         try:
-            snapshot = await source.latest()
+            number, snapshot = await source.newer_than(number)
         except Exception as exc:  # engine stopped, or an engine that keeps no block manager
             yield _event("feed-error", {"message": f"no snapshot: {type(exc).__name__}: {exc}"})
             return
         yield _event("snapshot", {"snapshot": snapshot, "point": history.latest()})
-        await asyncio.sleep(max(0.0, FEED_INTERVAL_S - (time.monotonic() - start)))
 
 
-def install_dashboard(app: FastAPI, engine, api_key: str | None, unauthorized: Callable[[], object]) -> None:
-    """Adds /dashboard and /dashboard/feed to ``app``; ``unauthorized()`` is the API's 401 response."""
+def install_dashboard(
+    app: FastAPI, engine, api_key: str | None, unauthorized: Callable[[], object],
+    registry: CollectorRegistry | None = None,
+) -> None:
+    """Adds /dashboard and /dashboard/feed to ``app``; ``unauthorized()`` is the API's 401 response.
+    With ``registry`` (the app's /metrics), the feed's cost is exported there."""
     history = StatsHistory(engine.get_stats, lambda: engine.is_running)
     history.start()
     source = SnapshotSource(engine)
+    if registry is not None:
+        registry.register(SnapshotCostCollector(source.cost, engine.model_name))
     page = render_page("live")
 
     @app.get("/dashboard", include_in_schema=False)

@@ -32,6 +32,11 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace`` makes JSON compact (no free whitespace between
     tokens), which keeps small models from wandering off into blank space.
+
+    With ``SamplingParams.min_tokens``: the stop is banned until min_tokens
+    outputs only while the grammar allows something else; when the output is
+    a complete match that may only end, the grammar's end wins (the sampler
+    lifts the ban for that row) and the sequence stops shorter, "stop".
     """
 
     json: str | dict[str, Any] | None = None

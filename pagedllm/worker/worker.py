@@ -33,6 +33,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import TierTimes
 from pagedllm.kv.tiers import DiskTier, read_blocks, write_blocks
 from pagedllm.models.loader import load_model
+from pagedllm.native import quant_ops
 from pagedllm.native.cpu_dtype import check_cpu_dtype
 from pagedllm.runner.cuda_graphs import DecodeGraphs
 from pagedllm.runner.inputs import ModelInputs, build_model_inputs, to_device
@@ -53,7 +54,7 @@ from pagedllm.step import (
     StepInput,
     StepResult,
 )
-from pagedllm.structured.bitmask import GrammarMask
+from pagedllm.structured.bitmask import GrammarMask, mask_from_rows
 from pagedllm.worker.input_batch import BatchChunk, InputBatch, SeqState
 
 logger = logging.getLogger("pagedllm")
@@ -88,7 +89,7 @@ class _Job:
     sample_index: int
     state: SeqState  # the sequence whose chunk produced the row (a fork's parent)
     row: int
-    allowed_token_bitmask: list[int] | None = None  # the grammar's, when constrained
+    allowed_token_bitmask: bytes | None = None  # the grammar's row (pagedllm.structured.bitmask), when constrained
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Worker:
         self.model = loaded.model
         self.model_config = loaded.config
         self.model_path = loaded.path
+        _build_native_kernels(self.device, config.quantization)
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler()
         self.batch = InputBatch()
@@ -403,8 +405,8 @@ class Worker:
         row = logits.float() / temperature if temperature > 0 else logits.float()
         log_probs = torch.log_softmax(row, dim=-1)  # [vocab]
         if sched.allowed_token_bitmask is not None:  # not renormalised: a hypothesis keeps the model's logprob
-            bitmask = torch.tensor([sched.allowed_token_bitmask], dtype=torch.int32)
-            log_probs = GrammarMask(bitmask, [0]).apply(log_probs.unsqueeze(0).contiguous())[0]
+            mask = mask_from_rows([sched.allowed_token_bitmask], log_probs.shape[0])
+            log_probs = mask.apply(log_probs.unsqueeze(0).contiguous())[0]
         values, ids = torch.topk(log_probs, min(sched.num_beam_candidates, log_probs.shape[0]))
         return BeamCandidates(sched.seq_id, ids.tolist(), values.tolist())
 
@@ -424,6 +426,14 @@ class Worker:
             rank = int((row > row[token]).sum().item()) + 1
             entries.append(PromptLogprob(position, token, float(row[token]), rank, top))
         return entries
+
+
+def _build_native_kernels(device: torch.device, quantization: str | None) -> None:
+    """Compile (or load from the per-user cache) the native kernels the model calls, at start-up,
+    so that the C compiler never runs inside a forward pass. The float kernels were built when
+    the layers bound to the device; the quantized ones are built here."""
+    if device.type == "cpu" and quantization not in (None, "none"):
+        quant_ops.available()
 
 
 def apply_memory_ops(
@@ -468,13 +478,7 @@ def _disk_tier_out(source: list[torch.Tensor], pairs: list[tuple[int, int]], dis
 
 def _grammar_mask(jobs: list[_Job], vocab_size: int) -> GrammarMask | None:
     """One bitmask for the jobs' rows; None when no row is constrained."""
-    rows = [i for i, job in enumerate(jobs) if job.allowed_token_bitmask is not None]
-    if not rows:
-        return None
-    bitmask = torch.full((len(jobs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for i in rows:
-        bitmask[i] = torch.tensor(jobs[i].allowed_token_bitmask, dtype=torch.int32)
-    return GrammarMask(bitmask, rows)
+    return mask_from_rows([job.allowed_token_bitmask for job in jobs], vocab_size)
 
 
 def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

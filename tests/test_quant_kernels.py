@@ -1,0 +1,194 @@
+"""Every path of the quantized-matmul kernels against the portable C path and the dequantized weight.
+
+The paths (portable C, AVX2 + FMA, AVX-512 VNNI per row and tiled) must compute
+the same integer block sums; on inputs where every float operation is exact
+(activations that quantize to themselves, power-of-two scales, dyadic mins)
+that makes their outputs equal bit for bit, whatever the order of additions.
+On random inputs each path agrees with ``x @ dequantize().T`` to within the
+int8 activation error. An AVX-512 machine runs all paths, so all are tested here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm.errors import ConfigError
+from pagedllm.native import quant_ops
+from pagedllm.quant import QuantizedWeight, quantize_rtn
+from pagedllm.quant.formats import pack_nibbles
+
+pytestmark = pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the quantized kernels")
+
+ACTIVATION_RTOL = 0.02
+# (format, bits, zero, group size, has mins): each zero-point / min case of formats.py
+FORMATS = {
+    "Q4_0": (4, 8, 32, False), "Q4_1": (4, 0, 32, True), "Q8_0": (8, 128, 32, False),
+    "int4-g128": (4, 0, 128, True), "int8-g64": (8, 128, 64, False),
+}
+ROWS = [1, 3, 4, 9, 17, 40]  # per-row: groups of 4 and tails; tiled: tiles of 16 / 8 and tails
+
+
+def _paths() -> list[tuple[int, bool | None]]:
+    """(isa, gemm's tiled=) for every path this CPU runs: as dispatched, and the vector
+    paths' per-row and tiled kernels at every row count."""
+    paths = [(isa, None) for isa in quant_ops.runnable_isas()]
+    return paths + [(isa, tiled) for isa in quant_ops.runnable_isas() if isa > 0 for tiled in (False, True)]
+
+
+def _path_id(path: tuple[int, bool]) -> str:
+    return quant_ops.ISA_NAMES[path[0]] + {None: "", False: "-rows", True: "-tiled"}[path[1]]
+
+
+PATHS = _paths() if quant_ops.available() else []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _exact_weight(name: str, out_features: int, in_features: int, seed: int) -> QuantizedWeight:
+    """Random codes (all of 0..15 / 0..255, so 8-bit code 0 = -128 too), power-of-two scales
+    1/4..1 and mins in quarters: every product and partial sum below is exact in float32."""
+    bits, zero, group, has_mins = FORMATS[name]
+    g = torch.Generator().manual_seed(seed)
+    padded = -(-in_features // max(64, group)) * max(64, group)
+    codes = torch.randint(0, 1 << bits, (out_features, padded), generator=g, dtype=torch.uint8)
+    codes[:, in_features:] = 0
+    groups = padded // group
+    scales = (2.0 ** -torch.randint(0, 3, (out_features, groups), generator=g)).half()
+    scales[:, -(-in_features // group):] = 0  # padding groups: scale 0
+    mins = (torch.randint(-8, 8, (out_features, groups), generator=g) / 4).half() if has_mins else None
+    if mins is not None:
+        mins[:, -(-in_features // group):] = 0
+    qweight = pack_nibbles(codes) if bits == 4 else codes
+    return QuantizedWeight(name, bits, zero, group, in_features, qweight, scales, mins)
+
+
+def _exact_activations(rows: int, in_features: int, seed: int) -> torch.Tensor:
+    """Integers in [-15, 15] with one +-127 per 32-block: each block's scale is exactly 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-15, 16, (rows, in_features), generator=g).float()
+    for b in range(0, in_features, 32):
+        width = min(32, in_features - b)
+        where = torch.randint(0, width, (rows,), generator=g)
+        sign = torch.randint(0, 2, (rows,), generator=g).float() * 2 - 1
+        x[torch.arange(rows), b + where] = 127 * sign
+    return x
+
+
+@pytest.mark.parametrize("path", PATHS, ids=_path_id)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_path_equals_the_portable_path_bit_for_bit(path, name):
+    for rows in ROWS:
+        weight = _exact_weight(name, 37, 160, seed=rows)  # 37 outputs: a tail of 5 past 4 tiles of 8
+        x = _exact_activations(rows, 160, seed=100 + rows)
+        portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+        got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1])
+        assert torch.equal(got, portable), rows
+        # the activations quantize to themselves, so this is the dequantized product, exactly
+        assert torch.equal(portable, x @ weight.dequantize().T), rows
+
+
+@pytest.mark.parametrize("path", PATHS, ids=_path_id)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_path_matches_the_dequantized_reference(path, name):
+    bits, _, group, _ = FORMATS[name]
+    w = torch.randn(70, 576, generator=torch.Generator().manual_seed(1))
+    weight = quantize_rtn(w, bits, group) if name.startswith("int") else _exact_weight(name, 70, 576, seed=1)
+    x = torch.randn(33, 576, generator=torch.Generator().manual_seed(2))
+    want = x @ weight.dequantize().T
+    got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1])
+    assert ((got - want).norm() / want.norm()).item() < ACTIVATION_RTOL
+    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+    assert ((got - portable).norm() / portable.norm()).item() < 1e-6  # float rounding of other orders only
+
+
+@pytest.mark.parametrize("isa", quant_ops.runnable_isas() if quant_ops.available() else [])
+@pytest.mark.parametrize("in_features", [64, 96, 576])  # 96: a partial block past the last whole one
+def test_activation_quantization_is_the_same_bytes_on_every_path(isa, in_features):
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3)) * 3
+    x[1, :32] = 0  # an all-zero block: scale 0
+    padded = -(-in_features // 64) * 64
+    portable = quant_ops.quantize_activations(x, padded, 8, isa_override=0)
+    got = quant_ops.quantize_activations(x, padded, 8, isa_override=isa)
+    for name, tensor in portable.items():
+        assert torch.equal(got[name], tensor), name
+    # the codes are round(x * 127 / amax) per 32-block
+    blocks = torch.nn.functional.pad(x, (0, padded - in_features)).reshape(5, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    want = torch.where(amax > 0, torch.round(blocks * (127 / amax)), torch.zeros(()))
+    assert torch.equal(portable["xq"].reshape(5, -1, 32).float(), want)
+    assert torch.equal(portable["xsum"], portable["xq"].reshape(5, -1, 32).sum(-1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("isa", [i for i in quant_ops.runnable_isas() if i > 0] if quant_ops.available() else [])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_row_counts_above_reach_the_tiled_kernel_as_dispatched(isa, bits):
+    tiled = [r for r in ROWS if r >= quant_ops.tiled_min_rows(bits, isa)]
+    assert 1 not in tiled and len(tiled) >= 3  # a tile and a partial one, as gemm dispatches them
+    assert quant_ops.tiled_min_rows(bits, 0) is None
+
+
+def test_a_path_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
+    weight = quantize_rtn(torch.randn(8, 64), 4, 32)
+    with pytest.raises(ValueError, match="not one this CPU runs"):
+        quant_ops.gemm(torch.randn(1, 64), *weight._kernel_args(), isa_override=3)
+    monkeypatch.setenv(quant_ops.ISA_ENV, "avx2")
+    assert quant_ops.requested_isa(2) == 1
+    monkeypatch.setenv(quant_ops.ISA_ENV, "AVX512-VNNI")
+    with pytest.raises(ConfigError, match="this CPU runs only portable, avx2"):
+        quant_ops.requested_isa(1)
+    monkeypatch.setenv(quant_ops.ISA_ENV, "sse2")
+    with pytest.raises(ConfigError, match="'sse2' is not a quantized-kernel path"):
+        quant_ops.requested_isa(2)
+    monkeypatch.setenv(quant_ops.ISA_ENV, "auto")
+    assert quant_ops.requested_isa(1) == 1
+
+
+def test_the_environment_variable_picks_the_path_at_load():
+    code = ("from pagedllm.native import quant_ops; assert quant_ops.available(); "
+            "print(quant_ops.ISA_NAMES[quant_ops.isa()])")
+    env = {**os.environ, quant_ops.ISA_ENV: "portable", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "portable"
+
+
+def test_kernel_bench_times_each_asked_path(capsys):
+    from pagedllm.quant import kernel_bench
+
+    paths = ",".join(quant_ops.ISA_NAMES[isa] for isa in quant_ops.runnable_isas())
+    assert kernel_bench.main(["--rows", "1,9", "--shapes", "64x128", "--paths", paths]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| 1 | 64x128 |") and lines[3].startswith("| 9 | 64x128 |")
+    cells = lines[3].strip("|").split("|")
+    assert len(cells) == 2 + 1 + 2 * len(quant_ops.runnable_isas()) + 2
+    assert all(float(c) > 0 for c in cells[2:])
+    with pytest.raises(ConfigError, match="not a kernel path"):
+        kernel_bench.main(["--paths", "portable-rows"])
+    with pytest.raises(ConfigError, match="--threads 1"):
+        kernel_bench.main(["--clock", "cpu", "--threads", "2"])
+    assert kernel_bench.main(["--rows", "4", "--shapes", "64x128", "--clock", "cpu", "--paths", "portable"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[2].startswith("| 4 | 64x128 |")
+
+
+def test_every_path_gives_the_same_bits_on_two_threads():
+    weight = _exact_weight("Q4_1", 301, 576, seed=7)  # 301 x 576 x 40: large enough to run in parallel
+    x = _exact_activations(40, 576, seed=8)
+    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+    torch.set_num_threads(2)
+    try:
+        for isa, tiled in PATHS:
+            got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=isa, tiled=tiled)
+            assert torch.equal(got, portable), (isa, tiled)
+    finally:
+        torch.set_num_threads(1)
