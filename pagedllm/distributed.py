@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 import time
 from dataclasses import dataclass, field
 
@@ -117,7 +118,8 @@ class CollectiveCost:
 class RankTimes:
     """Where one rank's time went since the last reset (seconds, wall clock).
 
-    ``num_steps`` counts the steps run through ``Worker.execute``; ``forward_seconds`` is the whole forward pass including the model's
+    ``num_steps`` counts the steps run through ``Worker.execute``;
+    ``forward_seconds`` is the whole forward pass including the model's
     collectives (``all_reduce`` and ``logits_gather``); ``sample_seconds`` is
     sampling on rank 0 (zero elsewhere); ``step_message`` is the step broadcast
     (on ranks other than 0 it includes the wait for rank 0 to send it, which is
@@ -209,8 +211,8 @@ class SharedMemoryAllReduce:
 
     gloo's all-reduce goes through TCP over loopback and several thread
     hand-offs per call (the caller, gloo's worker thread, its socket loop, on
-    every rank); the model needs 61 of them per step, each a few hundred
-    microseconds even on an idle 2-core machine (docs/benchmarks.md, "Tensor
+    every rank); the model needs 61 of them per step, 0.2-6.5 ms each as
+    measured on a shared 2-core machine (docs/benchmarks.md, "Tensor
     parallelism on the CPU"). Here each rank copies its tensor into its slot,
     publishes a sequence number, waits (spinning, then yielding its core) until
     every rank published it, and sums all slots in rank order, so every rank
@@ -296,6 +298,8 @@ def attach_shared_memory(tp: TensorParallelGroup, slot_bytes: int, timeout_s: fl
 
     if tp.size == 1 or cpu_all_reduce_choice() == "gloo":
         return
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return  # the slots' visibility before the sequence number relies on x86's store order
     box = [None]
     if tp.is_first:
         box[0] = f"/dev/shm/pagedllm-tp-{os.getpid()}-{os.urandom(4).hex()}"
