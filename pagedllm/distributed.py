@@ -13,7 +13,10 @@ most one), so uneven counts such as SmolLM2's 3 KV heads over 2 ranks work.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import os
+import platform
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +26,26 @@ from pagedllm.errors import ConfigError
 def shard_range(num_items: int, size: int, rank: int) -> tuple[int, int]:
     """``[start, end)`` of rank ``rank``'s contiguous share of ``num_items``."""
     return num_items * rank // size, num_items * (rank + 1) // size
+
+
+def balanced_range(num_items: int, item_cost: float, fixed_costs: list[float], rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s contiguous share of ``num_items`` that evens out each
+    rank's total work: ``fixed_costs[r]`` (work the rank has anyway) plus ``item_cost`` per item.
+
+    A rank whose fixed work already exceeds the average gets fewer items (none
+    at worst). Equal fixed costs give an even split, as :func:`shard_range`
+    does up to rounding.
+    """
+    size = len(fixed_costs)
+    average = (sum(fixed_costs) + num_items * item_cost) / size
+
+    def boundary(r: int) -> int:  # items held by ranks before r
+        if r == size:
+            return num_items
+        wanted = sum(max(average - cost, 0.0) for cost in fixed_costs[:r]) / item_cost
+        return min(num_items, round(wanted))
+
+    return boundary(rank), max(boundary(rank), boundary(rank + 1))
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,57 @@ def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
     return HeadShard(kv * group + (rank % replicas) * per_rank, per_rank, kv, 1)
 
 
+def attention_weight_count(heads: HeadShard, hidden_size: int, head_dim: int) -> int:
+    """Weights of a rank's q/k/v and o projections: its share of a layer's attention matmul work."""
+    qkv_rows = (heads.num_q + 2 * heads.num_kv) * head_dim
+    return qkv_rows * hidden_size + hidden_size * heads.num_q * head_dim
+
+
+@dataclass
+class CollectiveCost:
+    """Calls of one kind of collective on one rank, the seconds spent inside them and the
+    bytes this rank handed in.
+
+    The seconds include waiting for the slowest rank to arrive, so the rank that
+    arrives last shows the transfer cost nearly alone, and the difference between
+    ranks is load imbalance.
+    """
+
+    num_calls: int = 0
+    seconds: float = 0.0
+    num_bytes: int = 0
+    cpu_seconds: float = 0.0  # of this thread (spinning waits count, sleeping ones do not)
+
+    def add(self, seconds: float, num_bytes: int, cpu_seconds: float = 0.0) -> None:
+        self.num_calls += 1
+        self.seconds += seconds
+        self.num_bytes += num_bytes
+        self.cpu_seconds += cpu_seconds
+
+
+@dataclass
+class RankTimes:
+    """Where one rank's time went since the last reset (seconds, wall clock).
+
+    ``num_steps`` counts the steps run through ``Worker.execute``;
+    ``forward_seconds`` is the whole forward pass including the model's
+    collectives (``all_reduce`` and ``logits_gather``); ``sample_seconds`` is
+    sampling on rank 0 (zero elsewhere); ``step_message`` is the step broadcast
+    (on ranks other than 0 it includes the wait for rank 0 to send it, which is
+    rank 0's scheduling and detokenization time).
+    """
+
+    rank: int = 0
+    num_steps: int = 0
+    forward_seconds: float = 0.0
+    forward_cpu_seconds: float = 0.0  # the forward pass's thread CPU time: unlike wall time, not
+    # inflated when other processes take the core, so it shows the ranks' shares of the work
+    sample_seconds: float = 0.0
+    all_reduce: CollectiveCost = field(default_factory=CollectiveCost)
+    logits_gather: CollectiveCost = field(default_factory=CollectiveCost)
+    step_message: CollectiveCost = field(default_factory=CollectiveCost)
+
+
 @dataclass
 class TensorParallelGroup:
     """This process's place in a tensor-parallel group, and the model's collectives.
@@ -76,6 +150,11 @@ class TensorParallelGroup:
     size: int = 1
     group: object | None = None
     control_group: object | None = None
+    times: RankTimes = field(default_factory=RankTimes)
+    shared_memory: SharedMemoryAllReduce | None = None  # the CPU all-reduce when the ranks share a host
+
+    def __post_init__(self) -> None:
+        self.times.rank = self.rank
 
     @property
     def is_first(self) -> bool:
@@ -87,30 +166,150 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place; the identity for one rank."""
         if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            if self.shared_memory is not None and self.shared_memory.fits(x):
+                self.shared_memory.all_reduce(x)
+            else:
+                torch.distributed.all_reduce(x, group=self.group)
+            self.times.all_reduce.add(
+                time.perf_counter() - start, x.numel() * x.element_size(), time.thread_time() - start_cpu
+            )
         return x
 
-    def all_gather_columns(self, x: torch.Tensor, num_columns: int) -> torch.Tensor:
-        """``[rows, local]`` shards -> ``[rows, num_columns]``, concatenated in rank order.
+    def reset_times(self) -> None:
+        self.times = RankTimes(rank=self.rank)
+
+    def gather_columns(self, x: torch.Tensor, num_columns: int) -> torch.Tensor | None:
+        """``[rows, local]`` shards -> ``[rows, num_columns]`` on the first rank, concatenated in
+        rank order; None on the others (only the first rank samples, so only it receives).
 
         Shards may differ in width by one (see :func:`shard_range`): each is
         padded to the widest for the collective and trimmed after.
         """
         if self.size == 1:
             return x
+        start, start_cpu = time.perf_counter(), time.thread_time()
         width = -(-num_columns // self.size)
         padded = x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, padded.contiguous(), group=self.group)
-        pieces = []
-        for rank, part in enumerate(parts):
-            start, end = shard_range(num_columns, self.size, rank)
-            pieces.append(part[:, : end - start])
-        return torch.cat(pieces, dim=1)
+        parts = [torch.empty_like(padded) for _ in range(self.size)] if self.is_first else None
+        torch.distributed.gather(padded.contiguous(), parts, dst=0, group=self.group)
+        gathered = None
+        if self.is_first:
+            pieces = []
+            for rank, part in enumerate(parts):
+                first, end = shard_range(num_columns, self.size, rank)
+                pieces.append(part[:, : end - first])
+            gathered = torch.cat(pieces, dim=1)
+        self.times.logits_gather.add(
+            time.perf_counter() - start, padded.numel() * padded.element_size(), time.thread_time() - start_cpu
+        )
+        return gathered
+
+
+class SharedMemoryAllReduce:
+    """All-reduce among ranks on one host through a shared-memory segment (CPU tensors only).
+
+    gloo's all-reduce goes through TCP over loopback and several thread
+    hand-offs per call (the caller, gloo's worker thread, its socket loop, on
+    every rank); the model needs 61 of them per step, 0.2-6.5 ms each as
+    measured on a shared 2-core machine (docs/benchmarks.md, "Tensor
+    parallelism on the CPU"). Here each rank copies its tensor into its slot,
+    publishes a sequence number, waits (spinning, then yielding its core) until
+    every rank published it, and sums all slots in rank order, so every rank
+    gets the same bits.
+
+    Layout of the segment: one 64-byte line per rank holding its last
+    published sequence number (int64), then two sets (even and odd sequence
+    numbers) of ``size`` slots of ``slot_bytes`` each. A rank writes set
+    ``s % 2`` for call ``s`` only after every rank published ``s - 1``, i.e.
+    finished reading call ``s - 2`` from that set. x86's total store order
+    makes the slot's bytes visible before the sequence number written after
+    them.
+    """
+
+    _LINE = 64
+
+    def __init__(self, path: str, rank: int, size: int, slot_bytes: int, timeout_s: float) -> None:
+        self.rank, self.size, self.slot_bytes, self.timeout_s = rank, size, slot_bytes, timeout_s
+        header = self._LINE * size
+        segment = torch.from_file(path, shared=True, size=header + 2 * size * slot_bytes, dtype=torch.uint8)
+        self.sequence = segment[:header].view(torch.int64).numpy()[:: self._LINE // 8]  # [size], a view
+        self.slots = segment[header:].view(2, size, slot_bytes)  # [parity, rank, bytes]
+        self.count = 0  # calls made
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.is_contiguous() and x.numel() * x.element_size() <= self.slot_bytes
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks, in place (every rank calls with the same shape and dtype)."""
+        self.count += 1
+        slots = self.slots[self.count % 2, :, : x.numel() * x.element_size()]  # [size, bytes]
+        parts = [slot.view(x.dtype).view(x.shape) for slot in slots]
+        parts[self.rank].copy_(x)
+        self.sequence[self.rank] = self.count
+        self._wait_for_all(self.count)
+        if self.size == 2:
+            x.add_(parts[1 - self.rank])  # a + b == b + a bit for bit: both ranks agree
+        else:
+            torch.sum(torch.stack(parts), dim=0, out=x)
+        return x
+
+    def _wait_for_all(self, count: int) -> None:
+        sequence = self.sequence
+        spins = 0
+        deadline = None
+        while sequence.min() < count:
+            spins += 1
+            if spins < 200:
+                continue  # the peer is usually microseconds away
+            # a shared machine: let whoever is runnable have this core; past ~20k checks
+            # (milliseconds) the peer is descheduled or busy, so sleep between checks
+            os.sched_yield() if spins < 20_000 else time.sleep(50e-6)
+            if spins % 1024 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    late = [r for r in range(self.size) if sequence[r] < count]
+                    raise RuntimeError(
+                        f"tensor-parallel ranks {late} did not reach all-reduce #{count} within "
+                        f"{self.timeout_s:.0f} s (a peer died or hangs)"
+                    )
 
 
 SINGLE_PROCESS = TensorParallelGroup()
 STARTUP_TIMEOUT_S = 300.0
+
+
+ALL_REDUCE_ENV = "PAGEDLLM_TP_ALL_REDUCE"  # "shm" (the CPU default) or "gloo"
+
+
+def cpu_all_reduce_choice() -> str:
+    choice = os.environ.get(ALL_REDUCE_ENV, "shm")
+    if choice not in ("shm", "gloo"):
+        raise ConfigError(f"{ALL_REDUCE_ENV}={choice!r}: choose shm (shared memory, the default) or gloo")
+    return choice
+
+
+def attach_shared_memory(tp: TensorParallelGroup, slot_bytes: int, timeout_s: float) -> None:
+    """Give a CPU group the shared-memory all-reduce for tensors up to ``slot_bytes`` (larger ones
+    take gloo). Collective: every rank calls it. Rank 0 creates the segment under /dev/shm and
+    removes its name once every rank mapped it, so nothing is left behind however the ranks end."""
+    import torch.distributed as dist
+
+    if tp.size == 1 or cpu_all_reduce_choice() == "gloo":
+        return
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return  # the slots' visibility before the sequence number relies on x86's store order
+    box = [None]
+    if tp.is_first:
+        box[0] = f"/dev/shm/pagedllm-tp-{os.getpid()}-{os.urandom(4).hex()}"
+        with open(box[0], "wb") as segment:
+            segment.truncate(64 * tp.size + 2 * tp.size * slot_bytes)
+    dist.broadcast_object_list(box, src=0, group=tp.control_group)
+    tp.shared_memory = SharedMemoryAllReduce(box[0], tp.rank, tp.size, slot_bytes, timeout_s)
+    dist.barrier(group=tp.control_group)
+    if tp.is_first:
+        os.unlink(box[0])
 
 
 def init_tensor_parallel(

@@ -152,6 +152,9 @@ def test_throughput_pagedllm_counts_tokens(tmp_path):
     assert data["output_tokens_per_s"] == pytest.approx(data["output_tokens"] / data["wall_s"])
     assert data["total_tokens_per_s"] == pytest.approx((data["prompt_tokens"] + 12) / data["wall_s"])
     assert data["num_errors"] == 0
+    (rank,) = data["rank_times"]  # one process: the worker's own times, no collectives
+    assert rank["num_steps"] > 0 and 0 < rank["forward_seconds"] < data["wall_s"]
+    assert rank["all_reduce"]["num_calls"] == 0
 
 
 def test_latency_reports_per_token_gaps(tmp_path):

@@ -60,12 +60,23 @@ def test_tp2_greedy_equals_tp1_on_the_default_model():
     tp2 = _llm(2)
     try:
         got = _run(tp2)
+        times = tp2.llm_engine.executor.rank_times(reset=True)
+        assert tp2.llm_engine.executor.rank_times()[1].num_steps == 0  # reset on every rank
         # a small cache forces preemption by recompute on every rank alike
         tight = _llm(1, kv_cache_memory=None, num_kv_blocks=10, max_num_seqs=4, num_headroom_tokens=0)
         want = _run(tight)
     finally:
         tp2.llm_engine.shutdown()
     assert got == want
+    # every rank ran every step: two all-reduces per layer plus the embedding's, one logits gather
+    num_layers = 30
+    assert [t.rank for t in times] == [0, 1]
+    assert times[0].num_steps == times[1].num_steps > 0
+    for t in times:
+        assert t.all_reduce.num_calls == (2 * num_layers + 1) * t.num_steps
+        assert t.logits_gather.num_calls == t.num_steps
+        assert 0 < t.all_reduce.seconds < t.forward_seconds
+    assert times[0].sample_seconds > 0 and times[1].sample_seconds == 0
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedllm.bench import report
+from pagedllm.bench import rank_times, report
 from pagedllm.bench.workloads import (
     WARMUP_OUTPUT_LEN,
     Workload,
@@ -93,6 +93,7 @@ def run_pagedllm(workload: Workload, config, warmup: bool = True) -> ThroughputR
         warm = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True)
         warm_prompts = warmup_prompts(max_len=llm.llm_engine.max_model_len - WARMUP_OUTPUT_LEN)
         llm.generate([{"prompt_token_ids": p} for p in warm_prompts], warm, use_tqdm=False)
+    rank_times.collect(llm.llm_engine, reset=True)  # the figures below cover the timed run alone
 
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=workload.ignore_eos)
     prompts = [{"prompt_token_ids": p} for p in workload.prompt_token_ids]
@@ -101,6 +102,7 @@ def run_pagedllm(workload: Workload, config, warmup: bool = True) -> ThroughputR
     wall_s = time.perf_counter() - start
 
     engine = llm.llm_engine
+    ranks = rank_times.to_json(rank_times.collect(engine))
     stats = engine.block_manager.stats()
     return ThroughputResult(
         backend="pagedllm",
@@ -118,6 +120,8 @@ def run_pagedllm(workload: Workload, config, warmup: bool = True) -> ThroughputR
             "max_num_seqs": config.max_num_seqs,
             "peak_used_blocks": stats.peak_used_blocks,
             "num_preemptions": stats.num_preemptions,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "rank_times": ranks,
         },
     )
 
@@ -314,4 +318,8 @@ def format_results(results: list[dict], workload: Workload) -> str:
         ])
     headers = ["backend", "dtype", "requests", "prompt tok", "output tok", "wall s",
                "output tok/s", "total tok/s", "x pagedllm"]
-    return report.format_table(headers, rows, title=f"Throughput: {workload.describe()}")
+    tables = [report.format_table(headers, rows, title=f"Throughput: {workload.describe()}")]
+    for r in results:
+        if r.get("rank_times"):
+            tables.append(rank_times.format_rank_times(r["rank_times"], r["wall_s"], f" ({r['backend']})"))
+    return "\n\n".join(tables)

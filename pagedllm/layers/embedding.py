@@ -3,7 +3,7 @@
 Rank ``r`` holds the rows of token ids ``[start, end)`` (:func:`shard_range`
 of the vocabulary). The embedding looks up the ids it holds, writes zeros for
 the others and all-reduces; the LM head computes its ids' logits and gathers
-them into the full ``[rows, vocab]``.
+them into the full ``[rows, vocab]`` on the first rank, the only one that samples.
 """
 
 from __future__ import annotations
@@ -69,9 +69,11 @@ class ParallelLMHead(nn.Module):
     def bind(self, device: torch.device, dtype: torch.dtype) -> None:
         self.matmul = dense_matmul(self.weight_tensor)
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor) -> Tensor | None:
+        """The full ``[N, vocab]`` on the first rank; None on the others, which only hand it their columns."""
         logits = self.matmul(hidden, self.weight_tensor, None)  # [N, vocab_local]
-        return self.tp.all_gather_columns(logits, self.vocab_size).float()
+        gathered = self.tp.gather_columns(logits, self.vocab_size)
+        return None if gathered is None else gathered.float()
 
     def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
         _copy_checked(self.weight.data, tensor[self.vocab_start : self.vocab_end], what)

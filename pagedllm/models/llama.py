@@ -17,7 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
-from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
+from pagedllm.distributed import (
+    SINGLE_PROCESS,
+    TensorParallelGroup,
+    attention_weight_count,
+    balanced_range,
+    head_shard,
+)
 from pagedllm.errors import ModelLoadError
 from pagedllm.models import rope_scaling
 from pagedllm.layers import (
@@ -108,15 +114,42 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
+# The attention kernel, rotary and KV writes of one query head cost about as much as this many
+# times its q projection's weights (hidden x head_dim): measured on SmolLM2 under W64 (contexts of
+# 32-640 tokens) on 2 ranks, from the ranks' forward CPU time (docs/benchmarks.md,
+# "Tensor parallelism on the CPU"); longer contexts weigh more.
+ATTENTION_WORK_PER_QUERY_HEAD = 4.5
+
+
+def mlp_shard(config: ModelConfig, tp: TensorParallelGroup) -> tuple[int, int]:
+    """This rank's ``[start, end)`` of the MLP's intermediate features.
+
+    When the heads do not split evenly (SmolLM2's 3 KV groups over 2 ranks:
+    3 and 6 query heads), the rank with less attention gets more of the MLP,
+    so that every rank does as much work per token (weights, plus the attention
+    kernel's share per query head) and none waits for the other at each all-reduce.
+    """
+    shards = [head_shard(config.num_heads, config.num_kv_heads, tp.size, r) for r in range(tp.size)]
+    attention = [
+        attention_weight_count(h, config.hidden_size, config.head_dim)
+        + ATTENTION_WORK_PER_QUERY_HEAD * h.num_q * config.hidden_size * config.head_dim
+        for h in shards
+    ]
+    # gate, up and down: three weights per intermediate feature and hidden unit
+    return balanced_range(config.intermediate_size, 3 * config.hidden_size, attention, tp.rank)
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused (rows ``[gate | up]``)."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear.split_evenly(config.hidden_size, [size, size], False, tp)
+        start, end = mlp_shard(config, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [(start, end - start), (start, end - start)], False, tp
+        )
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp, input_range=(start, end))
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -192,8 +225,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[Tensor, ...]],  # KVCache.layers
         attn_metadata: AttentionMetadata,
         logits_indices: Tensor | None = None,  # [num_samples]
-    ) -> Tensor:  # [num_samples, vocab] float32
-        """Logits of the rows in ``logits_indices`` (all rows when None), as float32."""
+    ) -> Tensor | None:  # [num_samples, vocab] float32
+        """Logits of the rows in ``logits_indices`` (all rows when None), as float32; under tensor
+        parallelism on the first rank only (None on the others, see :class:`ParallelLMHead`)."""
         if not self._bound:
             self.bind_kernels()
         residual = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place

@@ -19,23 +19,34 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import pickle
 import signal
 import socket
+import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed import TensorParallelGroup, init_tensor_parallel
+from pagedllm.distributed import RankTimes, TensorParallelGroup, attach_shared_memory, init_tensor_parallel
 from pagedllm.errors import EngineDeadError
 from pagedllm.step import StepInput, StepResult
-from pagedllm.worker.worker import Worker, resolve_device
+from pagedllm.worker.worker import DEFAULT_MAX_NUM_BATCHED_TOKENS, Worker, resolve_device
 
 logger = logging.getLogger("pagedllm")
 
 COLLECTIVE_TIMEOUT_S = 20.0  # a peer that neither answers nor closes its connection for this long is dead
 _STOP = "stop"
+
+
+@dataclass(frozen=True)
+class TimesRequest:
+    """Control message: every rank sends its :class:`RankTimes` to rank 0 (then zeroes them if ``reset``)."""
+
+    reset: bool
 
 
 def _free_port() -> int:
@@ -63,18 +74,33 @@ def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, e
     tp = init_tensor_parallel(rank, size, init_method, resolve_device(config.device), COLLECTIVE_TIMEOUT_S)
     worker = Worker(config, eos_token_ids, tp)
     num_blocks, num_cpu_blocks = _agree_on_num_blocks(worker, tp)
+    _attach_shared_memory(worker, tp)
     worker.init_kv_cache(num_blocks, num_cpu_blocks)
+    channel = StepChannel(tp)
     try:
         while True:
-            message = _receive(tp)
+            message = channel.receive()
             if message == _STOP:
                 break
+            if isinstance(message, TimesRequest):
+                _gather_times(tp, message.reset)
+                continue
             worker.execute(message)
     except (RuntimeError, ConnectionError) as error:  # rank 0 went away
         logger.info("tensor-parallel worker %d stops: %s", rank, error)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attach_shared_memory(worker: Worker, tp: TensorParallelGroup) -> None:
+    """On the CPU, the shared-memory all-reduce, sized for a full step's ``[tokens, hidden]``."""
+    if worker.device.type != "cpu":
+        return
+    config = worker.config
+    tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    slot_bytes = tokens * worker.model_config.hidden_size * worker.dtype.itemsize
+    attach_shared_memory(tp, slot_bytes, COLLECTIVE_TIMEOUT_S)
 
 
 def _agree_on_num_blocks(worker: Worker, tp: TensorParallelGroup) -> tuple[int, int]:
@@ -84,10 +110,59 @@ def _agree_on_num_blocks(worker: Worker, tp: TensorParallelGroup) -> tuple[int, 
     return int(counts[0]), int(counts[1])
 
 
-def _receive(tp: TensorParallelGroup):
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=tp.control_group)
-    return box[0]
+class StepChannel:
+    """Rank 0 -> every other rank: pickled control messages over the gloo control group.
+
+    One broadcast of a fixed frame carries the message's length and, when it
+    fits (a decode step's message does, whatever the context length), the
+    whole pickle; a longer message's remainder follows in a second broadcast of
+    just its size. (``broadcast_object_list`` always takes two collectives: the
+    sizes, then the bytes.) Time and bytes go to the rank's ``step_message``
+    cost; on a receiving rank the time includes the wait for rank 0.
+    """
+
+    FRAME_BYTES = 64 * 1024
+    _HEADER_BYTES = 8  # the pickle's length, little-endian
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        self.tp = tp
+        self.frame = torch.zeros(self.FRAME_BYTES, dtype=torch.uint8)  # [FRAME_BYTES]
+
+    def send(self, message) -> None:
+        start = time.perf_counter()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = self.frame.numpy()
+        view[: self._HEADER_BYTES] = np.frombuffer(len(data).to_bytes(self._HEADER_BYTES, "little"), np.uint8)
+        head = min(len(data), self.FRAME_BYTES - self._HEADER_BYTES)
+        view[self._HEADER_BYTES : self._HEADER_BYTES + head] = np.frombuffer(data, np.uint8, count=head)
+        dist.broadcast(self.frame, src=0, group=self.tp.control_group)
+        if head < len(data):
+            rest = torch.from_numpy(np.frombuffer(data, np.uint8, offset=head).copy())
+            dist.broadcast(rest, src=0, group=self.tp.control_group)
+        self.tp.times.step_message.add(time.perf_counter() - start, len(data))
+
+    def receive(self):
+        start = time.perf_counter()
+        dist.broadcast(self.frame, src=0, group=self.tp.control_group)
+        view = self.frame.numpy()
+        size = int.from_bytes(view[: self._HEADER_BYTES].tobytes(), "little")
+        head = min(size, self.FRAME_BYTES - self._HEADER_BYTES)
+        data = view[self._HEADER_BYTES : self._HEADER_BYTES + head].tobytes()
+        if head < size:
+            rest = torch.empty(size - head, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.tp.control_group)
+            data += rest.numpy().tobytes()
+        self.tp.times.step_message.add(time.perf_counter() - start, size)
+        return pickle.loads(data)
+
+
+def _gather_times(tp: TensorParallelGroup, reset: bool) -> list[RankTimes] | None:
+    """Every rank's times on rank 0 (None elsewhere), in rank order."""
+    gathered = [None] * tp.size if tp.is_first else None
+    dist.gather_object(tp.times, gathered, dst=0, group=tp.control_group)
+    if reset:
+        tp.reset_times()
+    return gathered
 
 
 class MultiprocExecutor:
@@ -112,8 +187,10 @@ class MultiprocExecutor:
         try:
             tp = init_tensor_parallel(0, size, init_method, resolve_device(config.device), COLLECTIVE_TIMEOUT_S)
             self.tp = tp
+            self.channel = StepChannel(tp)
             self.worker = Worker(config, eos_token_ids, tp)
             num_blocks, num_cpu_blocks = _agree_on_num_blocks(self.worker, tp)
+            _attach_shared_memory(self.worker, tp)
         except Exception:
             self.shutdown()
             raise
@@ -131,8 +208,17 @@ class MultiprocExecutor:
     def execute(self, step: StepInput) -> StepResult:
         self._check_alive()
         try:
-            dist.broadcast_object_list([step], src=0, group=self.tp.control_group)
+            self.channel.send(step)
             return self.worker.execute(step)
+        except (RuntimeError, ConnectionError) as error:
+            self._fail(f"a tensor-parallel worker failed (a collective broke off): {error}")
+
+    def rank_times(self, reset: bool = False) -> list[RankTimes]:
+        """Where each rank's time went since the last reset, in rank order (and zero them if ``reset``)."""
+        self._check_alive()
+        try:
+            self.channel.send(TimesRequest(reset))
+            return _gather_times(self.tp, reset)
         except (RuntimeError, ConnectionError) as error:
             self._fail(f"a tensor-parallel worker failed (a collective broke off): {error}")
 
@@ -158,7 +244,7 @@ class MultiprocExecutor:
         """Stop every worker process (politely when the group still works, by force after 5 s)."""
         if self._dead is None and self.tp is not None and dist.is_initialized():
             try:
-                dist.broadcast_object_list([_STOP], src=0, group=self.tp.control_group)
+                self.channel.send(_STOP)
             except (RuntimeError, ConnectionError):
                 pass
         for process in self.processes:

@@ -26,7 +26,7 @@ import torch
 
 from pagedllm.attention.base import get_attention_backend
 from pagedllm.config import DEFAULT_CUDA_KV_HOST_CACHE_MEMORY, EngineConfig
-from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
+from pagedllm.distributed import TensorParallelGroup
 from pagedllm.errors import ConfigError
 from pagedllm.kv import kv_format, memory_budget
 from pagedllm.kv.kv_cache import KVCache
@@ -128,16 +128,16 @@ class _Launched:
 
 class Worker:
     def __init__(
-        self, config: EngineConfig, eos_token_ids: tuple[int, ...], tp: TensorParallelGroup = SINGLE_PROCESS
+        self, config: EngineConfig, eos_token_ids: tuple[int, ...], tp: TensorParallelGroup | None = None
     ) -> None:
         self.config = config
-        self.tp = tp
+        self.tp = tp if tp is not None else TensorParallelGroup()  # its own: it counts this worker's times
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         loaded = load_model(
             config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
-            rope_scaling=config.rope_scaling, tp=tp,
+            rope_scaling=config.rope_scaling, tp=self.tp,
             quantization=config.quantization or "none", quantization_group_size=config.quantization_group_size,
         )
         self.model = loaded.model
@@ -245,10 +245,17 @@ class Worker:
     def execute(self, step: StepInput) -> StepResult:
         """Run the step and read its results (a step launched earlier is read first)."""
         self._read_launched()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         chunks, inputs, logits = self._forward(step)
+        forwarded = time.perf_counter()
+        self.tp.times.num_steps += 1
+        self.tp.times.forward_seconds += forwarded - start
+        self.tp.times.forward_cpu_seconds += time.thread_time() - start_cpu
         if not self.tp.is_first:
             return StepResult(step.step_id)
-        return self._sample_on_host(step, chunks, inputs, logits)
+        result = self._sample_on_host(step, chunks, inputs, logits)
+        self.tp.times.sample_seconds += time.perf_counter() - forwarded
+        return result
 
     @torch.inference_mode()
     def forward_only(self, step: StepInput) -> None:
