@@ -280,13 +280,16 @@ SINGLE_PROCESS = TensorParallelGroup()
 STARTUP_TIMEOUT_S = 300.0
 
 
-ALL_REDUCE_ENV = "PAGEDLLM_TP_ALL_REDUCE"  # "shm" (the CPU default) or "gloo"
+ALL_REDUCE_ENV = "PAGEDLLM_TP_ALL_REDUCE"  # "gloo" (the default) or "shm" (CPU, opt-in)
 
 
 def cpu_all_reduce_choice() -> str:
-    choice = os.environ.get(ALL_REDUCE_ENV, "shm")
+    """How a CPU group all-reduces the model's activations: through torch.distributed's gloo
+    (the default), or through the shared-memory slots of :class:`SharedMemoryAllReduce` (opt-in:
+    lower latency between ranks on one host, see docs/benchmarks.md)."""
+    choice = os.environ.get(ALL_REDUCE_ENV, "gloo")
     if choice not in ("shm", "gloo"):
-        raise ConfigError(f"{ALL_REDUCE_ENV}={choice!r}: choose shm (shared memory, the default) or gloo")
+        raise ConfigError(f"{ALL_REDUCE_ENV}={choice!r}: choose gloo (the default) or shm (shared memory)")
     return choice
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.distributed import (
+    ALL_REDUCE_ENV,
     TensorParallelGroup,
     attach_shared_memory,
     attention_weight_count,
@@ -61,6 +62,7 @@ def _rank_main(rank: int, port: int, results) -> None:
     times = copy.deepcopy(tp.times)  # before the shared-memory calls below
     # the shared-memory all-reduce: many calls in a row (both parities of its slots), one too
     # large for a slot (gloo), and bit-equal sums on both ranks
+    os.environ[ALL_REDUCE_ENV] = "shm"  # opt in (gloo is the default)
     attach_shared_memory(tp, slot_bytes=4 * 64, timeout_s=30)
     gen = torch.Generator().manual_seed(rank)
     shm_sums = [tp.all_reduce(torch.randn(4, 16, generator=gen)) for _ in range(5)]
