@@ -65,6 +65,7 @@ def test_quant_kernel_bench_times_the_fallback(no_private_mkldnn):
     portable = [("portable", min(quant_ops.runnable_isas()), None)]
     cells = kernel_bench.row(2, 64, 64, portable).strip("| ").split("|")
     assert len(cells) == 2 + 1 + 2 + 2 and all(float(c) > 0 for c in cells[2:])
+    assert "dense fp32 (F.linear)" in kernel_bench.header(portable)
 
 
 def test_fallback_agrees_with_onednn_where_both_answer():

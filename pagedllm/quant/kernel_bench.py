@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from pagedllm.errors import ConfigError
+from pagedllm.layers.dispatch import onednn_linear_available
 from pagedllm.layers.linear import dense_matmul
 from pagedllm.native import quant_ops
 from pagedllm.quant import quantize_rtn
@@ -69,7 +70,8 @@ def default_paths() -> str:
 
 def header(paths: list[tuple[str, int, bool | None]]) -> str:
     native = [f"native Q{bits} {name}" for name, _, _ in paths for bits in (4, 8)]
-    cells = ["rows", "matrix", "dense fp32 (oneDNN packed)", *native,
+    dense = "dense fp32 (oneDNN packed)" if onednn_linear_available(torch.float32) else "dense fp32 (F.linear)"
+    cells = ["rows", "matrix", dense, *native,
              "torch `_weight_int4pack_mm_for_cpu`", "torch `_weight_int8pack_mm`"]
     return "| " + " | ".join(cells) + " |\n|" + "---|" * len(cells)
 
