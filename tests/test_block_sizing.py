@@ -14,7 +14,8 @@ def _blocks_taken(bm: BlockManager, prompt_len: int, num_slots: list[int]) -> in
     prompt = list(range(1, prompt_len + 1))
     bm.allocate(0, prompt, reuse_cached_prefix=False)
     bm.append_slots(0, num_slots[0] - prompt_len)
-    shared = (prompt_len // bm.block_size) * bm.block_size
+    shared = bm.full_block_slots(prompt_len)
+    assert shared % bm.block_size == 0 and prompt_len - bm.block_size < shared <= prompt_len
     for seq_id, n in enumerate(num_slots[1:], start=1):
         bm.fork(0, seq_id, num_tokens=shared)
         bm.append_slots(seq_id, n - shared)

@@ -503,7 +503,7 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         # A recomputed multi-sequence request shares its full prompt blocks
         # again: the others fork them from the first, which computes them.
-        shared = (first.prompt_len // bm.block_size) * bm.block_size
+        shared = bm.full_block_slots(first.prompt_len)
         for seq in others:
             bm.fork(first.seq_id, seq.seq_id, num_tokens=shared)
             self._add_ops(out, MemoryOpKind.COPY, bm.append_slots(seq.seq_id, seq.num_tokens - shared))

@@ -470,6 +470,10 @@ class BlockManager:
         num_shared = num_shared_slots // self.block_size if len(num_slots) > 1 else 0
         return num_shared + sum(_cdiv(n, self.block_size) - num_shared for n in num_slots)
 
+    def full_block_slots(self, num_slots: int) -> int:
+        """Slots of the full blocks among the first ``num_slots``: what a prefix ``fork`` of a prompt shares."""
+        return (num_slots // self.block_size) * self.block_size
+
     def num_growth_blocks(self, num_target_slots: int, num_held_blocks: int) -> int:
         """Blocks beyond ``num_held_blocks`` that one sequence needs to cover ``num_target_slots`` slots (>= 0)."""
         return max(0, _cdiv(num_target_slots, self.block_size) - num_held_blocks)
