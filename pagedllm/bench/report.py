@@ -124,6 +124,7 @@ def machine_class() -> dict:
     import torch
 
     from pagedllm.native import cpu_ops
+    from pagedllm.native.cpu_dtype import native_matmul
 
     flags = sorted(f for f in cpu_ops.cpu_flags() if f.startswith(_ISA_FLAG_PREFIXES))
     try:
@@ -133,7 +134,7 @@ def machine_class() -> dict:
     return {
         "cpu_model": cpu_ops.cpu_model(),
         "cpu_isa_flags": flags,
-        "bf16_matmul_native": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "bf16_matmul_native": native_matmul(torch.bfloat16),
         "native_isa": cpu_ops.selected_isa(),
         "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
         "cpus_allowed": cores,

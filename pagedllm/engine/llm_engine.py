@@ -347,10 +347,9 @@ class LLMEngine:
         is_beam = isinstance(params, BeamSearchParams)
         num_seqs = params.beam_width if is_beam else params.num_samples
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
-        bs = self.config.block_size
-        shared = num_prompt_tokens // bs if num_seqs > 1 else 0
-        own = -(-(num_prompt_tokens + max_tokens) // bs) - shared
-        needed = shared + num_seqs * own
+        bs = self.block_manager.block_size
+        needed = self.block_manager.num_blocks_for_group(
+            [num_prompt_tokens + max_tokens] * num_seqs, num_shared_slots=num_prompt_tokens)
         capacity = self.kv_cache.num_blocks
         if needed <= capacity:
             return

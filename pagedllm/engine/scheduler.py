@@ -24,7 +24,6 @@ The scheduler decides; it never touches tensors. Its output is plain data
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -396,14 +395,11 @@ class Scheduler:
 
     def _blocks_for(self, request: Request) -> int:
         """Blocks the request takes at admission (several sequences share their full prompt blocks)."""
-        bs = self.block_manager.block_size
         seqs = request.live_seqs()
-        shared_blocks = seqs[0].prompt_len // bs if len(seqs) > 1 else 0
-        total = shared_blocks
-        for seq in seqs:
-            tokens = self._reserved_tokens(request, seq) or seq.num_tokens
-            total += math.ceil(tokens / bs) - shared_blocks
-        return total
+        return self.block_manager.num_blocks_for_group(
+            [self._reserved_tokens(request, seq) or seq.num_tokens for seq in seqs],
+            num_shared_slots=seqs[0].prompt_len,
+        )
 
     def _can_admit(self, request: Request, num_headroom_blocks: int) -> bool:
         """Whether the request's blocks fit with ``num_headroom_blocks`` and the watermark still free."""
@@ -450,7 +446,7 @@ class Scheduler:
     def _growth_blocks(self, request: Request, seq: Sequence, num_held_blocks: int) -> int:
         """Blocks beyond ``num_held_blocks`` that ``seq`` needs for its next num_headroom_tokens tokens."""
         target = min(seq.num_tokens + self.config.num_headroom_tokens, request.final_num_tokens(self.config.max_model_len))
-        return max(0, math.ceil(target / self.block_manager.block_size) - num_held_blocks)
+        return self.block_manager.num_growth_blocks(target, num_held_blocks)
 
     def _running_headroom_blocks(self) -> int:
         """Free blocks the running sequences need to grow by num_headroom_tokens each."""
@@ -463,11 +459,11 @@ class Scheduler:
 
     def _admission_growth_blocks(self, request: Request) -> int:
         """What a waiting request adds to the headroom once admitted with the blocks _blocks_for counts."""
-        bs = self.block_manager.block_size
+        bm = self.block_manager
         total = 0
         for seq in request.live_seqs():
             num_admitted_tokens = self._reserved_tokens(request, seq) or seq.num_tokens
-            total += self._growth_blocks(request, seq, math.ceil(num_admitted_tokens / bs))
+            total += self._growth_blocks(request, seq, bm.num_blocks_for_group([num_admitted_tokens]))
         return total
 
     def _awaits_prefetch(self, request: Request) -> bool:
@@ -507,7 +503,7 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         # A recomputed multi-sequence request shares its full prompt blocks
         # again: the others fork them from the first, which computes them.
-        shared = (first.prompt_len // bm.block_size) * bm.block_size
+        shared = bm.full_block_slots(first.prompt_len)
         for seq in others:
             bm.fork(first.seq_id, seq.seq_id, num_tokens=shared)
             self._add_ops(out, MemoryOpKind.COPY, bm.append_slots(seq.seq_id, seq.num_tokens - shared))

@@ -458,6 +458,26 @@ class BlockManager:
             need += len(shared) + num_grow
         return need <= self._pool.get_num_free_blocks()
 
+    # -- sizing: the block counts the scheduler and the engine plan with ----------------
+
+    def num_blocks_for_group(self, num_slots: Sequence[int], num_shared_slots: int = 0) -> int:
+        """Blocks that sequences of ``num_slots[i]`` slots each hold together.
+
+        With two or more sequences, the full blocks of their first
+        ``num_shared_slots`` slots are held once (``fork`` shares them); each
+        sequence covers those slots. Pure arithmetic: no table is read.
+        """
+        num_shared = num_shared_slots // self.block_size if len(num_slots) > 1 else 0
+        return num_shared + sum(_cdiv(n, self.block_size) - num_shared for n in num_slots)
+
+    def full_block_slots(self, num_slots: int) -> int:
+        """Slots of the full blocks among the first ``num_slots``: what a prefix ``fork`` of a prompt shares."""
+        return (num_slots // self.block_size) * self.block_size
+
+    def num_growth_blocks(self, num_target_slots: int, num_held_blocks: int) -> int:
+        """Blocks beyond ``num_held_blocks`` that one sequence needs to cover ``num_target_slots`` slots (>= 0)."""
+        return max(0, _cdiv(num_target_slots, self.block_size) - num_held_blocks)
+
     def append_slots(self, seq_id: int, num_new_tokens: int = 1) -> list[BlockCopy]:
         """Extend ``seq_id`` by ``num_new_tokens`` slots (positions n .. n+k-1, n = current count).
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,19 @@ def kernel_path(device: torch.device, dtype: torch.dtype) -> KernelPath:
 
 
 _onednn_probe: dict[torch.dtype, bool] = {}
+
+# What a private torch.ops.mkldnn op raises where a build lacks it or refuses its input.
+MKLDNN_OP_ERRORS = (RuntimeError, AttributeError, NotImplementedError)
+
+
+def private_mkldnn_op(name: str) -> Callable:
+    """``torch.ops.mkldnn.<name>``, the one door to torch's private oneDNN ops.
+
+    Raises one of :data:`MKLDNN_OP_ERRORS` (AttributeError, RuntimeError)
+    where this torch build lacks the op; every caller catches them and takes
+    a public-API fallback instead.
+    """
+    return getattr(torch.ops.mkldnn, name)
 
 # oneDNN builds one primitive per input shape (the row count T changes from
 # step to step) and keeps it in two LRU caches: its own primitive cache and
@@ -81,11 +95,49 @@ def _probe_onednn(dtype: torch.dtype) -> bool:
             gen = torch.Generator().manual_seed(0)
             x = torch.randn(3, 32, generator=gen).to(dtype)
             weight = torch.randn(16, 32, generator=gen).to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            packed = private_mkldnn_op("_reorder_linear_weight")(weight, None)
+            got = private_mkldnn_op("_linear_pointwise")(x, packed, None, "none", [], "")
             want = F.linear(x, weight)
             tolerance = 1e-4 if dtype == torch.float32 else 5e-2
             return bool(torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance))
-    except (RuntimeError, AttributeError, NotImplementedError) as error:
+    except MKLDNN_OP_ERRORS as error:
         logger.debug("oneDNN packed linear unavailable for %s: %s", dtype, error)
         return False
+
+
+# The CPU flags (/proc/cpuinfo) under which oneDNN runs each 16-bit dtype natively.
+_NATIVE_DTYPE_FLAGS = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
+_MKLDNN_DTYPE_QUERIES = {
+    torch.bfloat16: "_is_mkldnn_bf16_supported",
+    torch.float16: "_is_mkldnn_fp16_supported",
+}
+
+
+def onednn_native_dtype(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes ``dtype`` matmuls on native instructions of this CPU.
+
+    Asks torch's private ``torch.ops.mkldnn._is_mkldnn_{bf16,fp16}_supported``;
+    where that op is missing or raises, answers from public facts instead:
+    ``torch.backends.mkldnn.is_available()`` and the CPU's own flags.
+    float32 is native everywhere.
+    """
+    if dtype == torch.float32:
+        return True
+    if dtype not in _MKLDNN_DTYPE_QUERIES:
+        return False
+    try:
+        return bool(private_mkldnn_op(_MKLDNN_DTYPE_QUERIES[dtype])())
+    except MKLDNN_OP_ERRORS as error:
+        logger.debug("torch.ops.mkldnn cannot say whether %s is native: %s", dtype, error)
+        return native_dtype_from_cpu_flags(dtype)
+
+
+def native_dtype_from_cpu_flags(dtype: torch.dtype) -> bool:
+    """The public-API answer of :func:`onednn_native_dtype`: oneDNN is built in and the CPU has the instructions."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    flags = cpu_ops.cpu_flags()
+    return any(flag in flags for flag in _NATIVE_DTYPE_FLAGS.get(dtype, ()))

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from pagedllm.distributed import SINGLE_PROCESS, HeadShard, TensorParallelGroup, head_shard, shard_range
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers.dispatch import onednn_linear_available
+from pagedllm.layers.dispatch import onednn_linear_available, private_mkldnn_op
 
 
 class LinearMethod(ABC):
@@ -55,10 +55,11 @@ class _PackedMatmul:
     """
 
     def __init__(self, weight: Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.packed = private_mkldnn_op("_reorder_linear_weight")(weight.detach(), None)
+        self._linear_pointwise = private_mkldnn_op("_linear_pointwise")
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+        return self._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
 def dense_matmul(weight: Tensor) -> _TorchMatmul | _PackedMatmul:

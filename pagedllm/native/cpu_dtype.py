@@ -21,15 +21,11 @@ logger = logging.getLogger("pagedllm")
 
 @functools.cache
 def native_matmul(dtype: torch.dtype) -> bool:
-    """Whether torch's CPU matmuls in ``dtype`` run on native instructions here."""
-    if dtype == torch.float32:
-        return True
-    mkldnn = torch.ops.mkldnn
-    if dtype == torch.bfloat16:
-        return bool(mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(getattr(mkldnn, "_is_mkldnn_fp16_supported", lambda: False)())
-    return False
+    """Whether torch's CPU matmuls in ``dtype`` run on native instructions here
+    (oneDNN's own answer where its private query exists, the CPU flags otherwise)."""
+    from pagedllm.layers.dispatch import onednn_native_dtype
+
+    return onednn_native_dtype(dtype)
 
 
 def emulated_dtype_message(dtype: torch.dtype) -> str | None:
@@ -41,7 +37,7 @@ def emulated_dtype_message(dtype: torch.dtype) -> str | None:
     name = str(dtype).removeprefix("torch.")
     return (
         f"dtype={name}: this CPU ({cpu_model()}) has no native {name} matmul "
-        f"(torch.ops.mkldnn reports none), so torch emulates it and the model's matmuls run "
+        f"(oneDNN reports none), so torch emulates it and the model's matmuls run "
         f"about 20x slower than in float32; weights and KV cache would take half the memory. "
         f"Use dtype='float32' or 'auto' (float32 on this CPU) for speed."
     )

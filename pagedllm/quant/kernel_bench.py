@@ -2,7 +2,8 @@
 
 ``python -m pagedllm.quant.kernel_bench [--threads 1] [--rows 1,64] [--paths ...]``
 prints one markdown row per (rows, matrix) at the default model's shapes:
-best-of-20 milliseconds (``--clock wall``, or ``cpu``: the thread's CPU time) of dense float32 (oneDNN, packed weight), the native
+best-of-20 milliseconds (``--clock wall``, or ``cpu``: the thread's CPU time) of dense float32 (the
+layers' kernel: oneDNN on a packed weight where the probe finds it, ``F.linear`` otherwise), the native
 Q4 and Q8 kernels (g32) on each path of ``--paths`` (``avx512-vnni``,
 ``avx2``: the dispatch the layers use, tiled kernel from ``tiled_min_rows()``
 rows; ``avx512-vnni-rows``, ``avx2-rows``: the per-row kernel, ``-tiled``:
@@ -21,6 +22,8 @@ from functools import partial
 import torch
 
 from pagedllm.errors import ConfigError
+from pagedllm.layers.dispatch import onednn_linear_available
+from pagedllm.layers.linear import dense_matmul
 from pagedllm.native import quant_ops
 from pagedllm.quant import quantize_rtn
 
@@ -67,15 +70,16 @@ def default_paths() -> str:
 
 def header(paths: list[tuple[str, int, bool | None]]) -> str:
     native = [f"native Q{bits} {name}" for name, _, _ in paths for bits in (4, 8)]
-    cells = ["rows", "matrix", "dense fp32 (oneDNN packed)", *native,
+    dense = "dense fp32 (oneDNN packed)" if onednn_linear_available(torch.float32) else "dense fp32 (F.linear)"
+    cells = ["rows", "matrix", dense, *native,
              "torch `_weight_int4pack_mm_for_cpu`", "torch `_weight_int8pack_mm`"]
     return "| " + " | ".join(cells) + " |\n|" + "---|" * len(cells)
 
 
 def row(rows: int, out_features: int, in_features: int, paths: list[tuple[str, int, bool | None]]) -> str:
     w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    times = [best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))]
+    dense = dense_matmul(w)  # oneDNN on a packed weight where it runs, F.linear otherwise
+    times = [best_ms(lambda: dense(x, w, None))]
     q4, q8 = quantize_rtn(w, 4, 32), quantize_rtn(w, 8, 32)
     for _, isa, tiled in paths:
         for q in (q4, q8):
