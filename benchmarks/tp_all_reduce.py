@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedllm.distributed import TensorParallelGroup, attach_shared_memory
+from pagedllm.distributed import ALL_REDUCE_ENV, TensorParallelGroup, attach_shared_memory
 
 SHAPES = [(1, 576), (64, 576), (512, 576), (2048, 576)]
 
@@ -30,6 +30,7 @@ def _rank_main(rank: int, port: int, iters: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tp = TensorParallelGroup(rank=rank, size=2, group=dist.group.WORLD, control_group=dist.group.WORLD)
+    os.environ[ALL_REDUCE_ENV] = "shm"  # the opt-in path, timed beside gloo
     attach_shared_memory(tp, max(r * c for r, c in SHAPES) * 4, timeout_s=60)
     for shape in SHAPES:
         x = torch.randn(*shape)

@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedllm.distributed import SINGLE_PROCESS, HeadShard, TensorParallelGroup, head_shard, shard_range
+from pagedllm.distributed import (
+    SINGLE_PROCESS,
+    HeadShard,
+    TensorParallelGroup,
+    head_shard,
+    shard_range,
+)
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.dispatch import onednn_linear_available, private_mkldnn_op
 

@@ -163,7 +163,7 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> tuple[dict, dict[s
             if isinstance(value, torch.Tensor):
                 value = unpermute_for_rope(value, heads).contiguous()
             else:  # a QuantizedWeight: its rows are permuted whole, blocks untouched
-                value = value.map_rows(lambda rows: unpermute_for_rope(rows, heads))
+                value = value.map_rows(lambda rows, heads=heads: unpermute_for_rope(rows, heads))
         tensors[name] = value
     return hf_config, tensors
 

@@ -25,7 +25,6 @@ from pagedllm.distributed import (
     head_shard,
 )
 from pagedllm.errors import ModelLoadError
-from pagedllm.models import rope_scaling
 from pagedllm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -39,6 +38,7 @@ from pagedllm.layers import (
     rotate,  # noqa: F401  (re-exported: tests and callers import it from here)
 )
 from pagedllm.layers.linear import _copy_checked
+from pagedllm.models import rope_scaling
 from pagedllm.models.config import ModelConfig
 from pagedllm.quant.formats import QuantizedWeight
 

@@ -31,7 +31,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed import RankTimes, TensorParallelGroup, attach_shared_memory, init_tensor_parallel
+from pagedllm.distributed import (
+    RankTimes,
+    TensorParallelGroup,
+    attach_shared_memory,
+    init_tensor_parallel,
+)
 from pagedllm.errors import EngineDeadError
 from pagedllm.step import StepInput, StepResult
 from pagedllm.worker.worker import DEFAULT_MAX_NUM_BATCHED_TOKENS, Worker, resolve_device
