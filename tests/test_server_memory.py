@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import inspect
 import json
 import os
 import subprocess
@@ -31,7 +32,6 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.sequence import Request, Sequence
 from pagedllm.errors import ConfigError, RequestError
-from pagedllm.kv.kv_cache import KVCache
 from pagedllm.layers import dispatch
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -89,6 +89,21 @@ def _alive(kind: type) -> list:
     return [o for o in gc.get_objects() if type(o) is kind]
 
 
+class _Survivors:
+    """Objects of a type that were created after this baseline and are still alive.
+
+    Objects alive at the baseline (left by earlier tests in the same process) are held
+    here, so their ids stay theirs while the test runs."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+        self._baseline = _alive(kind)
+        self._baseline_ids = {id(o) for o in self._baseline}
+
+    def __call__(self) -> list:
+        return [o for o in _alive(self.kind) if id(o) not in self._baseline_ids]
+
+
 def _per_sequence_state(engine: LLMEngine) -> dict[str, set[int]]:
     """The sequence ids every per-sequence table of the step builder and the worker holds."""
     steps, worker = engine.steps, engine.worker
@@ -104,6 +119,7 @@ def _per_sequence_state(engine: LLMEngine) -> dict[str, set[int]]:
 
 
 def test_no_request_state_survives_finished_aborted_and_refused_requests(tiny_dir):
+    new_requests, new_seqs = _Survivors(Request), _Survivors(Sequence)
     engine = _engine(tiny_dir)
     with pytest.raises(RequestError):
         engine.add_request("refused", {"prompt_token_ids": [1, 10**6]}, SamplingParams())
@@ -111,14 +127,14 @@ def test_no_request_state_survives_finished_aborted_and_refused_requests(tiny_di
     # max_num_seqs=8 keeps "aborted-waiting" queued when it is aborted.
     _run(engine, wave, abort_after_steps={"aborted": 3, "aborted-waiting": 1})
     assert not engine.requests and not engine.has_unfinished_requests()
-    assert _alive(Request) == [] and _alive(Sequence) == []
+    assert new_requests() == [] and new_seqs() == []
     seq_ids = set().union(*_per_sequence_state(engine).values())  # the worker still holds the last step's
     assert seq_ids
 
     # The worker hears of freed sequences with the next step: after a second
     # wave, nothing of the first is left anywhere.
     _run(engine, [(f"second-{i}", {"prompt_token_ids": [9, 9, 9]}, SamplingParams(max_tokens=2)) for i in range(2)])
-    assert _alive(Request) == [] and _alive(Sequence) == []
+    assert new_requests() == [] and new_seqs() == []
     for table, ids in _per_sequence_state(engine).items():
         assert not ids & seq_ids, f"{table} still holds first-wave sequences {sorted(ids & seq_ids)}"
         assert len(ids) <= 2, f"{table} holds {sorted(ids)} after two single-sequence requests"
@@ -144,6 +160,8 @@ def test_a_parent_freed_before_its_samples_fork_takes_their_ids_along(tiny_dir):
 
 
 def test_async_engine_forgets_streams_closed_early_failed_and_finished(tiny_dir):
+    new_requests = _Survivors(Request)
+
     async def main() -> tuple[AsyncLLMEngine, list]:
         engine = AsyncLLMEngine(_engine(tiny_dir))
         params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -175,7 +193,7 @@ def test_async_engine_forgets_streams_closed_early_failed_and_finished(tiny_dir)
     engine, tables = asyncio.run(main())
     assert [len(t) for t in tables] == [0, 0, 0, 0]
     assert engine.num_unfinished_requests == 0
-    assert _alive(Request) == []
+    assert new_requests() == []
     assert engine.engine.block_manager.stats().num_used_blocks == 0
 
 
@@ -253,16 +271,29 @@ def _resident_fraction(tensors: list[torch.Tensor]) -> float:
     return resident / total
 
 
+_PREFAULT_SCRIPT = """
+import ctypes, os, sys, torch
+from pagedllm.kv.kv_cache import KVCache
+
+{resident_fraction}
+
+# 40 MiB a tensor: above glibc's largest mmap threshold, so each is a fresh mapping in a fresh process
+shape = dict(num_layers=1, num_blocks=5120, block_size=16, num_kv_heads=2, head_dim=64)
+kv = KVCache(**shape, dtype=torch.float32, device="cpu", num_cpu_blocks=5120, prefault=sys.argv[1] == "1")
+tensors = kv.block_tensors() + kv.cpu_block_tensors()
+print(_resident_fraction(tensors), all(not t.any() for t in tensors))
+"""
+
+
 @pytest.mark.parametrize("prefault", [False, True])
 def test_prefault_makes_the_kv_pools_resident_at_start(prefault):
-    # 40 MiB a tensor: above glibc's largest mmap threshold, so each is a fresh mapping, not reused heap
-    shape = dict(num_layers=1, num_blocks=5120, block_size=16, num_kv_heads=2, head_dim=64)
-    kv = KVCache(**shape, dtype=torch.float32, device="cpu", num_cpu_blocks=5120, prefault=prefault)
-    tensors = kv.block_tensors() + kv.cpu_block_tensors()
-    fraction = _resident_fraction(tensors)
+    # A fresh process: in a long one, freed heap memory that earlier work touched can serve the pools.
+    script = _PREFAULT_SCRIPT.format(resident_fraction=inspect.getsource(_resident_fraction))
+    out = subprocess.run([sys.executable, "-c", script, "1" if prefault else "0"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    fraction, all_zero = float(out[0]), out[1] == "True"
     if prefault:
-        assert fraction == 1.0
-        assert all(not t.any() for t in tensors)
+        assert fraction == 1.0 and all_zero
     else:
         assert fraction < 0.05  # untouched pools are not resident yet
 
