@@ -189,18 +189,24 @@ def vllm_env(num_cpus: int | None = None) -> dict:
 
 def run_vllm(workload, python: str, model: str | None, dtype: str, max_num_seqs: int = 256):
     """Run the workload through vLLM under ``python`` (another virtualenv) in a subprocess."""
+    data = _run_vllm_script(workload, python, model, dtype, ["--max-num-seqs", str(max_num_seqs)])
+    extra = {"vllm": data.get("vllm_version"), "omp_threads_bind": vllm_env()["VLLM_CPU_OMP_THREADS_BIND"]}
+    return _peer_throughput("vllm", data, extra)
+
+
+def _peer_throughput(backend: str, data: dict, extra: dict):
+    """A peer script's throughput JSON as a ThroughputResult."""
     from pagedllm.bench.throughput import ThroughputResult
 
-    data = _run_vllm_script(workload, python, model, dtype, ["--max-num-seqs", str(max_num_seqs)])
     return ThroughputResult(
-        backend="vllm",
+        backend=backend,
         dtype=data["dtype"],
         num_requests=data["num_requests"],
         prompt_tokens=data["prompt_tokens"],
         output_tokens=data["output_tokens"],
         wall_s=data["wall_s"],
         load_s=data["load_s"],
-        extra={"vllm": data.get("vllm_version"), "omp_threads_bind": vllm_env()["VLLM_CPU_OMP_THREADS_BIND"]},
+        extra=extra,
     )
 
 
@@ -396,19 +402,9 @@ def bench_threads(num_threads: int | None) -> int:
 
 def run_llamacpp(workload, python: str, model: str | None, num_threads: int | None, num_slots: int):
     """The workload through llama.cpp with ``num_slots`` sequences decoded together."""
-    from pagedllm.bench.throughput import ThroughputResult
-
     data = _run_llamacpp_script(workload, python, model, num_threads, ["--slots", str(num_slots)])
-    return ThroughputResult(
-        backend="llamacpp",
-        dtype=data["dtype"],
-        num_requests=data["num_requests"],
-        prompt_tokens=data["prompt_tokens"],
-        output_tokens=data["output_tokens"],
-        wall_s=data["wall_s"],
-        load_s=data["load_s"],
-        extra={key: data[key] for key in ("llama_cpp_python", "threads", "slots", "build_flags", "system_info", "gguf")},
-    )
+    keys = ("llama_cpp_python", "threads", "slots", "build_flags", "system_info", "gguf")
+    return _peer_throughput("llamacpp", data, {key: data[key] for key in keys})
 
 
 def run_llamacpp_latency(workload, python: str, model: str | None, num_threads: int | None) -> dict:

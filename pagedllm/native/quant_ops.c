@@ -546,6 +546,23 @@ TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, cons
     }
 }
 
+/* One block's integer sums of an AVX2 tile into its float accumulators: x scale x w scale,
+ * plus the block's min term (Q4_1-style) when the weights have mins. */
+TARGET_AVX2 static inline void tile_avx2_block_out(const RowTiles *rt, int64_t at, int64_t b, int64_t blocks,
+                                                   const float *dw, const float *mw, const __m256i *sums,
+                                                   __m256 *acc) {
+    const __m256 dxv = _mm256_loadu_ps(rt->dx + at);
+    for (int c = 0; c < AVX2_TILE_COLS; c++) {
+        __m256 scale = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[c * blocks + b]));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), scale, acc[c]);
+    }
+    if (mw) {
+        const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
+        for (int c = 0; c < AVX2_TILE_COLS; c++)
+            acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
+    }
+}
+
 /* AVX2, 8 rows x 4 outputs, 4-bit codes only: vpmaddubsw pair sums of one block add up in
  * int16 without overflow (8 steps x 2 x 15 x 127 = 30480). */
 TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
@@ -567,19 +584,13 @@ TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_
                 pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), xv));
             }
         }
-        const __m256 dxv = _mm256_loadu_ps(rt->dx + at);
         const __m256i zc = _mm256_loadu_si256((const __m256i *)(rt->zc + at));
+        __m256i sums[AVX2_TILE_COLS];
         for (int c = 0; c < AVX2_TILE_COLS; c++) {
-            __m256i sums = _mm256_madd_epi16(pairs[c], ones);
-            if (zero) sums = _mm256_add_epi32(sums, zc);
-            __m256 scale = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[c * blocks + b]));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c]);
+            sums[c] = _mm256_madd_epi16(pairs[c], ones);
+            if (zero) sums[c] = _mm256_add_epi32(sums[c], zc);
         }
-        if (mw) {
-            const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
-            for (int c = 0; c < AVX2_TILE_COLS; c++)
-                acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
-        }
+        tile_avx2_block_out(rt, at, b, blocks, dw, mw, sums, acc);
     }
     for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
 }
@@ -608,16 +619,7 @@ TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_
                 sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs, ones));
             }
         }
-        const __m256 dxv = _mm256_loadu_ps(rt->dx + at);
-        for (int c = 0; c < AVX2_TILE_COLS; c++) {
-            __m256 scale = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[c * blocks + b]));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), scale, acc[c]);
-        }
-        if (mw) {
-            const __m256 xsv = _mm256_loadu_ps(rt->xs + at);
-            for (int c = 0; c < AVX2_TILE_COLS; c++)
-                acc[c] = _mm256_fmadd_ps(xsv, _mm256_set1_ps(mw[c * blocks + b]), acc[c]);
-        }
+        tile_avx2_block_out(rt, at, b, blocks, dw, mw, sums, acc);
     }
     (void)zero;
     for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
