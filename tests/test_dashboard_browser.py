@@ -152,14 +152,19 @@ def test_memory_audit_replay_page(browser, tmp_path):
     browser.navigate(html.as_uri())
     browser.wait_for("document.getElementById('grid').dataset.numBlocks === '64'")
     assert browser.evaluate("document.getElementById('replay-run').options.length") == 2
-    last = len(data["runs"][1]["frames"]) - 1
-    # contiguous-max reserves max_model_len per request: reserved cells show while it runs.
+    frames = data["runs"][1]["frames"]
+    last = len(frames) - 1
+    # contiguous-max reserves max_model_len per request: reserved cells show while one runs (not on the
+    # step between two requests). Pick the frame nearest the middle that has some, by the data itself.
+    reserved = [int((unpack_cells(decode_field(f["snapshot"]["device"]))[0] == CellState.RESERVED).sum())
+                for f in frames]
+    step = min((i for i in range(last) if reserved[i] > 0), key=lambda i: abs(i - last // 2))
     browser.evaluate(f"""(() => {{ const run = document.getElementById('replay-run'); run.value = '1';
         run.dispatchEvent(new Event('change'));
-        const s = document.getElementById('replay-step'); s.value = '{last // 2}';
+        const s = document.getElementById('replay-step'); s.value = '{step}';
         s.dispatchEvent(new Event('input')); return 1; }})()""")
-    browser.wait_for(f"document.getElementById('replay-label').textContent.startsWith('step {last // 2} ')")
-    browser.wait_for("Number(document.getElementById('count-reserved').textContent) > 0")
+    browser.wait_for(f"document.getElementById('replay-label').textContent.startsWith('step {step} ')")
+    browser.wait_for(f"Number(document.getElementById('count-reserved').textContent) === {reserved[step]}")
     assert browser.evaluate("document.getElementById('replay-step').max") == str(last)
     browser.evaluate("document.getElementById('replay-play').click()")
-    browser.wait_for(f"Number(document.getElementById('replay-step').value) > {last // 2}")
+    browser.wait_for(f"Number(document.getElementById('replay-step').value) > {step}")
