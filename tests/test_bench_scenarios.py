@@ -4,6 +4,7 @@ server (`bench sessions`) and wide beam search over a long prompt (`bench beam`)
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -110,3 +111,33 @@ def test_beam_8_over_a_4k_prompt_shares_the_prompt_blocks():
     assert result["peak_used_blocks"] >= budget.prompt_blocks
     assert result["num_hypotheses"] == 8 and result["new_tokens_best"] == 4
     assert result["kv_empty_after"]
+
+
+def test_beam_compare_rejects_unknown_backends_and_a_missing_peer():
+    done = _cli("beam", "--prompt-len", "64", "--compare", "pagedllm,tgi")
+    assert done.returncode == 2 and "choose from pagedllm, vllm" in done.stderr
+    env_free = subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli", "bench", "beam", "--prompt-len", "64", "--compare", "vllm"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PAGEDLLM_VLLM_PYTHON"},
+    )
+    assert env_free.returncode == 2 and "--peer-python" in env_free.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PAGEDLLM_VLLM_PYTHON"),
+                    reason="set PAGEDLLM_VLLM_PYTHON to vLLM's python")
+def test_beam_vllm_peer_runs_the_same_prompt_and_width(tmp_path):
+    import json
+
+    out = tmp_path / "beam.json"
+    done = _cli("beam", "--beam-width", "2", "--prompt-len", "200", "--max-tokens", "3", "--kv-cache-memory", "64MiB",
+                "--compare", "pagedllm,vllm", "--json", str(out), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    ours, peer = data["pagedllm"], data["vllm"]
+    assert ours["num_hypotheses"] == peer["num_hypotheses"] == 2
+    assert ours["new_tokens_best"] == peer["new_tokens_best"] == 3
+    assert peer["num_steps"] == 3 and peer["wall_s"] >= peer["prefill_s"] > 0
+    assert peer["peak_rss_bytes"] > 0
+    assert "vLLM / pagedllm" in done.stdout

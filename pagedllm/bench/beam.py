@@ -9,6 +9,10 @@ time (submission to the first beam step), the peak of KV blocks in use against
 and the process's peak resident memory (sampled every 20 ms).
 
 With ``--beam-width 1 --max-tokens 1`` it times a long prompt's prefill alone.
+``--compare pagedllm,vllm`` runs vLLM's ``LLM.beam_search`` (its CPU build, in
+its own virtualenv) on the same prompt, width and rope scaling afterwards, in
+the same invocation: its wall time, the time to its first beam step, and its
+processes' peak resident memory.
 A prompt longer than the model's trained context gets a YaRN rope scaling
 unless ``--rope-scaling`` says otherwise. A run that cannot fit the KV budget
 is refused before it starts, with the numbers.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import threading
@@ -25,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from pagedllm.bench import report
+from pagedllm.bench.throughput import PEER_PYTHON_ENV
 from pagedllm.errors import ConfigError
 
 
@@ -206,6 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-len", type=int, default=32768, help="prompt tokens (random ids)")
     g.add_argument("--max-tokens", type=int, default=32, help="new tokens per beam")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
+    g.add_argument("--compare", default=None, metavar="pagedllm,vllm",
+                   help="also run vLLM's LLM.beam_search on the same prompt (needs --peer-python)")
+    g.add_argument("--peer-python", default=None, metavar="PATH", help="the python of vLLM's virtualenv")
     add_engine_arguments(parser)
 
 
@@ -215,6 +224,17 @@ def run(args: argparse.Namespace) -> int:
     if args.beam_width < 1 or args.prompt_len < 1 or args.max_tokens < 1:
         print("pagedllm bench beam: --beam-width, --prompt-len and --max-tokens must be >= 1", file=sys.stderr)
         return 2
+    backends = ["pagedllm"]
+    if args.compare:
+        backends = [b.strip() for b in args.compare.split(",") if b.strip()]
+        if not backends or not set(backends) <= {"pagedllm", "vllm"}:
+            print(f"pagedllm bench beam: --compare {args.compare!r}: choose from pagedllm, vllm", file=sys.stderr)
+            return 2
+    python = args.peer_python or os.environ.get(PEER_PYTHON_ENV)
+    if "vllm" in backends and not python:
+        print("pagedllm bench beam: --compare vllm needs --peer-python PATH (the python of vLLM's virtualenv) "
+              f"or ${PEER_PYTHON_ENV}", file=sys.stderr)
+        return 2
     needed = args.prompt_len + args.max_tokens
     args.rope_scaling = default_rope_scaling(args, needed)
     if args.max_model_len is None:
@@ -223,11 +243,58 @@ def run(args: argparse.Namespace) -> int:
     budget = BeamBudget(config.block_size, args.prompt_len, args.beam_width, args.max_tokens)
     if config.num_kv_blocks is not None:
         budget.check_fits(config.num_kv_blocks)  # before the model loads
-    result = run_beam(config, budget, seed=args.seed)
-    print(format_result(result))
+    body = {"environment": report.environment()}
+    ok = True
+    if "pagedllm" in backends:
+        result = run_beam(config, budget, seed=args.seed)
+        print(format_result(result))
+        body["pagedllm"] = result
+        ok = result["within_bound"] and result["kv_empty_after"]
+    if "vllm" in backends:
+        from pagedllm.bench.peers import run_vllm_beam
+        from pagedllm.models.paths import resolve_model_path
+
+        vocab_size = _vocab_size(resolve_model_path(args.model))
+        peer = run_vllm_beam(random_prompt(args.prompt_len, vocab_size, args.seed), python, args.model, args.dtype,
+                             args.beam_width, args.max_tokens, args.rope_scaling, config.max_model_len or needed)
+        body["vllm"] = peer
+        print(format_peer(peer, body.get("pagedllm")))
     if args.json:
-        report.write_json(args.json, {"environment": report.environment(), "pagedllm": result})
-    return 0 if result["within_bound"] and result["kv_empty_after"] else 1
+        report.write_json(args.json, body)
+    return 0 if ok else 1
+
+
+def _vocab_size(path) -> int:
+    """The checkpoint's vocabulary size (the same the engine uses to draw the prompt)."""
+    import json
+
+    if path.suffix == ".gguf":
+        from pagedllm.models.gguf_loader import load_gguf_checkpoint
+
+        return int(load_gguf_checkpoint(path).hf_config["vocab_size"])
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+
+
+def format_peer(peer: dict, ours: dict | None) -> str:
+    """vLLM's run, and pagedllm's beside it when both ran."""
+    def row(label, key, fmt="{:.1f}"):
+        theirs = peer.get(key)
+        cells = [label, "-" if theirs is None else fmt.format(theirs)]
+        if ours is not None:
+            mine = ours.get(key)
+            cells += ["-" if mine is None else fmt.format(mine),
+                      f"{theirs / mine:.2f}x" if theirs and mine else "-"]
+        return cells
+
+    peer["peak_rss_gib"] = peer.get("peak_rss_bytes", 0) / 2**30
+    if ours is not None:
+        ours.setdefault("peak_rss_gib", ours["peak_rss_bytes"] / 2**30)
+    rows = [row("wall time (s)", "wall_s"), row("prefill until the first beam step (s)", "prefill_s"),
+            row("peak RSS, all processes (GiB)", "peak_rss_gib", "{:.2f}")]
+    header = ["LLM.beam_search", f"vLLM {peer.get('vllm_version')}"]
+    if ours is not None:
+        header += ["pagedllm", "vLLM / pagedllm"]
+    return report.format_table(header, rows, title="vLLM, same prompt, width and rope scaling")
 
 
 def format_result(r: dict) -> str:

@@ -218,8 +218,10 @@ def run_vllm_latency(workload, python: str, model: str | None, dtype: str) -> tu
     return data["runs"], data.get("vllm_version")
 
 
-def _run_vllm_script(workload, python: str, model: str | None, dtype: str, extra_args: list[str]) -> dict:
-    """This file's ``vllm`` command under ``python`` on ``workload``; returns its JSON result."""
+def _run_vllm_script(workload, python: str, model: str | None, dtype: str, extra_args: list[str],
+                     sample_rss: bool = False) -> dict:
+    """This file's ``vllm`` command under ``python`` on ``workload``; returns its JSON result
+    (with ``peak_rss_bytes``, the peak summed over its process tree, when ``sample_rss``)."""
     import tempfile
 
     from pagedllm.errors import ConfigError
@@ -238,10 +240,60 @@ def _run_vllm_script(workload, python: str, model: str | None, dtype: str, extra
         ]
         # Run from the temporary directory so that the repository is not importable
         # as a package shadowing anything in the other virtualenv.
-        done = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(), cwd=tmp)
-        if done.returncode != 0 or not out_file.is_file():
-            raise ConfigError(f"the vLLM run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-        return json.loads(out_file.read_text())
+        env = vllm_env()
+        if "--rope-scaling" in extra_args:
+            # vLLM checks max_model_len against max_position_embeddings unscaled for YaRN and llama3.
+            env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=tmp)
+            peak_rss = _wait_sampling_rss(proc) if sample_rss else (proc.wait(), 0)[1]
+            err.seek(0)
+            stderr = err.read()
+        if proc.returncode != 0 or not out_file.is_file():
+            raise ConfigError(f"the vLLM run failed (exit {proc.returncode}):\n{stderr[-4000:]}")
+        result = json.loads(out_file.read_text())
+        if sample_rss:
+            result["peak_rss_bytes"] = peak_rss
+        return result
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants (0 for any that is gone)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _wait_sampling_rss(proc: subprocess.Popen, interval_s: float = 0.1) -> int:
+    """Wait for ``proc``; the peak of its process tree's resident memory meanwhile."""
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(interval_s)
+    return peak
+
+
+def run_vllm_beam(prompt: list[int], python: str, model: str | None, dtype: str, beam_width: int,
+                  max_tokens: int, rope_scaling: dict | None, max_model_len: int) -> dict:
+    """vLLM's ``LLM.beam_search`` over ``prompt`` (width, new tokens, rope scaling as pagedllm's run),
+    in a subprocess under ``python``; its wall time, the time to its first beam step (the prompt's
+    prefill), and the peak resident memory of its processes (the engine core runs in a child)."""
+    from pagedllm.bench.workloads import Workload
+
+    extra = ["--mode", "beam", "--beam-width", str(beam_width), "--max-model-len", str(max_model_len)]
+    if rope_scaling is not None:
+        extra += ["--rope-scaling", json.dumps(rope_scaling)]
+    return _run_vllm_script(Workload("beam", [list(prompt)], max_tokens), python, model, dtype, extra,
+                            sample_rss=True)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -294,7 +346,9 @@ def _vllm_main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--mode", choices=["throughput", "latency"], default="throughput")
+    parser.add_argument("--mode", choices=["throughput", "latency", "beam"], default="throughput")
+    parser.add_argument("--beam-width", type=int, default=8, help="beam mode: the width")
+    parser.add_argument("--rope-scaling", default=None, help="beam mode: an HF rope_scaling dict as JSON")
     args = parser.parse_args(argv)
 
     # This script's folder holds modules (cli, report, ...) that must not shadow vLLM's imports.
@@ -307,15 +361,26 @@ def _vllm_main(argv: list[str]) -> int:
     prompts = [{"prompt_token_ids": list(p)} for p in workload["prompt_token_ids"]]
     output_len = int(workload["output_len"])
 
+    kwargs = {}
+    if args.rope_scaling:
+        # transformers 5 keeps rope settings in rope_parameters, rope_theta among them.
+        config = json.loads((Path(args.model_dir) / "config.json").read_text())
+        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        kwargs["hf_overrides"] = {"rope_parameters": {"rope_theta": theta, **json.loads(args.rope_scaling)}}
     start = time.perf_counter()
     llm = LLM(
         model=args.model_dir, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, seed=0,
+        max_num_seqs=args.max_num_seqs, seed=0, **kwargs,
     )
     load_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(100, 116))}] * 4, warm, use_tqdm=False)
 
+    if args.mode == "beam":
+        result = _vllm_beam(llm, prompts[0], args.beam_width, output_len)
+        result.update(load_s=load_s, vllm_version=getattr(vllm, "__version__", None), kwargs=kwargs)
+        Path(args.out).write_text(json.dumps(result))
+        return 0
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     if args.mode == "latency":
         runs = [_vllm_time_one(llm.llm_engine, f"run-{i}", p, params, output_len) for i, p in enumerate(prompts)]
@@ -335,6 +400,33 @@ def _vllm_main(argv: list[str]) -> int:
     }
     Path(args.out).write_text(json.dumps(result))
     return 0
+
+
+def _vllm_beam(llm, prompt: dict, beam_width: int, max_tokens: int) -> dict:
+    """``llm.beam_search`` over one prompt; wall time and the end of its first beam step."""
+    from vllm.sampling_params import BeamSearchParams
+
+    step_ends: list[float] = []
+    beam_step = llm._beam_search_step  # one call per new token; the first includes the prefill
+
+    def timed_step(*args, **kwargs):
+        out = beam_step(*args, **kwargs)
+        step_ends.append(time.perf_counter())
+        return out
+
+    llm._beam_search_step = timed_step
+    params = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.beam_search([prompt], params)
+    wall_s = time.perf_counter() - start
+    sequences = outputs[0].sequences
+    return {
+        "wall_s": wall_s,
+        "prefill_s": step_ends[0] - start if step_ends else None,
+        "num_steps": len(step_ends),
+        "num_hypotheses": len(sequences),
+        "new_tokens_best": len(sequences[0].tokens) - len(prompt["prompt_token_ids"]) if sequences else 0,
+    }
 
 
 def _vllm_time_one(engine, request_id: str, prompt: dict, params, output_len: int) -> dict:
@@ -551,7 +643,9 @@ def _llamacpp_main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--slots", type=int, default=DEFAULT_LLAMACPP_SLOTS)
-    parser.add_argument("--mode", choices=["throughput", "latency"], default="throughput")
+    parser.add_argument("--mode", choices=["throughput", "latency", "beam"], default="throughput")
+    parser.add_argument("--beam-width", type=int, default=8, help="beam mode: the width")
+    parser.add_argument("--rope-scaling", default=None, help="beam mode: an HF rope_scaling dict as JSON")
     args = parser.parse_args(argv)
     here = str(Path(__file__).resolve().parent)
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path(here)]
