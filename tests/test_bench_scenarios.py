@@ -141,3 +141,11 @@ def test_beam_vllm_peer_runs_the_same_prompt_and_width(tmp_path):
     assert peer["num_steps"] == 3 and peer["wall_s"] >= peer["prefill_s"] > 0
     assert peer["peak_rss_bytes"] > 0
     assert "vLLM / pagedllm" in done.stdout
+
+
+def test_sessions_server_command_forwards_the_kv_prefault_choice():
+    for argv, expected in (([], None), (["--kv-cache-prefault"], "--kv-cache-prefault"),
+                           (["--no-kv-cache-prefault"], "--no-kv-cache-prefault")):
+        command = sessions.serve_command(_parse(sessions, argv), "paged", 8000)
+        flags = [c for c in command if "prefault" in c]
+        assert flags == ([] if expected is None else [expected])

@@ -351,6 +351,9 @@ def serve_command(args: argparse.Namespace, kv_policy: str, port: int) -> list[s
             command += [flag, str(value)]
     if args.rope_scaling is not None:
         command += ["--rope-scaling", json.dumps(args.rope_scaling)]
+    prefault = getattr(args, "kv_cache_prefault", None)  # None: serve's default (on)
+    if prefault is not None:
+        command.append("--kv-cache-prefault" if prefault else "--no-kv-cache-prefault")
     return command
 
 
