@@ -477,3 +477,21 @@ def test_prompt_logprobs_requests_read_no_cached_prefix_but_cache_their_blocks()
     assert again.num_cached_tokens == 0  # logits at every prompt position: nothing reused
     ((chunk, _),) = [(c, r) for c, (r, _) in zip(out.chunks, out.entries) if r is again]
     assert (chunk.start_pos, len(chunk.token_ids), chunk.all_logits) == (0, 20, True)
+
+
+def test_peak_num_running_is_the_largest_running_batch_any_step_had():
+    sched = make_scheduler(num_blocks=16, budget=64, max_seqs=8)
+    seen = 0
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", 20, first_token=1 + 30 * i, max_tokens=30))
+    for _ in range(40):
+        run_step(sched)
+        seen = max(seen, len(sched.running))
+        for req in list(sched.running):
+            seq = req.seqs[0]
+            if seq.num_output_tokens >= 6 + int(req.request_id[1:]):
+                seq.finish_reason = FinishReason.LENGTH
+                sched.finish_seq(req, seq)
+        assert sched.peak_num_running == seen
+    assert 1 < seen < 6  # 16 blocks of 8 cannot hold all six: the peak is what fit, not the request count
+    assert not sched.has_unfinished_requests()

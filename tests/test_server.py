@@ -296,7 +296,7 @@ def test_disconnect_during_non_streaming_request_aborts_it(server):
 def test_metrics_names(server):
     text = httpx.get(f"{server.base_url}/metrics").text
     for name in (
-        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+        "num_requests_running", "num_requests_running_peak", "num_requests_waiting", "kv_cache_usage_perc",
         "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
         "prompt_tokens_total", "generation_tokens_total",
         "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",

@@ -306,7 +306,11 @@ def serve_arm_rows(results: list[dict]) -> list[list]:
     base = results[0]
 
     def peak(r: dict, key: str) -> int | None:
-        value = (r.get("server_metrics") or {}).get(key)
+        metrics = r.get("server_metrics") or {}
+        value = metrics.get(key)
+        if key == "peak_running" and metrics.get("peak_running_since_start") is not None:
+            # each arm's server is started for it, so its exact peak is this run's
+            value = max(value or 0, metrics["peak_running_since_start"])
         return None if value is None else round(value)
 
     rows = []

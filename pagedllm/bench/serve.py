@@ -55,7 +55,8 @@ SERVERS = ("pagedllm", "vllm")
 
 METRICS_INTERVAL_S = 0.5
 # Prometheus sample names, after the server's prefix, that the sampler follows.
-_SAMPLED_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total")
+_SAMPLED_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                    "num_requests_running_peak")
 
 
 @dataclass
@@ -270,6 +271,8 @@ class MetricsSampler:
         return {
             "num_samples": len(self.samples),
             "peak_running": peak("num_requests_running"),
+            # pagedllm's own gauge, exact per step but counted from the server's start (None elsewhere)
+            "peak_running_since_start": peak("num_requests_running_peak"),
             "peak_waiting": peak("num_requests_waiting"),
             "peak_kv_cache_usage": peak("kv_cache_usage_perc"),
             "preemptions": preemptions[-1] - preemptions[0] if preemptions else None,

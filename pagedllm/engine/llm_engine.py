@@ -80,6 +80,7 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
     num_preemptions_total: int
+    peak_num_running_reqs: int = 0  # since start: the most requests in the running batch at once
 
 
 class LLMEngine:
@@ -519,6 +520,7 @@ class LLMEngine:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=s.num_preemptions,
+            peak_num_running_reqs=s.peak_num_running,
         )
 
     def sequence(self, request_id: str) -> list[Sequence]:

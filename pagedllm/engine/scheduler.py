@@ -125,6 +125,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.peak_num_running = 0  # the most requests in the running batch after any schedule()
         self._freed_seq_ids: list[int] = []  # since the last take_freed_seq_ids(): the worker forgets them
 
     # ---- queue management -------------------------------------------------
@@ -188,6 +189,7 @@ class Scheduler:
                 self._schedule_waiting(budget, out)
         self._drain_tier_ops(out)
         out.num_batched_tokens = sum(c.num_tokens for c in out.chunks)
+        self.peak_num_running = max(self.peak_num_running, len(self.running))
         return out
 
     def _drain_tier_ops(self, out: SchedulerOutput) -> None:

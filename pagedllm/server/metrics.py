@@ -50,6 +50,11 @@ class EngineStatsCollector(Collector):
         stats = self._stats_source()
         kv = stats.kv
         yield self._gauge("num_requests_running", "Requests in the running batch.", stats.num_running_reqs)
+        yield self._gauge(
+            "num_requests_running_peak",
+            "The most requests in the running batch at once since the server started (exact, per step).",
+            getattr(stats, "peak_num_running_reqs", stats.num_running_reqs),
+        )
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs)
         yield self._gauge("num_requests_swapped", "Requests swapped out to CPU.", stats.num_swapped_reqs)
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = all).", kv.usage)
