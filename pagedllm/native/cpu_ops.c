@@ -412,30 +412,51 @@ static inline vf vexp_any(vf x) { /* exp for any x: overflow gives inf, underflo
     return vexp(vmin(x, vset1(88.7f)));
 }
 
-/* acc[r] = acc[r] * corr[r] + sum_t P[r][t] V[t] for NR rows from row r0; NR and
-   CH are compile-time constants at every call, so a[][] lives in registers and
-   each V row is loaded once for all NR rows. */
+/* Keys go through the online softmax NSUB chunks (of up to VW tokens each, one
+   block's) at a time: one max and one sum per row per NSUB * VW keys, and each
+   query broadcast feeds NSUB fused multiply-adds. QK_ROWS query rows' scores
+   stay in registers together (QK_ROWS * NSUB accumulators). NSUB is SUB for
+   tiles of several query tokens (prefill), where the reductions and the
+   broadcasts set the pace, and 1 for a decode token, whose few rows are bound
+   by reading K/V and would waste a partly filled last group. */
+#define SUB 4
+#if VW == 16
+#define QK_ROWS 4
+#else
+#define QK_ROWS 2
+#endif
+#define P_STRIDE (SUB * VW) /* floats per row of P */
+
+/* acc[r] = acc[r] * corr[r] + sum_t P[r][t] V[t] for NR rows from row r0, the
+   tokens t of SUB chunks (ns[c] of them from vbs[c]; ns[c] = 0 past the last).
+   NR and CH are compile-time constants at every call, so a[][] lives in
+   registers and each V row is loaded once for all NR rows. The first
+   prefetch_rows[c] rows of pf[c] (the next chunks' values) are prefetched. */
 #define DEFINE_ACCUMULATE_V(NAME, T, LOADV)                                                       \
 static inline __attribute__((always_inline)) void NAME(                                           \
-    float *acc, const float *P, const float *corr, const T *vb, int64_t tok_stride, int64_t n,    \
-    int64_t r0, const int NR, const int CH, const char *prefetch, int64_t prefetch_rows,          \
-    int64_t stride_bytes, int64_t row_bytes) {                                                    \
+    float *acc, const float *P, const float *corr, const T *const *vbs, const int64_t *ns,       \
+    const int NSUB, int64_t tok_stride, int64_t r0, const int NR, const int CH,                   \
+    const char *const *pf,                                                                        \
+    const int64_t *prefetch_rows, int64_t stride_bytes, int64_t row_bytes) {                      \
     const int64_t D = VW * CH;                                                                    \
     vf a[4][CH_MAX];                                                                              \
     for (int j = 0; j < NR; ++j) {                                                                \
         const vf scale = vset1(corr[r0 + j]);                                                     \
         for (int c = 0; c < CH; ++c) a[j][c] = vmul(vload(acc + (r0 + j) * D + VW * c), scale);   \
     }                                                                                             \
-    for (int64_t t = 0; t < n; ++t) {                                                             \
-        const T *vrow = vb + t * tok_stride;                                                      \
-        if (t < prefetch_rows)                                                                    \
-            for (int64_t byte = 0; byte < row_bytes; byte += 64)                                  \
-                _mm_prefetch(prefetch + t * stride_bytes + byte, _MM_HINT_T0);                    \
-        vf p[4];                                                                                  \
-        for (int j = 0; j < NR; ++j) p[j] = vset1(P[(r0 + j) * VW + t]);                          \
-        for (int c = 0; c < CH; ++c) {                                                            \
-            const vf v = LOADV(vrow + VW * c);                                                    \
-            for (int j = 0; j < NR; ++j) a[j][c] = vfmadd(p[j], v, a[j][c]);                      \
+    for (int sub = 0; sub < NSUB; ++sub) {                                                        \
+        const T *vb = vbs[sub];                                                                   \
+        for (int64_t t = 0; t < ns[sub]; ++t) {                                                   \
+            const T *vrow = vb + t * tok_stride;                                                  \
+            if (t < prefetch_rows[sub])                                                           \
+                for (int64_t byte = 0; byte < row_bytes; byte += 64)                              \
+                    _mm_prefetch(pf[sub] + t * stride_bytes + byte, _MM_HINT_T0);                 \
+            vf p[4];                                                                              \
+            for (int j = 0; j < NR; ++j) p[j] = vset1(P[(r0 + j) * P_STRIDE + sub * VW + t]);     \
+            for (int c = 0; c < CH; ++c) {                                                        \
+                const vf v = LOADV(vrow + VW * c);                                                \
+                for (int j = 0; j < NR; ++j) a[j][c] = vfmadd(p[j], v, a[j][c]);                  \
+            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
     for (int j = 0; j < NR; ++j)                                                                  \
@@ -447,6 +468,52 @@ DEFINE_ACCUMULATE_V(accumulate_v_i8, kv8_t, vloadu_i8)
 DEFINE_ACCUMULATE_V(accumulate_v_e4m3, kv8_t, vloadu_e4m3)
 DEFINE_ACCUMULATE_V(accumulate_v_e5m2, kv8_t, vloadu_e5m2)
 
+/* Scores of NR query rows from row r against the SUB transposed key chunks
+   KT[sub][d][VW], then their online-softmax update: P[row] gets the weights
+   (times V's scales when quant), corr[row] the factor acc[row] takes.
+   visible0 = what row 0 of the tile sees from the chunks' first key on. */
+static inline __attribute__((always_inline)) void score_rows(
+    const float *Q, const float *KT, const int CH, const int NSUB, int64_t r, const int NR, int64_t G,
+    int64_t visible0, const int64_t *ns, const int64_t *offs, const int quant, const float *KS,
+    const float *VS, float *run_max, float *run_sum, float *corr, float *P) {
+    const int64_t D = VW * CH;
+    vf s[4][SUB]; /* NR <= QK_ROWS <= 4 */
+    for (int j = 0; j < NR; ++j)
+        for (int sub = 0; sub < NSUB; ++sub) s[j][sub] = vzero();
+    for (int64_t d = 0; d < D; ++d) {
+        vf k[SUB];
+        for (int sub = 0; sub < NSUB; ++sub) k[sub] = vload(KT + (sub * D + d) * VW);
+        for (int j = 0; j < NR; ++j) {
+            const vf q = vset1(Q[(r + j) * D + d]);
+            for (int sub = 0; sub < NSUB; ++sub) s[j][sub] = vfmadd(q, k[sub], s[j][sub]);
+        }
+    }
+    for (int j = 0; j < NR; ++j) {
+        const int64_t row = r + j, visible = visible0 + row / G;
+        vmask mask[SUB];
+        vf top = vset1(-INFINITY);
+        for (int sub = 0; sub < NSUB; ++sub) {
+            int64_t seen = visible - offs[sub];
+            if (seen > ns[sub]) seen = ns[sub];
+            mask[sub] = vfirst(seen);
+            if (quant) s[j][sub] = vmul(s[j][sub], vload(KS + sub * VW));
+            top = vmax(top, vselect(mask[sub], s[j][sub], vset1(-INFINITY)));
+        }
+        const float block_max = vmaxall(top);
+        const float new_max = block_max > run_max[row] ? block_max : run_max[row];
+        corr[row] = expf(run_max[row] - new_max);
+        const vf shift = vset1(new_max);
+        vf sum = vzero();
+        for (int sub = 0; sub < NSUB; ++sub) {
+            const vf p = vselect(mask[sub], vexp(vsub(s[j][sub], shift)), vzero());
+            sum = vadd(sum, p);
+            vstore(P + row * P_STRIDE + sub * VW, quant ? vmul(p, vload(VS + sub * VW)) : p);
+        }
+        run_sum[row] = run_sum[row] * corr[row] + vsum(sum);
+        run_max[row] = new_max;
+    }
+}
+
 /* The tile kernel. CH = head_dim / VW is a compile-time constant in each
    instantiation, so the accumulators below live in registers. TQ: the query's
    and output's element type; TC: the cache's. QUANT (a constant: the float
@@ -457,15 +524,16 @@ static inline __attribute__((always_inline)) void NAME(                         
     const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale,   \
     const uint16_t *v_scale, const int32_t *table,                                                \
     const tile_t tile, int64_t h, int64_t num_heads, int64_t num_kv_heads, const int CH,          \
-    int64_t block_size, float scale, int64_t next_head, TQ *out) {                               \
+    const int NSUB, int64_t block_size, float scale, int64_t next_head, TQ *out) {               \
     const int64_t D = VW * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
     const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
+    const int64_t stride_bytes = tok_stride * (int64_t)sizeof(T), row_bytes = D * (int64_t)sizeof(T); \
     float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [R][D], pre-scaled */             \
     float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [R][D] */                         \
-    float KT[MAX_HEAD_DIM * VW] __attribute__((aligned(64))); /* [D][VW] */                      \
-    float P[MAX_ROWS * VW] __attribute__((aligned(64)));    /* [R][VW] */                        \
+    float KT[SUB * MAX_HEAD_DIM * VW] __attribute__((aligned(64))); /* [SUB][D][VW] */           \
+    float P[MAX_ROWS * P_STRIDE] __attribute__((aligned(64)));    /* [R][SUB * VW] */            \
     float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[MAX_ROWS];                                   \
-    float KS[VW] __attribute__((aligned(64))), VS[VW] __attribute__((aligned(64))); /* scales */ \
+    float KS[SUB * VW] __attribute__((aligned(64))), VS[SUB * VW] __attribute__((aligned(64)));  \
     const vf vscale = vset1(scale);                                                               \
     for (int64_t r = 0; r < R; ++r) {                                                             \
         const TQ *src = q + (tile.q_row + r / G) * q_stride + (h * G + r % G) * D;                \
@@ -477,87 +545,106 @@ static inline __attribute__((always_inline)) void NAME(                         
         run_sum[r] = 0.0f;                                                                        \
     }                                                                                             \
     for (int64_t start = 0; start < max_len;) {                                                   \
-        const int64_t block = table[start / block_size], offset = start % block_size;            \
-        int64_t n = block_size - offset;                                                          \
-        if (n > VW) n = VW;                                                                       \
-        if (n > max_len - start) n = max_len - start;                                             \
-        const T *kb = k_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
-        const T *vb = v_cache + ((block * block_size + offset) * num_kv_heads + h) * D;          \
-        if (QUANT) /* this chunk's n scales; lanes past n (masked below) are 0 */                 \
-            for (int t = 0; t < VW; ++t) {                                                        \
-                const int64_t at = (block * block_size + offset + t) * num_kv_heads + h;          \
-                KS[t] = t < n ? f16_to_f32(k_scale[at]) * (UNIT) : 0.0f;                          \
-                VS[t] = t < n ? f16_to_f32(v_scale[at]) * (UNIT) : 0.0f;                          \
+        /* up to SUB chunks of at most VW tokens, each within one block */                        \
+        const T *kbs[SUB], *vbs[SUB];                                                             \
+        int64_t ns[SUB], offs[SUB], slots[SUB];                                                   \
+        int64_t pos = start;                                                                      \
+        for (int sub = 0; sub < NSUB; ++sub) {                                                     \
+            int64_t n = 0, slot = 0;                                                              \
+            if (pos < max_len) {                                                                  \
+                const int64_t offset = pos % block_size;                                          \
+                slot = (int64_t)table[pos / block_size] * block_size + offset;                    \
+                n = block_size - offset;                                                          \
+                if (n > VW) n = VW;                                                               \
+                if (n > max_len - pos) n = max_len - pos;                                         \
             }                                                                                     \
-        /* the next chunk's rows, prefetched a few lines at a time inside the loops below */     \
-        int64_t ahead = 0;                                                                        \
-        const char *nk = (const char *)kb, *nv = (const char *)vb;                                \
-        if (start + n < max_len) {                                                                \
-            const int64_t next = start + n, nblock = table[next / block_size];                    \
-            ahead = max_len - next < VW ? max_len - next : VW;                                    \
-            const int64_t at = ((nblock * block_size + next % block_size) * num_kv_heads + h) * D; \
-            nk = (const char *)(k_cache + at);                                                    \
-            nv = (const char *)(v_cache + at);                                                    \
-        } else if (next_head >= 0) { /* last chunk: the next KV head's first one */              \
-            ahead = max_len < VW ? max_len : VW;                                                  \
-            if (ahead > block_size) ahead = block_size;                                           \
-            const int64_t at = ((int64_t)table[0] * block_size * num_kv_heads + next_head) * D;   \
-            nk = (const char *)(k_cache + at);                                                    \
-            nv = (const char *)(v_cache + at);                                                    \
+            ns[sub] = n;                                                                          \
+            offs[sub] = pos - start;                                                              \
+            slots[sub] = slot;                                                                    \
+            kbs[sub] = k_cache + (slot * num_kv_heads + h) * D;                                   \
+            vbs[sub] = v_cache + (slot * num_kv_heads + h) * D;                                   \
+            pos += n;                                                                             \
         }                                                                                         \
-        const int64_t stride_bytes = tok_stride * (int64_t)sizeof(T), row_bytes = D * (int64_t)sizeof(T); \
-        for (int c = 0; c < CH; ++c) { /* keys -> KT[d][token] */                                 \
-            vf rows[VW];                                                                          \
-            for (int t = 0; t < VW; ++t)                                                          \
-                rows[t] = t < n ? LOADV(kb + t * tok_stride + VW * c) : vzero();                  \
-            if (64 * c < row_bytes)                                                               \
-                for (int64_t t = 0; t < ahead; ++t) _mm_prefetch(nk + t * stride_bytes + 64 * c, _MM_HINT_T0); \
-            vtranspose(rows);                                                                     \
-            for (int j = 0; j < VW; ++j) vstore(KT + (VW * c + j) * VW, rows[j]);                 \
+        if (QUANT) /* these chunks' scales; lanes past a chunk's end (masked below) are 0 */      \
+            for (int sub = 0; sub < NSUB; ++sub)                                                   \
+                for (int t = 0; t < VW; ++t) {                                                    \
+                    const int64_t at = (slots[sub] + t) * num_kv_heads + h;                       \
+                    KS[sub * VW + t] = t < ns[sub] ? f16_to_f32(k_scale[at]) * (UNIT) : 0.0f;     \
+                    VS[sub * VW + t] = t < ns[sub] ? f16_to_f32(v_scale[at]) * (UNIT) : 0.0f;     \
+                }                                                                                 \
+        /* the next chunks' rows (or, after the last, the next KV head's first ones),             \
+           prefetched a few lines at a time inside the loops below */                            \
+        const char *nk[SUB], *nv[SUB];                                                            \
+        int64_t ahead[SUB];                                                                       \
+        for (int sub = 0; sub < NSUB; ++sub) {                                                     \
+            ahead[sub] = 0;                                                                       \
+            nk[sub] = (const char *)kbs[0];                                                       \
+            nv[sub] = (const char *)vbs[0];                                                       \
         }                                                                                         \
-        /* rows whose length ends before this chunk see none of it */                             \
+        {                                                                                         \
+            int64_t next = pos;                                                                   \
+            for (int sub = 0; sub < NSUB && next < max_len; ++sub) {                               \
+                const int64_t offset = next % block_size;                                         \
+                const int64_t slot = (int64_t)table[next / block_size] * block_size + offset;    \
+                int64_t n = block_size - offset;                                                  \
+                if (n > VW) n = VW;                                                               \
+                if (n > max_len - next) n = max_len - next;                                       \
+                ahead[sub] = n;                                                                   \
+                nk[sub] = (const char *)(k_cache + (slot * num_kv_heads + h) * D);                \
+                nv[sub] = (const char *)(v_cache + (slot * num_kv_heads + h) * D);                \
+                next += n;                                                                        \
+            }                                                                                     \
+            if (pos >= max_len && next_head >= 0) {                                               \
+                ahead[0] = max_len < VW ? max_len : VW;                                           \
+                if (ahead[0] > block_size) ahead[0] = block_size;                                 \
+                const int64_t at = ((int64_t)table[0] * block_size * num_kv_heads + next_head) * D; \
+                nk[0] = (const char *)(k_cache + at);                                             \
+                nv[0] = (const char *)(v_cache + at);                                             \
+            }                                                                                     \
+        }                                                                                         \
+        for (int sub = 0; sub < NSUB; ++sub) { /* keys -> KT[sub][d][token] */                     \
+            float *kt = KT + sub * D * VW;                                                        \
+            if (ns[sub] == 0) {                                                                   \
+                memset(kt, 0, (size_t)(D * VW) * sizeof(float));                                  \
+                continue;                                                                         \
+            }                                                                                     \
+            for (int c = 0; c < CH; ++c) {                                                        \
+                vf rows[VW];                                                                      \
+                for (int t = 0; t < VW; ++t)                                                      \
+                    rows[t] = t < ns[sub] ? LOADV(kbs[sub] + t * tok_stride + VW * c) : vzero();  \
+                if (64 * c < row_bytes)                                                           \
+                    for (int64_t t = 0; t < ahead[sub]; ++t)                                      \
+                        _mm_prefetch(nk[sub] + t * stride_bytes + 64 * c, _MM_HINT_T0);           \
+                vtranspose(rows);                                                                 \
+                for (int j = 0; j < VW; ++j) vstore(kt + (VW * c + j) * VW, rows[j]);             \
+            }                                                                                     \
+        }                                                                                         \
+        /* rows whose length ends before these chunks see none of them */                         \
         int64_t first = start - tile.len0 + 1;                                                    \
         if (first < 0) first = 0;                                                                 \
-        const int64_t r_first = first * G;                                                        \
-        for (int64_t r = r_first; r < R; r += 4) {                                                \
-            const int nr = R - r < 4 ? (int)(R - r) : 4;                                          \
-            vf even[4], odd[4];                                                                   \
-            for (int j = 0; j < 4; ++j) even[j] = odd[j] = vzero();                               \
-            for (int64_t d = 0; d < D; d += 2) {                                                  \
-                const vf k0 = vload(KT + d * VW), k1 = vload(KT + d * VW + VW);                   \
-                for (int j = 0; j < nr; ++j) {                                                    \
-                    even[j] = vfmadd(vset1(Q[(r + j) * D + d]), k0, even[j]);                     \
-                    odd[j] = vfmadd(vset1(Q[(r + j) * D + d + 1]), k1, odd[j]);                   \
-                }                                                                                 \
-            }                                                                                     \
-            for (int j = 0; j < nr; ++j) {                                                        \
-                const int64_t row = r + j;                                                        \
-                int64_t visible = tile.len0 + row / G - start;                                    \
-                if (visible > n) visible = n;                                                     \
-                const vmask mask = vfirst(visible);                                               \
-                const vf s = QUANT ? vmul(vadd(even[j], odd[j]), vload(KS)) : vadd(even[j], odd[j]); \
-                const float block_max = vmaxall(vselect(mask, s, vset1(-INFINITY)));              \
-                const float new_max = block_max > run_max[row] ? block_max : run_max[row];        \
-                corr[row] = expf(run_max[row] - new_max);                                         \
-                const vf p = vselect(mask, vexp(vsub(s, vset1(new_max))), vzero());               \
-                run_sum[row] = run_sum[row] * corr[row] + vsum(p);                                \
-                run_max[row] = new_max;                                                           \
-                vstore(P + row * VW, QUANT ? vmul(p, vload(VS)) : p); /* V's scale in the weight */ \
+        const int64_t r_first = first * G, visible0 = tile.len0 - start;                          \
+        for (int64_t r = r_first; r < R; r += QK_ROWS) {                                          \
+            switch (R - r < QK_ROWS ? (int)(R - r) : QK_ROWS) {                                   \
+            case 4: score_rows(Q, KT, CH, NSUB, r, 4, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
+            case 3: score_rows(Q, KT, CH, NSUB, r, 3, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
+            case 2: score_rows(Q, KT, CH, NSUB, r, 2, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
+            default: score_rows(Q, KT, CH, NSUB, r, 1, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
             }                                                                                     \
         }                                                                                         \
         /* acc = acc * corr + P @ V, PASS_ROWS(CH) rows per pass; the first pass also            \
-           prefetches the next chunk's values */                                                  \
+           prefetches the next chunks' values */                                                  \
         const int per_pass = PASS_ROWS(CH);                                                       \
+        const int64_t no_prefetch[SUB] = {0};                                                     \
         for (int64_t r = r_first; r < R; r += per_pass) {                                         \
-            const int64_t pf = r == r_first ? ahead : 0;                                          \
+            const int64_t *pf = r == r_first ? ahead : no_prefetch;                               \
             switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                 \
-            case 4: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 4, CH, nv, pf, stride_bytes, row_bytes); break; \
-            case 3: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 3, CH, nv, pf, stride_bytes, row_bytes); break; \
-            case 2: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 2, CH, nv, pf, stride_bytes, row_bytes); break; \
-            default: ACCUMULATE_V(acc, P, corr, vb, tok_stride, n, r, 1, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 4: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 4, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 3: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 3, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 2: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 2, CH, nv, pf, stride_bytes, row_bytes); break; \
+            default: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 1, CH, nv, pf, stride_bytes, row_bytes); break; \
             }                                                                                     \
         }                                                                                         \
-        start += n;                                                                               \
+        start = pos;                                                                              \
     }                                                                                             \
     for (int64_t r = 0; r < R; ++r) {                                                             \
         TQ *dst = out + ((tile.q_row + r / G) * num_heads + h * G + r % G) * D;                   \
@@ -575,11 +662,16 @@ DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m
 DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT)
 DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT)
 
-#define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
+#define DISPATCH_NSUB(TILE_FN, CH_VALUE, NSUB_VALUE)                                               \
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
-            h, num_heads, num_kv_heads, CH_VALUE, block_size, scale,                              \
+            h, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, scale,                  \
             h + 1 < first_head + heads_per_item ? h + 1 : -1, out)
+#define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
+    do {                                                                                          \
+        if (tile.rows > 1) DISPATCH_NSUB(TILE_FN, CH_VALUE, SUB);                                 \
+        else DISPATCH_NSUB(TILE_FN, CH_VALUE, 1);                                                 \
+    } while (0)
 
 /* One work item is a tile and either one KV head (split_heads: more items, for
    small batches) or all of them in turn (each K/V block then streams whole).
