@@ -406,25 +406,32 @@ class DiskTier:
                 self.counters.read_seconds += time.perf_counter() - start
 
     def _read_file(self, block_hash: BlockHash, content: BlockContent) -> list[torch.Tensor] | None:
-        """The file's tensors when every check passes; None (a miss) otherwise."""
+        """The file's tensors when every check passes; None (a miss) otherwise.
+
+        The payload is read straight into the tensor that holds it (one copy of
+        the block's bytes, where reading the file whole and slicing it made four)."""
         path = self._path(block_hash)
         try:
-            data = path.read_bytes()
-            magic, version, _, json_len, payload_len, crc = _HEADER.unpack_from(data)
-            if magic != MAGIC or version != VERSION or payload_len != self.block_nbytes:
-                return None
-            if len(data) != _HEADER.size + json_len + payload_len:
-                return None
-            json_bytes = data[_HEADER.size : _HEADER.size + json_len]
-            payload = data[_HEADER.size + json_len :]
-            if zlib.crc32(payload, zlib.crc32(json_bytes)) != crc:
+            with open(path, "rb") as f:
+                head = f.read(_HEADER.size)
+                magic, version, _, json_len, payload_len, crc = _HEADER.unpack(head)
+                if magic != MAGIC or version != VERSION or payload_len != self.block_nbytes:
+                    return None
+                if os.fstat(f.fileno()).st_size != _HEADER.size + json_len + payload_len:
+                    return None
+                json_bytes = f.read(json_len)
+                raw = torch.empty(payload_len, dtype=torch.uint8)
+                view = memoryview(raw.numpy())
+                if len(json_bytes) != json_len or f.readinto(view) != payload_len:
+                    return None
+            if zlib.crc32(view, zlib.crc32(json_bytes)) != crc:
                 return None
             if _content_from_json(json_bytes) != content:
                 return None
             os.utime(path)  # the file's mtime is its last use, for the LRU order after a restart
         except (OSError, ValueError, struct.error, KeyError, TypeError):
             return None
-        return _tensors_from_bytes(payload, self.layout)
+        return _tensors_from_raw(raw, self.layout)
 
     # -- LRU and failure -----------------------------------------------------------------------
 
@@ -520,8 +527,8 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _tensors_from_bytes(payload: bytes, layout: BlockLayout) -> list[torch.Tensor]:
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+def _tensors_from_raw(raw: torch.Tensor, layout: BlockLayout) -> list[torch.Tensor]:
+    """Views of a block's bytes (uint8, the slices one after another) as its tensors."""
     tensors, offset = [], 0
     for shape, dtype in layout:
         n = _slice_nbytes(shape, dtype)
