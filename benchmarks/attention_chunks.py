@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
+from attention_kernel import BLOCK, HEAD_DIM, HEADS, KV_HEADS, best_of, matmul_gflops, run_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from attention_reference import make_paged_batch  # noqa: E402
@@ -27,24 +27,16 @@ from attention_reference import make_paged_batch  # noqa: E402
 from pagedllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagedllm.native import cpu_ops  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, CHUNK = 9, 3, 64, 16, 2048
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+CHUNK = 2048
 
 
 def native(batch):
+    """The native kernel's call on ``batch``, its new K/V written first, run once (warm)."""
     md = batch.metadata
-    backend = TorchAttentionBackend(use_native=True)
-    backend.write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
-    return lambda: backend.forward(batch.query, batch.k_cache, batch.v_cache, md, batch.scale)
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+    call = run_kernel(batch, use_native=True)
+    call()
+    return call
 
 
 def main() -> None:
@@ -54,9 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     assert cpu_ops.available(), "the native kernels did not build"
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     out = {"kernel_source": str(Path(cpu_ops.__file__).parent), "isa": cpu_ops.requested_isa(),
-           "matmul_gflops_fp32": 2 * 2048**3 / best_of(lambda: a @ b, 5) / 1e9}
+           "matmul_gflops_fp32": matmul_gflops(torch.float32, 5)}
     for context in (int(c) for c in args.contexts.split(",")):
         batch = make_paged_batch([(context - CHUNK, CHUNK)], block_size=BLOCK, num_heads=HEADS,
                                  num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32, seed=1)

@@ -306,12 +306,14 @@ def serve_arm_rows(results: list[dict]) -> list[list]:
     base = results[0]
 
     def peak(r: dict, key: str) -> int | None:
-        metrics = r.get("server_metrics") or {}
-        value = metrics.get(key)
-        if key == "peak_running" and metrics.get("peak_running_since_start") is not None:
-            # each arm's server is started for it, so its exact peak is this run's
-            value = max(value or 0, metrics["peak_running_since_start"])
+        value = (r.get("server_metrics") or {}).get(key)
         return None if value is None else round(value)
+
+    def running(r: dict) -> int | None:
+        """The sampled peak, or the server's exact one where it has it: each arm's server is
+        started for it, so its peak since start is this run's."""
+        seen = [v for v in (peak(r, "peak_running"), peak(r, "peak_running_since_start")) if v is not None]
+        return max(seen) if seen else None
 
     rows = []
     for r in results:
@@ -319,9 +321,9 @@ def serve_arm_rows(results: list[dict]) -> list[list]:
         ttft = r.get("ttft_ms") or {}
         rows.append([
             r["arm"], pool.get("num_blocks"), pool.get("num_tokens"), f"{r['completed']}/{r['num_requests']}",
-            r["output_tokens_per_s"], ttft.get("mean"), peak(r, "peak_running"), peak(r, "peak_waiting"),
+            r["output_tokens_per_s"], ttft.get("mean"), running(r), peak(r, "peak_waiting"),
             peak(r, "preemptions"), ratio(pool.get("num_tokens"), (base.get("kv_pool") or {}).get("num_tokens")),
-            ratio(peak(r, "peak_running"), peak(base, "peak_running")),
+            ratio(running(r), running(base)),
             ratio(r["output_tokens_per_s"], base["output_tokens_per_s"]), r.get("loadavg_1m"),
         ])
     return rows

@@ -115,8 +115,8 @@ class PeakRSS:
         return max((rss for _, rss in self.samples), default=0)
 
 
-def trained_context(model: str | None) -> int:
-    """The checkpoint's max_position_embeddings, read without building the model."""
+def checkpoint_config(model: str | None) -> dict:
+    """The checkpoint's HF config, read without building the model."""
     import json
 
     from pagedllm.models.paths import resolve_model_path
@@ -125,10 +125,13 @@ def trained_context(model: str | None) -> int:
     if path.suffix == ".gguf":
         from pagedllm.models.gguf_loader import load_gguf_checkpoint
 
-        hf_config = load_gguf_checkpoint(path).hf_config
-    else:
-        hf_config = json.loads((path / "config.json").read_text())
-    return int(hf_config.get("max_position_embeddings", 2048))
+        return load_gguf_checkpoint(path).hf_config
+    return json.loads((path / "config.json").read_text())
+
+
+def trained_context(model: str | None) -> int:
+    """The checkpoint's max_position_embeddings."""
+    return int(checkpoint_config(model).get("max_position_embeddings", 2048))
 
 
 def default_rope_scaling(args: argparse.Namespace, needed: int) -> dict | None:
@@ -252,9 +255,8 @@ def run(args: argparse.Namespace) -> int:
         ok = result["within_bound"] and result["kv_empty_after"]
     if "vllm" in backends:
         from pagedllm.bench.peers import run_vllm_beam
-        from pagedllm.models.paths import resolve_model_path
 
-        vocab_size = _vocab_size(resolve_model_path(args.model))
+        vocab_size = int(checkpoint_config(args.model)["vocab_size"])  # as the engine draws its prompt
         peer = run_vllm_beam(random_prompt(args.prompt_len, vocab_size, args.seed), python, args.model, args.dtype,
                              args.beam_width, args.max_tokens, args.rope_scaling, config.max_model_len or needed)
         body["vllm"] = peer
@@ -264,33 +266,23 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _vocab_size(path) -> int:
-    """The checkpoint's vocabulary size (the same the engine uses to draw the prompt)."""
-    import json
-
-    if path.suffix == ".gguf":
-        from pagedllm.models.gguf_loader import load_gguf_checkpoint
-
-        return int(load_gguf_checkpoint(path).hf_config["vocab_size"])
-    return int(json.loads((path / "config.json").read_text())["vocab_size"])
-
-
 def format_peer(peer: dict, ours: dict | None) -> str:
     """vLLM's run, and pagedllm's beside it when both ran."""
-    def row(label, key, fmt="{:.1f}"):
-        theirs = peer.get(key)
+    def row(label, key, fmt="{:.1f}", scale=1.0):
+        def cell(result):
+            value = result.get(key)
+            return None if value is None else value * scale
+
+        theirs = cell(peer)
         cells = [label, "-" if theirs is None else fmt.format(theirs)]
         if ours is not None:
-            mine = ours.get(key)
+            mine = cell(ours)
             cells += ["-" if mine is None else fmt.format(mine),
                       f"{theirs / mine:.2f}x" if theirs and mine else "-"]
         return cells
 
-    peer["peak_rss_gib"] = peer.get("peak_rss_bytes", 0) / 2**30
-    if ours is not None:
-        ours.setdefault("peak_rss_gib", ours["peak_rss_bytes"] / 2**30)
     rows = [row("wall time (s)", "wall_s"), row("prefill until the first beam step (s)", "prefill_s"),
-            row("peak RSS, all processes (GiB)", "peak_rss_gib", "{:.2f}")]
+            row("peak RSS, all processes (GiB)", "peak_rss_bytes", "{:.2f}", 2**-30)]
     header = ["LLM.beam_search", f"vLLM {peer.get('vllm_version')}"]
     if ours is not None:
         header += ["pagedllm", "vLLM / pagedllm"]

@@ -246,7 +246,10 @@ def _run_vllm_script(workload, python: str, model: str | None, dtype: str, extra
             env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=tmp)
-            peak_rss = _wait_sampling_rss(proc) if sample_rss else (proc.wait(), 0)[1]
+            if sample_rss:
+                peak_rss = _wait_sampling_rss(proc)
+            else:
+                proc.wait()
             err.seek(0)
             stderr = err.read()
         if proc.returncode != 0 or not out_file.is_file():
@@ -337,8 +340,7 @@ def vllm_server_env(num_cpus: int | None = None) -> dict:
     return env
 
 
-def _vllm_main(argv: list[str]) -> int:
-    """Inside vLLM's virtualenv: load, warm up, time the workload, write a JSON result."""
+def _vllm_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="peers.py vllm")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--workload", required=True)
@@ -349,17 +351,38 @@ def _vllm_main(argv: list[str]) -> int:
     parser.add_argument("--mode", choices=["throughput", "latency", "beam"], default="throughput")
     parser.add_argument("--beam-width", type=int, default=8, help="beam mode: the width")
     parser.add_argument("--rope-scaling", default=None, help="beam mode: an HF rope_scaling dict as JSON")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def _vllm_main(argv: list[str]) -> int:
+    """Inside vLLM's virtualenv: load, warm up, time the workload, write a JSON result."""
+    args = _vllm_args(argv)
     # This script's folder holds modules (cli, report, ...) that must not shadow vLLM's imports.
     here = str(Path(__file__).resolve().parent)
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path(here)]
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     workload = json.loads(Path(args.workload).read_text())
     prompts = [{"prompt_token_ids": list(p)} for p in workload["prompt_token_ids"]]
     output_len = int(workload["output_len"])
+    llm, load_s, kwargs = _vllm_load(args)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if args.mode == "beam":
+        result = {**_vllm_beam(llm, prompts[0], args.beam_width, output_len), "load_s": load_s, "kwargs": kwargs}
+    elif args.mode == "latency":
+        result = {"runs": [_vllm_time_one(llm.llm_engine, f"run-{i}", p, params, output_len)
+                           for i, p in enumerate(prompts)]}
+    else:
+        result = {"dtype": args.dtype, **_vllm_throughput(llm, prompts, params), "load_s": load_s}
+    result["vllm_version"] = getattr(vllm, "__version__", None)
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def _vllm_load(args: argparse.Namespace):
+    """(the warmed-up ``vllm.LLM``, its load seconds, the extra keyword arguments it got)."""
+    from vllm import LLM, SamplingParams
 
     kwargs = {}
     if args.rope_scaling:
@@ -375,31 +398,19 @@ def _vllm_main(argv: list[str]) -> int:
     load_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(100, 116))}] * 4, warm, use_tqdm=False)
+    return llm, load_s, kwargs
 
-    if args.mode == "beam":
-        result = _vllm_beam(llm, prompts[0], args.beam_width, output_len)
-        result.update(load_s=load_s, vllm_version=getattr(vllm, "__version__", None), kwargs=kwargs)
-        Path(args.out).write_text(json.dumps(result))
-        return 0
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    if args.mode == "latency":
-        runs = [_vllm_time_one(llm.llm_engine, f"run-{i}", p, params, output_len) for i, p in enumerate(prompts)]
-        Path(args.out).write_text(json.dumps({"runs": runs, "vllm_version": getattr(vllm, "__version__", None)}))
-        return 0
+
+def _vllm_throughput(llm, prompts: list[dict], params) -> dict:
+    """Every prompt in one ``llm.generate``: counts and wall time."""
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall_s = time.perf_counter() - start
-    result = {
-        "dtype": args.dtype,
+    return {
         "num_requests": len(outputs),
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
         "output_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
-        "wall_s": wall_s,
-        "load_s": load_s,
-        "vllm_version": getattr(vllm, "__version__", None),
+        "wall_s": time.perf_counter() - start,
     }
-    Path(args.out).write_text(json.dumps(result))
-    return 0
 
 
 def _vllm_beam(llm, prompt: dict, beam_width: int, max_tokens: int) -> dict:

@@ -514,6 +514,19 @@ static inline __attribute__((always_inline)) void score_rows(
     }
 }
 
+/* The chunk of keys from position pos of a block table: at most VW tokens, all
+   in one block, none at or past max_len. Returns its length; *slot gets its
+   first slot. */
+static inline int64_t key_chunk(const int32_t *table, int64_t pos, int64_t max_len, int64_t block_size,
+                                int64_t *slot) {
+    const int64_t offset = pos % block_size;
+    *slot = (int64_t)table[pos / block_size] * block_size + offset;
+    int64_t n = block_size - offset;
+    if (n > VW) n = VW;
+    if (n > max_len - pos) n = max_len - pos;
+    return n;
+}
+
 /* The tile kernel. CH = head_dim / VW is a compile-time constant in each
    instantiation, so the accumulators below live in registers. TQ: the query's
    and output's element type; TC: the cache's. QUANT (a constant: the float
@@ -550,14 +563,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         int64_t ns[SUB], offs[SUB], slots[SUB];                                                   \
         int64_t pos = start;                                                                      \
         for (int sub = 0; sub < NSUB; ++sub) {                                                     \
-            int64_t n = 0, slot = 0;                                                              \
-            if (pos < max_len) {                                                                  \
-                const int64_t offset = pos % block_size;                                          \
-                slot = (int64_t)table[pos / block_size] * block_size + offset;                    \
-                n = block_size - offset;                                                          \
-                if (n > VW) n = VW;                                                               \
-                if (n > max_len - pos) n = max_len - pos;                                         \
-            }                                                                                     \
+            int64_t slot = 0;                                                                     \
+            const int64_t n = pos < max_len ? key_chunk(table, pos, max_len, block_size, &slot) : 0;\
             ns[sub] = n;                                                                          \
             offs[sub] = pos - start;                                                              \
             slots[sub] = slot;                                                                    \
@@ -584,11 +591,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         {                                                                                         \
             int64_t next = pos;                                                                   \
             for (int sub = 0; sub < NSUB && next < max_len; ++sub) {                               \
-                const int64_t offset = next % block_size;                                         \
-                const int64_t slot = (int64_t)table[next / block_size] * block_size + offset;    \
-                int64_t n = block_size - offset;                                                  \
-                if (n > VW) n = VW;                                                               \
-                if (n > max_len - next) n = max_len - next;                                       \
+                int64_t slot;                                                                     \
+                const int64_t n = key_chunk(table, next, max_len, block_size, &slot);             \
                 ahead[sub] = n;                                                                   \
                 nk[sub] = (const char *)(k_cache + (slot * num_kv_heads + h) * D);                \
                 nv[sub] = (const char *)(v_cache + (slot * num_kv_heads + h) * D);                \
