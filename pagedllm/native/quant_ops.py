@@ -21,6 +21,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -181,6 +182,32 @@ def gemm(
     if not done:
         raise MemoryError(f"quantized matmul scratch for {rows} rows x {padded_in} inputs")
     return y
+
+
+def bind_gemm(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+    bits: int, group_size: int, zero: int, padded_in: int,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`gemm` on one weight, its arguments converted once: ``f(x)`` takes a float32,
+    contiguous ``[T, K]`` and returns ``[T, N]``. For the layers' forward passes, where the
+    per-call cost of :func:`gemm`'s checks is a few percent of a batch-1 decode step."""
+    assert available(), "bind_gemm needs the native kernels"
+    path, kernel = _isa, _library.quant_linear
+    tiled_from = _tiled_from[(path, bits)]
+    out_features = qweight.shape[0]
+    weight_args = (qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+                   out_features, padded_in, bits, group_size // 32, zero)
+    keep = (qweight, scales, mins)  # the pointers stay valid while the closure lives
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        rows, in_features = x.shape
+        y = torch.empty((rows, out_features), dtype=torch.float32)
+        if not kernel(path, tiled_from, x.data_ptr(), rows, in_features, *weight_args, y.data_ptr()):
+            raise MemoryError(f"quantized matmul scratch for {rows} rows x {padded_in} inputs")
+        return y
+
+    call.weights = keep
+    return call
 
 
 def dequantize_rows(

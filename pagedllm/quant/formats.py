@@ -19,6 +19,7 @@ the fly); ``dequantize()`` is the float32 reference the tests compare with.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,10 +87,22 @@ class QuantizedWeight:
 
     def apply(self, x: Tensor) -> Tensor:
         """``x [T, in] -> [T, out]`` in x's dtype (activations quantized per 32 to int8)."""
-        if x.device.type != "cpu" or not quant_ops.available():
-            return F.linear(x, self.dequantize().to(x.device, x.dtype))
-        y = quant_ops.gemm(x.float().contiguous(), *self._kernel_args())
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self.matmul(x.device)(x)
+
+    def matmul(self, device: torch.device) -> Callable[[Tensor], Tensor]:
+        """``x [T, in] -> [T, out]`` (x's dtype) for inputs on ``device``, chosen once: the native
+        kernel on the packed matrix on a CPU that built it, else a dense matmul on the
+        dequantized matrix (made at each call: the reference, not a serving path)."""
+        if device.type != "cpu" or not quant_ops.available():
+            return lambda x: F.linear(x, self.dequantize().to(x.device, x.dtype))
+        native = quant_ops.bind_gemm(*self._kernel_args())
+
+        def apply(x: Tensor) -> Tensor:
+            if x.dtype == torch.float32:
+                return native(x if x.is_contiguous() else x.contiguous())
+            return native(x.float().contiguous()).to(x.dtype)
+
+        return apply
 
     def embed(self, ids: Tensor) -> Tensor:
         """Rows ``ids`` [T] in float32 ``[T, in]``: an embedding lookup that never unpacks the whole matrix."""

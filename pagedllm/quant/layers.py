@@ -35,6 +35,7 @@ class QuantizedLinearMethod(LinearMethod):
 
     def __init__(self, weight: QuantizedWeight) -> None:
         self.weight = weight
+        self.matmul = weight.apply  # until bind() chooses the kernel once
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         _check_shape("linear weight", self.weight, (output_size, input_size))
@@ -42,10 +43,10 @@ class QuantizedLinearMethod(LinearMethod):
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def bind(self, layer: nn.Module) -> None:
-        pass  # the packed layout is the kernel's: nothing to prepare
+        self.matmul = self.weight.matmul(layer.weight.device)  # the packed layout is the kernel's
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None) -> Tensor:
-        y = self.weight.apply(x)  # [T, out] in x's dtype
+        y = self.matmul(x)  # [T, out] in x's dtype
         return y if bias is None else y + bias
 
 
@@ -67,12 +68,13 @@ class QuantizedLMHead(nn.Module):
     def __init__(self, quantized: QuantizedWeight) -> None:
         super().__init__()
         self.quantized = quantized
+        self.matmul = quantized.apply  # until bind() chooses the kernel once
 
     def bind(self, device: torch.device, dtype: torch.dtype) -> None:
-        pass
+        self.matmul = self.quantized.matmul(device)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.quantized.apply(hidden).float()
+        return self.matmul(hidden).float()
 
 
 def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
