@@ -585,6 +585,37 @@ TARGET_AVX2 static inline void dots_avx2(const uint8_t *qrow, const uint16_t *dr
     for (int i = 0; i < rows_n; i++) out[i * out_stride] = hsum_avx2(_mm256_add_ps(acc[i], acc_min[i]));
 }
 
+/* Four outputs of one activation row: weight rows qrow, qrow + row_bytes, ... (scales
+ * scales_per_row apart) . xq; each block's activation bytes, corrections and min terms are
+ * loaded once for the four, and the four accumulator chains run side by side. */
+TARGET_AVX2 static void dots_x4_avx2(const uint8_t *qrow, int64_t row_bytes, const uint16_t *drow,
+                                     const uint16_t *mrow, int64_t scales_per_row, int64_t Kp, int bits, int r,
+                                     int zero, const int8_t *xq, const float *dx, const float *xs,
+                                     const int32_t *xcorr, float *out) {
+    __m256 acc[4], acc_min[4];
+    for (int j = 0; j < 4; j++) acc[j] = acc_min[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < Kp / 64; g++) {
+        __m256i w[4][2];
+        for (int j = 0; j < 4; j++) unpack_group_avx2(qrow + j * row_bytes, g, bits, w[j]);
+        for (int h = 0; h < 2; h++) {
+            const int64_t b = 2 * g + h;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+            const __m256 lane_xs = mrow ? _mm256_loadu_ps(xs + 8 * b) : _mm256_setzero_ps();
+            const float dxb = dx[8 * b];
+            for (int j = 0; j < 4; j++) {
+                const float dw = _cvtsh_ss(drow[j * scales_per_row + b / r]);
+                __m256i sums = block_lanes_avx2(w[j][h], x, bits, zero, xcorr + 8 * b);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dxb * dw), acc[j]);
+                if (mrow) {
+                    const float mw = _cvtsh_ss(mrow[j * scales_per_row + b / r]);
+                    acc_min[j] = _mm256_fmadd_ps(_mm256_set1_ps(mw), lane_xs, acc_min[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum_avx2(_mm256_add_ps(acc[j], acc_min[j]));
+}
+
 TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
                                   int bits, int r, int zero, const int8_t *xq, const float *dx, const float *xs,
                                   const int32_t *xcorr, int64_t rows, float *y) {
@@ -596,7 +627,22 @@ TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, cons
         const int64_t n_end = (t + 1) * tile < N ? (t + 1) * tile : N;
         for (int64_t i = 0; i < rows; i += 4) {
             const int rows_n = rows - i < 4 ? (int)(rows - i) : 4;
-            for (int64_t n = t * tile; n < n_end; n++) {
+            int64_t n = t * tile;
+            if (rows_n == 1) {
+                for (; n + 4 <= n_end; n += 4) {
+                    const uint8_t *next = q + (n + PREFETCH_AHEAD) * row_bytes;
+                    for (int64_t off = 0; off < 4 * row_bytes; off += 64)
+                        _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(d + (n + PREFETCH_AHEAD) * scales_per_row), _MM_HINT_T0);
+                    if (m) _mm_prefetch((const char *)(m + (n + PREFETCH_AHEAD) * scales_per_row), _MM_HINT_T0);
+                    float out[4];
+                    dots_x4_avx2(q + n * row_bytes, row_bytes, d + n * scales_per_row,
+                                 m ? m + n * scales_per_row : 0, scales_per_row, Kp, bits, r, zero, xq + i * Kp,
+                                 dx + i * lanes, xs + i * lanes, xcorr + i * lanes, out);
+                    for (int j = 0; j < 4; j++) y[i * N + n + j] = out[j];
+                }
+            }
+            for (; n < n_end; n++) {
                 const uint8_t *qrow = q + n * row_bytes;
                 const uint16_t *drow = d + n * scales_per_row, *mrow = m ? m + n * scales_per_row : 0;
                 if (i == 0) {
