@@ -189,16 +189,29 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, query, k_cache, v_cache, metadata, decode: DecodePlan, scale: float) -> torch.Tensor:
         return decode_attention(query, k_cache, v_cache, decode, scale)
 
-    def _forward_native(
-        self, query, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None
-    ) -> torch.Tensor:
-        """Every row through the native kernel; its work list is built once per step."""
+    def native_work(
+        self, query: torch.Tensor, k_cache: torch.Tensor, md: AttentionMetadata
+    ) -> tuple[torch.Tensor, int] | None:
+        """The native kernel's work list for this step and the rows that hold a sequence
+        (built once per step), or None where :meth:`forward` would not run the kernel on
+        queries like ``query`` (only its device, dtype, heads and head size are read)."""
+        if not self._native_enabled(query, k_cache, md):
+            return None
+        return self._work(query, k_cache, md)
+
+    def _work(self, query, k_cache, md: AttentionMetadata) -> tuple[torch.Tensor, int]:
         if self._tiles_metadata is not md:
             per_tile = cpu_ops.tile_tokens(query.shape[1], k_cache.shape[2], query.shape[2])
             tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile)
             self._tiles = (tiles, sum(md.query_lens_host))
             self._tiles_metadata = md
-        tiles, num_rows = self._tiles
+        return self._tiles
+
+    def _forward_native(
+        self, query, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+    ) -> torch.Tensor:
+        """Every row through the native kernel; its work list is built once per step."""
+        tiles, num_rows = self._work(query, k_cache, md)
         out = cpu_ops.paged_attention(
             query, k_cache, v_cache, md.block_tables, tiles, scale, k_scale=k_scale, v_scale=v_scale
         )

@@ -199,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tied=tied)
         self._bound = False
+        self.layer_stack = None  # set by bind_kernels()
 
     @property
     def num_kv_heads(self) -> int:
@@ -211,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "bind"):
                 module.bind(weight.device, weight.dtype)
+        from pagedllm.quant.stack import layer_stack
+
+        self.layer_stack = layer_stack(self)  # every layer in one native call, where all its kernels are native
         self._bound = True
 
     def _apply(self, fn, recurse=True):
@@ -231,10 +235,13 @@ class LlamaForCausalLM(nn.Module):
         if not self._bound:
             self.bind_kernels()
         residual = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor the layers update in place
-        rotary = self.rotary.for_step(positions, residual)  # shared by every layer
         delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            delta = layer(residual, delta, rotary, kv_cache, attn_metadata)
+        if self.layer_stack is not None:
+            delta = self.layer_stack.run(residual, positions, kv_caches, attn_metadata)
+        if delta is None:
+            rotary = self.rotary.for_step(positions, residual)  # shared by every layer
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                delta = layer(residual, delta, rotary, kv_cache, attn_metadata)
         if logits_indices is not None:
             residual = residual.index_select(0, logits_indices)  # [num_samples, hidden]
             delta = None if delta is None else delta.index_select(0, logits_indices)

@@ -891,6 +891,105 @@ int quant_linear(int isa, int64_t tiled_min_rows, const float *x, int64_t rows, 
     return 1;
 }
 
+/* ------------------------------------------------------------ a stack of decoder layers in one call
+ *
+ * Every decoder layer of a Llama-family model whose four matrices are packed here and
+ * whose other kernels are pagedllm's native CPU ones (float32 activations, one rank),
+ * run in one call: the same kernels in the same order as the model's modules call them
+ * one by one (so the same bits come out), without a trip through the interpreter
+ * between them. The element-wise and attention kernels live in the per-ISA cpu_ops
+ * library; the caller passes their addresses. */
+
+typedef void (*RmsNormFn)(float *residual, const float *delta, const float *weight, float eps, int64_t rows,
+                          int64_t n, float *out);
+typedef void (*RotaryFn)(float *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+                         const int64_t *positions, const float *cos_table, const float *sin_table);
+typedef void (*WriteKvFn)(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,
+                          int64_t rows, int64_t width, void *k_cache, void *v_cache);
+typedef void (*WriteKv8Fn)(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                           const int64_t *slots, int64_t rows, int64_t kv_heads, int64_t head_dim, void *k_cache,
+                           void *v_cache, void *k_scale, void *v_scale);
+typedef void (*AttentionFn)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            const void *k_scale, const void *v_scale, const int32_t *tables, int64_t table_stride,
+                            const int32_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, int32_t split_heads, float *out);
+typedef void (*SiluMulFn)(const float *gate_up, int64_t rows, int64_t n, float *out);
+
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *d, *m;
+    const float *bias; /* [N] or NULL */
+    int64_t N, K, Kp, bits, r, zero, tiled_min_rows;
+} StackLinear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    StackLinear qkv, o, gate_up, down;
+    void *k_cache, *v_cache, *k_scale, *v_scale; /* scales: 8-bit caches only */
+} StackLayer;
+
+typedef struct {
+    void *rms_norm, *rotary, *write_kv, *attention, *silu_mul; /* cpu_ops entry points (float32) */
+    int64_t isa, num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, kv8;
+    float eps, scale;
+    const StackLayer *layers;
+} LayerStack;
+
+static int stack_linear(const LayerStack *s, const StackLinear *l, const float *x, int64_t rows, float *y) {
+    if (!quant_linear((int)s->isa, l->tiled_min_rows, x, rows, l->K, l->q, l->d, l->m, l->N, l->Kp, (int)l->bits,
+                      (int)l->r, (int32_t)l->zero, y))
+        return 0;
+    if (l->bias)
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t n = 0; n < l->N; n++) y[i * l->N + n] += l->bias[n];
+    return 1;
+}
+
+/* residual [rows, hidden] is updated in place through every layer; delta [rows, hidden]
+ * receives the last layer's MLP output, not yet added (as the modules leave it). Rows
+ * from num_rows on are padding: their attention output is zero. Returns 0 when out of
+ * memory (residual and the caches then partly updated: the caller cannot retry). */
+int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *delta, const int64_t *positions,
+                     const float *cos_table, const float *sin_table, const int64_t *slots, const int32_t *tables,
+                     int64_t table_stride, const int32_t *tiles, int64_t num_tiles, int32_t split_heads,
+                     int64_t num_rows) {
+    const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
+    const int64_t qkv_width = (H + 2 * KH) * D, inter = s->intermediate;
+    const int64_t floats = rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter);
+    float *scratch = malloc((size_t)floats * sizeof(float));
+    if (!scratch) return 0;
+    float *x = scratch, *qkv = x + rows * hidden, *attn_out = qkv + rows * qkv_width;
+    float *attn = attn_out + rows * H * D, *gate_up = attn + rows * hidden, *act = gate_up + rows * 2 * inter;
+    RmsNormFn rms_norm = (RmsNormFn)s->rms_norm;
+    int ok = 1;
+    for (int64_t i = 0; i < s->num_layers && ok; i++) {
+        const StackLayer *L = &s->layers[i];
+        rms_norm(residual, i ? delta : NULL, L->input_norm, s->eps, rows, hidden, x);
+        ok = stack_linear(s, &L->qkv, x, rows, qkv);
+        if (!ok) break;
+        ((RotaryFn)s->rotary)(qkv, rows, qkv_width, H + KH, D, positions, cos_table, sin_table);
+        const float *k = qkv + H * D, *v = qkv + (H + KH) * D;
+        if (s->kv8)
+            ((WriteKv8Fn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH, D, L->k_cache, L->v_cache,
+                                      L->k_scale, L->v_scale);
+        else
+            ((WriteKvFn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH * D, L->k_cache, L->v_cache);
+        ((AttentionFn)s->attention)(qkv, qkv_width, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables,
+                                    table_stride, tiles, num_tiles, H, KH, D, s->block_size, s->scale,
+                                    split_heads, attn_out);
+        if (num_rows < rows) memset(attn_out + num_rows * H * D, 0, (size_t)((rows - num_rows) * H * D) * sizeof(float));
+        ok = stack_linear(s, &L->o, attn_out, rows, attn);
+        if (!ok) break;
+        rms_norm(residual, attn, L->post_norm, s->eps, rows, hidden, x);
+        ok = stack_linear(s, &L->gate_up, x, rows, gate_up);
+        if (!ok) break;
+        ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
+        ok = stack_linear(s, &L->down, act, rows, delta);
+    }
+    free(scratch);
+    return ok;
+}
+
 /* out [num, K] float32: weight rows rows[0..num) dequantized (the embedding lookup). */
 void quant_dequantize_rows(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t Kp, int64_t K, int bits,
                            int r, int32_t zero, const int64_t *rows, int64_t num, float *out) {

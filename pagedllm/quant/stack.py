@@ -1,0 +1,194 @@
+"""Every decoder layer of a packed-weight model in one native call.
+
+With packed weights a batch-1 decode step of the default model spends about a
+third of its time in the interpreter between kernels: some 330 module calls
+and kernel wrappers per step, each a few microseconds, around matmuls that
+stream the weights. Where every kernel of every layer is a native CPU one
+(packed q/k/v, o, gate/up and down matrices; native norms, rotary, K/V writes
+and attention; float32 activations; one rank), :class:`LayerStack` hands the
+whole stack to ``quant_run_layers`` in pagedllm/native/quant_ops.c, which calls
+the same kernels in the same order with the same arguments, so its output
+equals the modules' bit for bit (tests/test_layer_stack.py). The model keeps
+its modules: they run wherever the stack does not apply (another attention
+path this step, a bfloat16 model, tensor parallelism, dense weights), and
+``PAGEDLLM_LAYER_STACK=0`` turns the stack off for comparison.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+from torch import Tensor, nn
+
+from pagedllm.layers.dispatch import KernelPath
+from pagedllm.native import cpu_ops, quant_ops
+from pagedllm.quant.formats import QuantizedWeight
+
+ENV = "PAGEDLLM_LAYER_STACK"
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("Kp", _i64),
+                ("bits", _i64), ("r", _i64), ("zero", _i64), ("tiled_min_rows", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("rms_norm", _p), ("rotary", _p), ("write_kv", _p), ("attention", _p), ("silu_mul", _p),
+                ("isa", _i64), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
+                ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
+                ("kv8", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", _p)]
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _packed(layer: nn.Module) -> QuantizedWeight | None:
+    from pagedllm.quant.layers import QuantizedLinearMethod
+
+    method = getattr(layer, "method", None)
+    return method.weight if isinstance(method, QuantizedLinearMethod) else None
+
+
+def _linear(layer: nn.Module, weight: QuantizedWeight, isa: int) -> _Linear:
+    bias = layer.bias
+    return _Linear(
+        weight.qweight.data_ptr(), weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
+        None if bias is None else bias.data_ptr(), weight.out_features, weight.in_features, weight.padded_in,
+        weight.bits, weight.group_size // 32, weight.zero, quant_ops.tiled_min_rows(weight.bits, isa) or 2**62,
+    )
+
+
+def layer_stack(model: nn.Module) -> LayerStack | None:
+    """The stack of ``model`` (a bound LlamaForCausalLM), or None where its layers cannot all run natively."""
+    if os.environ.get(ENV, "1") == "0" or model.tp.size != 1 or not model.layers:
+        return None
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if not (cpu_ops.available() and quant_ops.available()) or model.rotary.path is not KernelPath.NATIVE_CPU:
+        return None
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return None
+        if any(n.path is not KernelPath.NATIVE_CPU for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return None
+        if mlp.act.path is not KernelPath.NATIVE_CPU or not hasattr(attn.backend, "native_work"):
+            return None
+        if attn.backend is not model.layers[0].self_attn.backend:
+            return None
+    return LayerStack(model)
+
+
+class LayerStack:
+    """The native description of a model's layers; :meth:`run` runs them all, or declines a step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        first = model.layers[0]
+        attn = first.self_attn
+        self.backend = attn.backend
+        self.rotary = model.rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.isa = quant_ops.isa()
+        self._library = cpu_ops._library
+        self._query_like = torch.empty((0, self.num_heads, self.head_dim), dtype=torch.float32)
+        self._keep: list[Tensor] = []  # every tensor whose address the native description holds
+        layers = []
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            weights = [_packed(x) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+            for w in weights:
+                self._keep += [t for t in (w.qweight, w.scales, w.mins) if t is not None]
+            self._keep += [t for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                       a.qkv_proj.bias, a.o_proj.bias, m.gate_up_proj.bias, m.down_proj.bias)
+                           if t is not None]
+            linears = [_linear(x, w, self.isa) for x, w in zip((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj), weights)]
+            layers.append(_Layer(layer.input_layernorm.weight.data_ptr(),
+                                 layer.post_attention_layernorm.weight.data_ptr(), *linears))
+        self._layers = (_Layer * len(layers))(*layers)
+        self.eps = first.input_layernorm.eps
+        if any(x.eps != self.eps for layer in model.layers
+               for x in (layer.input_layernorm, layer.post_attention_layernorm)):
+            raise ValueError("the layer stack needs one RMSNorm epsilon for every layer")
+        self._stack = _Stack(
+            _address(self._library.rms_norm_f32), _address(self._library.rotary_f32), None, None,
+            _address(self._library.silu_mul_f32), self.isa, len(layers), attn.o_proj.output_size, self.num_heads,
+            self.num_kv_heads, self.head_dim, first.mlp.down_proj.input_size, 0, 0, self.eps, attn.scale,
+            ctypes.addressof(self._layers),
+        )
+        self._cache_tensors: list[tuple[Tensor, ...]] | None = None  # the caches the layers point at now
+        self._run = quant_ops._library.quant_run_layers
+        self._run.restype = ctypes.c_int
+        self._run.argtypes = [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, ctypes.c_int32, _i64]
+
+    def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> bool:
+        """Point the layers at this KV cache (8-bit or float32); False where the modules' path must run."""
+        first = kv_caches[0]
+        kv8 = len(first) == 4
+        if kv8 and first[0].dtype not in cpu_ops._CODE_SUFFIX or not kv8 and first[0].dtype != torch.float32:
+            return False
+        if self._cache_tensors is not None and len(kv_caches) == len(self._cache_tensors) and all(
+            a is b for a, b in zip(kv_caches, self._cache_tensors)
+        ):
+            return True  # the same (immutable) per-layer tuples as last time
+        if len(kv_caches) != len(self._layers) or not all(
+            t.is_contiguous() for layer in kv_caches for t in layer
+        ) or (kv8 and not all(s.dtype == torch.float16 for layer in kv_caches for s in layer[2:])):
+            return False
+        library = self._library
+        if kv8:
+            suffix = cpu_ops._CODE_SUFFIX[first[0].dtype]
+            self._stack.write_kv = _address(getattr(library, f"write_kv_f32_{suffix}"))
+            self._stack.attention = _address(getattr(library, f"paged_attention_f32_{suffix}"))
+        else:
+            self._stack.write_kv = _address(library.write_kv_f32)
+            self._stack.attention = _address(library.paged_attention_f32)
+        self._stack.kv8 = int(kv8)
+        self._stack.block_size = first[0].shape[1]
+        for layer, tensors in zip(self._layers, kv_caches):
+            layer.k_cache, layer.v_cache = tensors[0].data_ptr(), tensors[1].data_ptr()
+            layer.k_scale, layer.v_scale = (tensors[2].data_ptr(), tensors[3].data_ptr()) if kv8 else (None, None)
+        self._cache_tensors = list(kv_caches)  # kept alive while the layers point at them
+        return True
+
+    def run(self, residual: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]], metadata) -> Tensor | None:
+        """Every layer on ``residual`` [T, hidden] (updated in place, as the modules do); returns the
+        last layer's MLP output, or None (nothing touched) where this step needs the modules."""
+        rows = residual.shape[0]
+        if rows == 0 or not residual.is_contiguous() or positions.dtype != torch.int64 or metadata.slot_mapping.dtype != torch.int64:
+            return None
+        if not self._bind_caches(kv_caches):
+            return None
+        work = self.backend.native_work(self._query_like, kv_caches[0][0], metadata)
+        if work is None:
+            return None
+        tiles, num_rows = work
+        cos_table, sin_table = self.rotary.tables(positions.device)
+        positions = positions.contiguous()
+        if int(positions.max()) >= cos_table.shape[0]:
+            raise ValueError(
+                f"position {int(positions.max())} is past the model's {cos_table.shape[0]} rotary positions"
+            )
+        tables = metadata.block_tables
+        tables = (tables if tables.dtype == torch.int32 else tables.to(torch.int32)).contiguous()
+        slots = metadata.slot_mapping.contiguous()
+        delta = torch.empty_like(residual)
+        split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
+        done = self._run(
+            ctypes.addressof(self._stack), rows, residual.data_ptr(), delta.data_ptr(), positions.data_ptr(),
+            cos_table.data_ptr(), sin_table.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
+            tiles.data_ptr(), tiles.shape[0], int(split_heads), num_rows,
+        )
+        if not done:
+            raise MemoryError(f"layer stack scratch for {rows} rows")
+        return delta

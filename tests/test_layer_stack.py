@@ -1,0 +1,152 @@
+"""The native layer stack (pagedllm.quant.stack) against the model's own modules.
+
+It calls the same kernels in the same order, so the outputs must be equal bit
+for bit: token ids and logprobs of greedy and sampled requests, prefill chunks
+mixed with decode steps, forks (n > 1), float32 and 8-bit KV caches, and
+q/k/v/o biases. Where a step is one the stack does not take, the modules run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.native import cpu_ops, quant_ops
+from pagedllm.quant.stack import ENV
+
+VOCAB = 512
+
+needs_kernels = pytest.mark.skipif(
+    not (cpu_ops.available() and quant_ops.available()), reason="native kernels do not build here"
+)
+
+
+def _tiny_dir(directory, **overrides):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=320, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, **overrides,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # random biases: the initialiser leaves them at zero
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
+        directory
+    )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return _tiny_dir(tmp_path_factory.mktemp("tiny-stack"))
+
+
+@pytest.fixture(scope="module")
+def biased_dir(tmp_path_factory):
+    return _tiny_dir(tmp_path_factory.mktemp("tiny-stack-bias"), attention_bias=True)
+
+
+def _llm(directory, monkeypatch, stack: bool, **options) -> LLM:
+    monkeypatch.setenv(ENV, "1" if stack else "0")
+    options.setdefault("quantization", "int4")
+    options.setdefault("quantization_group_size", 64)
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, **options)
+    assert (llm.llm_engine.worker.model.layer_stack is not None) is stack
+    return llm
+
+
+def _prompts() -> list[dict]:
+    gen = torch.Generator().manual_seed(5)
+    return [{"prompt_token_ids": torch.randint(3, VOCAB, (5 + 23 * i,), generator=gen).tolist()} for i in range(5)]
+
+
+def _results(llm: LLM, params: SamplingParams) -> list[tuple]:
+    outputs = llm.generate(_prompts(), params, use_tqdm=False)
+    return [
+        (o.request_id, tuple(c.token_ids), tuple(tuple(sorted(p.items())) for p in c.logprobs or []))
+        for out in outputs for o in [out] for c in out.outputs
+    ]
+
+
+def _counting_calls(llm: LLM) -> list[int]:
+    """Counts the stack's runs (index 0) on the model of ``llm``."""
+    stack = llm.llm_engine.worker.model.layer_stack
+    count = [0]
+    run = stack.run
+
+    def counted(*args, **kwargs):
+        delta = run(*args, **kwargs)
+        count[0] += delta is not None
+        return delta
+
+    stack.run = counted
+    return count
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", [
+    {},
+    {"kv_cache_dtype": "int8"},
+    {"quantization": "int8", "quantization_group_size": 32},
+], ids=["int4-f32kv", "int4-int8kv", "int8-weights"])
+def test_stack_equals_the_modules_bit_for_bit(tiny_dir, monkeypatch, options):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, n=3, seed=7, max_tokens=16, ignore_eos=True, logprobs=2)
+    stacked = _llm(tiny_dir, monkeypatch, True, **options)
+    runs = _counting_calls(stacked)
+    got = [_results(stacked, p) for p in (greedy, sampled)]
+    assert runs[0] > 20  # prefill chunks (64 tokens a step) and decode steps all took the stack
+    modules = _llm(tiny_dir, monkeypatch, False, **options)
+    want = [_results(modules, p) for p in (greedy, sampled)]
+    assert got == want
+
+
+@needs_kernels
+def test_stack_applies_biases(biased_dir, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    stacked = _llm(biased_dir, monkeypatch, True)
+    layer = stacked.llm_engine.worker.model.layers[0]
+    assert layer.self_attn.qkv_proj.bias is not None and layer.self_attn.qkv_proj.bias.abs().sum() > 0
+    got = _results(stacked, params)
+    assert got == _results(_llm(biased_dir, monkeypatch, False), params)
+
+
+@needs_kernels
+def test_stack_is_not_built_where_a_layer_is_not_native(tiny_dir, monkeypatch):
+    # dense weights: the matmuls are oneDNN's, not quant_ops'
+    assert _llm(tiny_dir, monkeypatch, False).llm_engine.worker.model.layer_stack is None
+    monkeypatch.setenv(ENV, "1")
+    dense = LLM(str(tiny_dir), device="cpu", dtype="float32", block_size=8)
+    assert dense.llm_engine.worker.model.layer_stack is None
+    bf16 = LLM(str(tiny_dir), device="cpu", dtype="bfloat16", block_size=8, quantization="int4",
+               quantization_group_size=64)
+    assert bf16.llm_engine.worker.model.layer_stack is None
+
+
+@needs_kernels
+def test_stack_refuses_positions_past_the_rotary_table(tiny_dir, monkeypatch):
+    llm = _llm(tiny_dir, monkeypatch, True)
+    model = llm.llm_engine.worker.model
+    stack = model.layer_stack
+    table = model.rotary.tables(torch.device("cpu"))[0]
+    residual = torch.zeros(1, 256)
+    kv = llm.llm_engine.worker.kv_cache.layers
+    from pagedllm.attention.base import AttentionMetadata
+
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor([0]), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        max_query_len=1, max_seq_len=1, seq_lens_host=[1], query_lens_host=[1],
+    )
+    with pytest.raises(ValueError, match="past the model's"):
+        stack.run(residual, torch.tensor([table.shape[0]]), kv, md)
