@@ -75,12 +75,14 @@ def layer_stack(model: nn.Module) -> LayerStack | None:
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
+    for layer in model.layers:  # packed matrices first: a dense model never loads the quantized kernels here
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return None
     if not (cpu_ops.available() and quant_ops.available()) or model.rotary.path is not KernelPath.NATIVE_CPU:
         return None
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return None
         if any(n.path is not KernelPath.NATIVE_CPU for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             return None
         if mlp.act.path is not KernelPath.NATIVE_CPU or not hasattr(attn.backend, "native_work"):
