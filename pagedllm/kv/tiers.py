@@ -234,17 +234,24 @@ class DiskTier:
             logger.info("KV disk tier: %d blocks (%d bytes) found in %s", len(self._index),
                         self.num_bytes, self.directory)
 
+    def _check_header(self, f) -> tuple[int, int, int] | None:
+        """(json length, payload length, crc32) of an open block file whose header is this
+        tier's format and whose size matches it; None otherwise. Raises struct.error when short."""
+        magic, version, _, json_len, payload_len, crc = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != MAGIC or version != VERSION or payload_len != self.block_nbytes:
+            return None
+        if os.fstat(f.fileno()).st_size != _HEADER.size + json_len + payload_len:
+            return None
+        return json_len, payload_len, crc
+
     def _read_header(self, path: Path) -> BlockContent | None:
         """The content a file claims to hold, when its header and length are sound and its name matches."""
         try:
             with open(path, "rb") as f:
-                head = f.read(_HEADER.size)
-                magic, version, _, json_len, payload_len, _ = _HEADER.unpack(head)
-                if magic != MAGIC or version != VERSION or payload_len != self.block_nbytes:
+                header = self._check_header(f)
+                if header is None:
                     return None
-                if path.stat().st_size != _HEADER.size + json_len + payload_len:
-                    return None
-                content = _content_from_json(f.read(json_len))
+                content = _content_from_json(f.read(header[0]))
         except (OSError, ValueError, struct.error, KeyError, TypeError):
             return None
         if hash_content(content).hex() != path.stem:
@@ -413,12 +420,10 @@ class DiskTier:
         path = self._path(block_hash)
         try:
             with open(path, "rb") as f:
-                head = f.read(_HEADER.size)
-                magic, version, _, json_len, payload_len, crc = _HEADER.unpack(head)
-                if magic != MAGIC or version != VERSION or payload_len != self.block_nbytes:
+                header = self._check_header(f)
+                if header is None:
                     return None
-                if os.fstat(f.fileno()).st_size != _HEADER.size + json_len + payload_len:
-                    return None
+                json_len, payload_len, crc = header
                 json_bytes = f.read(json_len)
                 raw = torch.empty(payload_len, dtype=torch.uint8)
                 view = memoryview(raw.numpy())

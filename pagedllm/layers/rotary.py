@@ -71,6 +71,15 @@ class RotaryEmbedding(nn.Module):
         return StepRotary(self, positions, like)
 
 
+def check_positions(positions: Tensor, cos_table: Tensor) -> None:
+    """Raise ValueError when a position is past the rows of the rotary tables (the native
+    kernels index them unchecked)."""
+    if positions.numel() and int(positions.max()) >= cos_table.shape[0]:
+        raise ValueError(
+            f"position {int(positions.max())} is past the model's {cos_table.shape[0]} rotary positions"
+        )
+
+
 class StepRotary:
     """The rotary angles of one forward pass, shared by every layer.
 
@@ -83,11 +92,7 @@ class StepRotary:
         self.native = rotary.path is KernelPath.NATIVE_CPU and positions.dtype == torch.int64
         if self.native:
             self.cos_table, self.sin_table = rotary.tables(positions.device)
-            if positions.numel() and int(positions.max()) >= self.cos_table.shape[0]:
-                raise ValueError(
-                    f"position {int(positions.max())} is past the model's "
-                    f"{self.cos_table.shape[0]} rotary positions"
-                )
+            check_positions(positions, self.cos_table)
             self.positions = positions.contiguous()
         else:
             self.cos, self.sin = rotary.cos_sin(positions, like.dtype)

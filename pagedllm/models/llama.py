@@ -41,6 +41,7 @@ from pagedllm.layers.linear import _copy_checked
 from pagedllm.models import rope_scaling
 from pagedllm.models.config import ModelConfig
 from pagedllm.quant.formats import QuantizedWeight
+from pagedllm.quant.stack import layer_stack
 
 logger = logging.getLogger("pagedllm")
 
@@ -212,8 +213,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "bind"):
                 module.bind(weight.device, weight.dtype)
-        from pagedllm.quant.stack import layer_stack
-
         self.layer_stack = layer_stack(self)  # every layer in one native call, where all its kernels are native
         self._bound = True
 

@@ -190,11 +190,34 @@ static float dot_portable(const uint8_t *qrow, const uint16_t *drow, const uint1
 #ifdef QUANT_X86
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
+/* Outputs ahead whose weights a per-row kernel prefetches: 8-16 measure alike on the batch-1
+ * decode of the default model (AVX-512 VNNI and AVX2 paths), 4 and 24 slower. The hardware
+ * prefetcher alone leaves a batch-1 matmul at about half the read bandwidth. */
+#define PREFETCH_AHEAD 12
+
+/* Prefetch the codes and scales of outputs [n, n + count) (their rows are contiguous). */
+static inline void prefetch_outputs(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n,
+                                    int64_t count, int64_t row_bytes, int64_t scales_per_row) {
+    const uint8_t *codes = q + n * row_bytes;
+    for (int64_t off = 0; off < count * row_bytes; off += 64) _mm_prefetch((const char *)(codes + off), _MM_HINT_T0);
+    _mm_prefetch((const char *)(d + n * scales_per_row), _MM_HINT_T0);
+    if (m) _mm_prefetch((const char *)(m + n * scales_per_row), _MM_HINT_T0);
+}
+
+/* Group g (64 weights) of a row as 64 unsigned bytes in order. */
+TARGET_VNNI static inline __m512i unpack_group_vnni(const uint8_t *qrow, int64_t g, int bits) {
+    if (bits == 8) return _mm512_loadu_si512((const void *)(qrow + g * 64));
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i packed = _mm256_loadu_si256((const __m256i *)(qrow + g * 32));
+    __m256i lo = _mm256_and_si256(packed, low4);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
 /* One output: row of weights . one quantized activation row. */
 TARGET_VNNI static float dot_vnni(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow, int64_t Kp,
                                   int bits, int r, int zero, const int8_t *xq, const float *dx,
                                   const float *xs, const int32_t *xcorr, const __m512i *scale_index) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m512 acc = _mm512_setzero_ps(), acc_min = _mm512_setzero_ps();
     const int64_t num_groups = Kp / 64;            /* 64 weights (two blocks) per step */
     const int64_t groups_per_chunk = 8;            /* 16 blocks per chunk of scales */
@@ -207,15 +230,7 @@ TARGET_VNNI static float dot_vnni(const uint8_t *qrow, const uint16_t *drow, con
         __m512 mvec = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mrow + first_scale)) : dvec;
         int64_t end = (c + 1) * groups_per_chunk < num_groups ? (c + 1) * groups_per_chunk : num_groups;
         for (int64_t g = c * groups_per_chunk; g < end; g++) {
-            __m512i w;
-            if (bits == 4) {
-                __m256i packed = _mm256_loadu_si256((const __m256i *)(qrow + g * 32));
-                __m256i lo = _mm256_and_si256(packed, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-                w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            } else {
-                w = _mm512_loadu_si512((const void *)(qrow + g * 64));
-            }
+            const __m512i w = unpack_group_vnni(qrow, g, bits);
             __m512i xv = _mm512_loadu_si512((const void *)(xq + g * 64));
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
             if (zero) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512((const void *)(xcorr + g * 16)));
@@ -228,25 +243,14 @@ TARGET_VNNI static float dot_vnni(const uint8_t *qrow, const uint16_t *drow, con
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_min));
 }
 
-/* Outputs ahead whose weights a per-row kernel prefetches: 8-16 measure alike on the batch-1
- * decode of the default model (AVX-512 VNNI and AVX2 paths), 4 and 24 slower. */
-#define PREFETCH_AHEAD 12
-
 /* Four outputs of one activation row: weight rows qrow, qrow + row_bytes, ... (their scales
  * scales_per_row apart) . xq. The activation vectors are loaded once for the four, and four
  * independent accumulator chains keep the FMA units busy; each output's float operations are
- * dot_vnni's, in the same order. The weights of the four outputs `ahead` rows on are
- * prefetched: the hardware prefetcher alone leaves a batch-1 matmul at about half the read
- * bandwidth. */
+ * dot_vnni's, in the same order. */
 TARGET_VNNI static void dot_x4_vnni(const uint8_t *qrow, int64_t row_bytes, const uint16_t *drow,
                                     const uint16_t *mrow, int64_t scales_per_row, int64_t Kp, int bits, int r,
                                     int zero, const int8_t *xq, const float *dx, const float *xs,
-                                    const int32_t *xcorr, const __m512i *scale_index, int64_t ahead, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const uint8_t *next = qrow + ahead * row_bytes;
-    for (int64_t off = 0; off < 4 * row_bytes; off += 64) _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
-    _mm_prefetch((const char *)(drow + ahead * scales_per_row), _MM_HINT_T0);
-    if (mrow) _mm_prefetch((const char *)(mrow + ahead * scales_per_row), _MM_HINT_T0);
+                                    const int32_t *xcorr, const __m512i *scale_index, float *out) {
     __m512 acc[4], acc_min[4];
     for (int j = 0; j < 4; j++) acc[j] = acc_min[j] = _mm512_setzero_ps();
     const int64_t num_groups = Kp / 64, num_scales = Kp / 32 / r;
@@ -268,15 +272,7 @@ TARGET_VNNI static void dot_x4_vnni(const uint8_t *qrow, int64_t row_bytes, cons
             const __m512 xsv = mrow ? _mm512_loadu_ps(xs + g * 16) : dxv;
             const __m512i index = scale_index[g - c * 8];
             for (int j = 0; j < 4; j++) {
-                __m512i w;
-                if (bits == 4) {
-                    __m256i packed = _mm256_loadu_si256((const __m256i *)(qrow + j * row_bytes + g * 32));
-                    __m256i lo = _mm256_and_si256(packed, low4);
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-                    w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                } else {
-                    w = _mm512_loadu_si512((const void *)(qrow + j * row_bytes + g * 64));
-                }
+                const __m512i w = unpack_group_vnni(qrow + j * row_bytes, g, bits);
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
                 if (zero) dot = _mm512_sub_epi32(dot, corr);
                 __m512 dw = _mm512_mul_ps(_mm512_permutexvar_ps(index, dvec[j]), dxv);
@@ -294,7 +290,6 @@ TARGET_VNNI static void dot4_vnni(const uint8_t *qrow, const uint16_t *drow, con
                                   int bits, int r, int zero, const int8_t *xq, const float *dx,
                                   const float *xs, const int32_t *xcorr, const __m512i *scale_index,
                                   float *out, int64_t out_stride) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int64_t lanes = Kp / 4;
     __m512 acc[4], acc_min[4];
     for (int i = 0; i < 4; i++) acc[i] = acc_min[i] = _mm512_setzero_ps();
@@ -307,15 +302,7 @@ TARGET_VNNI static void dot4_vnni(const uint8_t *qrow, const uint16_t *drow, con
         __m512 mvec = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mrow + first_scale)) : dvec;
         int64_t end = (c + 1) * 8 < num_groups ? (c + 1) * 8 : num_groups;
         for (int64_t g = c * 8; g < end; g++) {
-            __m512i w;
-            if (bits == 4) {
-                __m256i packed = _mm256_loadu_si256((const __m256i *)(qrow + g * 32));
-                __m256i lo = _mm256_and_si256(packed, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-                w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            } else {
-                w = _mm512_loadu_si512((const void *)(qrow + g * 64));
-            }
+            const __m512i w = unpack_group_vnni(qrow, g, bits);
             __m512i index = scale_index[g - c * 8];
             __m512 dw = _mm512_permutexvar_ps(index, dvec);
             __m512 mw = _mm512_permutexvar_ps(index, mvec);
@@ -360,9 +347,10 @@ TARGET_VNNI static void gemm_rows_vnni(const uint8_t *q, const uint16_t *d, cons
             int64_t n = t * tile;
             for (; n + 4 <= n_end; n += 4) {
                 float out[4];
+                prefetch_outputs(q, d, m, n + PREFETCH_AHEAD, 4, row_bytes, scales_per_row);
                 dot_x4_vnni(q + n * row_bytes, row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
                             scales_per_row, Kp, bits, r, zero, xq + i * Kp, dx + i * lanes, xs + i * lanes,
-                            xcorr + i * lanes, scale_index, PREFETCH_AHEAD, out);
+                            xcorr + i * lanes, scale_index, out);
                 for (int j = 0; j < 4; j++) y[i * N + n + j] = out[j];
             }
             for (; n < n_end; n++) {
@@ -630,11 +618,7 @@ TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, cons
             int64_t n = t * tile;
             if (rows_n == 1) {
                 for (; n + 4 <= n_end; n += 4) {
-                    const uint8_t *next = q + (n + PREFETCH_AHEAD) * row_bytes;
-                    for (int64_t off = 0; off < 4 * row_bytes; off += 64)
-                        _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(d + (n + PREFETCH_AHEAD) * scales_per_row), _MM_HINT_T0);
-                    if (m) _mm_prefetch((const char *)(m + (n + PREFETCH_AHEAD) * scales_per_row), _MM_HINT_T0);
+                    prefetch_outputs(q, d, m, n + PREFETCH_AHEAD, 4, row_bytes, scales_per_row);
                     float out[4];
                     dots_x4_avx2(q + n * row_bytes, row_bytes, d + n * scales_per_row,
                                  m ? m + n * scales_per_row : 0, scales_per_row, Kp, bits, r, zero, xq + i * Kp,
@@ -645,12 +629,7 @@ TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, cons
             for (; n < n_end; n++) {
                 const uint8_t *qrow = q + n * row_bytes;
                 const uint16_t *drow = d + n * scales_per_row, *mrow = m ? m + n * scales_per_row : 0;
-                if (i == 0) {
-                    const uint8_t *next = qrow + PREFETCH_AHEAD * row_bytes;
-                    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(drow + PREFETCH_AHEAD * scales_per_row), _MM_HINT_T0);
-                    if (mrow) _mm_prefetch((const char *)(mrow + PREFETCH_AHEAD * scales_per_row), _MM_HINT_T0);
-                }
+                if (i == 0) prefetch_outputs(q, d, m, n + PREFETCH_AHEAD, 1, row_bytes, scales_per_row);
                 const int8_t *x = xq + i * Kp;
                 const float *dxi = dx + i * lanes, *xsi = xs + i * lanes;
                 const int32_t *xci = xcorr + i * lanes;

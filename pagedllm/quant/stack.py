@@ -23,8 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from pagedllm.layers.dispatch import KernelPath
+from pagedllm.layers.rotary import check_positions
 from pagedllm.native import cpu_ops, quant_ops
 from pagedllm.quant.formats import QuantizedWeight
+from pagedllm.quant.layers import QuantizedLinearMethod
 
 ENV = "PAGEDLLM_LAYER_STACK"
 
@@ -53,8 +55,6 @@ def _address(fn) -> int:
 
 
 def _packed(layer: nn.Module) -> QuantizedWeight | None:
-    from pagedllm.quant.layers import QuantizedLinearMethod
-
     method = getattr(layer, "method", None)
     return method.weight if isinstance(method, QuantizedLinearMethod) else None
 
@@ -89,6 +89,8 @@ def layer_stack(model: nn.Module) -> LayerStack | None:
             return None
         if attn.backend is not model.layers[0].self_attn.backend:
             return None
+        if any(n.eps != model.layers[0].input_layernorm.eps for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return None  # the native description holds one epsilon
     return LayerStack(model)
 
 
@@ -119,9 +121,6 @@ class LayerStack:
                                  layer.post_attention_layernorm.weight.data_ptr(), *linears))
         self._layers = (_Layer * len(layers))(*layers)
         self.eps = first.input_layernorm.eps
-        if any(x.eps != self.eps for layer in model.layers
-               for x in (layer.input_layernorm, layer.post_attention_layernorm)):
-            raise ValueError("the layer stack needs one RMSNorm epsilon for every layer")
         self._stack = _Stack(
             _address(self._library.rms_norm_f32), _address(self._library.rotary_f32), None, None,
             _address(self._library.silu_mul_f32), self.isa, len(layers), attn.o_proj.output_size, self.num_heads,
@@ -176,11 +175,8 @@ class LayerStack:
             return None
         tiles, num_rows = work
         cos_table, sin_table = self.rotary.tables(positions.device)
+        check_positions(positions, cos_table)
         positions = positions.contiguous()
-        if int(positions.max()) >= cos_table.shape[0]:
-            raise ValueError(
-                f"position {int(positions.max())} is past the model's {cos_table.shape[0]} rotary positions"
-            )
         tables = metadata.block_tables
         tables = (tables if tables.dtype == torch.int32 else tables.to(torch.int32)).contiguous()
         slots = metadata.slot_mapping.contiguous()
