@@ -388,12 +388,13 @@ class AsyncLLMEngine:
                         close_tiers()  # a restarted server finds the prefix cache on disk
                     return
                 if self.engine.has_unfinished_requests():
-                    if self._step():
+                    if self._step():  # takes the stats snapshot itself
                         num_failures = 0
                     else:
                         num_failures += 1
                         time.sleep(min(_MAX_FAILURE_BACKOFF_S, 0.01 * 2**num_failures))
-                self._snapshot_stats()
+                else:
+                    self._snapshot_stats()
         except BaseException as exc:  # a bug outside step(): fail everyone, refuse new work
             logger.exception("the engine loop stopped")
             self._dead = exc
@@ -430,7 +431,11 @@ class AsyncLLMEngine:
             self.engine.abort_request(known)
 
     def _step(self) -> bool:
-        """One engine step; on failure every in-flight request gets an error output."""
+        """One engine step; on failure every in-flight request gets an error output.
+
+        The stats snapshot is taken before the step's outputs are posted, so a
+        client that has read an output and then scrapes /metrics sees the
+        engine as of that step or later, never the state before it."""
         try:
             outputs = self.engine.step()
         except EngineDeadError:
@@ -438,7 +443,9 @@ class AsyncLLMEngine:
         except Exception as exc:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._active))
             self._abort_all("error", f"the engine failed while running this request: {exc}")
+            self._snapshot_stats()
             return False
+        self._snapshot_stats()
         for output in outputs:
             stream = self._active.get(output.request_id)
             if stream is None:  # aborted while the step ran
