@@ -196,9 +196,9 @@ def test_unquantized_gguf_gives_hf_logits_and_q_k_round_trip(tmp_path):
     attn = loaded.model.layers[1].self_attn
     q_rows = HEADS * HIDDEN // HEADS
     assert torch.equal(
-        attn.qkv_proj.weight[:q_rows], state["model.layers.1.self_attn.q_proj.weight"]
+        attn.qkv_proj.dense_weight()[:q_rows], state["model.layers.1.self_attn.q_proj.weight"]
     )
-    k = attn.qkv_proj.weight[q_rows : q_rows + KV_HEADS * HIDDEN // HEADS]
+    k = attn.qkv_proj.dense_weight()[q_rows : q_rows + KV_HEADS * HIDDEN // HEADS]
     assert torch.equal(k, state["model.layers.1.self_attn.k_proj.weight"])
     assert loaded.generation_config == {}
     assert loaded.config.eos_token_ids == (2,)

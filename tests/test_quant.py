@@ -190,7 +190,7 @@ def test_gguf_tensors_load_packed_and_match_the_dequantized_model(tmp_path, capl
     assert layer0.self_attn.qkv_proj.weight.numel() == 0  # no dense copy kept
     # the packed rows (q/k un-permuted, q|k|v fused) are the dense model's rows
     torch.testing.assert_close(
-        _packed(layer0.self_attn.qkv_proj).dequantize(), dense.model.layers[0].self_attn.qkv_proj.weight,
+        _packed(layer0.self_attn.qkv_proj).dequantize(), dense.model.layers[0].self_attn.qkv_proj.dense_weight(),
         rtol=0, atol=0,
     )
     tokens = list(range(3, 60))

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
-from pagedllm.layers.linear import DenseLinearMethod, _copy_checked, dense_matmul
+from pagedllm.layers.linear import (
+    DenseLinearMethod,
+    PackedWeightHolder,
+    _copy_checked,
+    bind_dense,
+    restore_dense_weight,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,7 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         _copy_checked(self.weight.data, tensor[self.vocab_start : self.vocab_end], what)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackedWeightHolder):
     """``hidden [N, hidden] -> logits [N, vocab]`` float32, over this rank's vocabulary rows.
 
     Tied to an embedding, it multiplies by the embedding's weight (no
@@ -67,7 +73,8 @@ class ParallelLMHead(nn.Module):
         return self._tied[0].weight if self._tied else self.weight
 
     def bind(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.matmul = dense_matmul(self.weight_tensor)
+        # an untied head's packed copy is its only one; a tied one packs the embedding's, which the lookup needs
+        bind_dense(self, self.weight_tensor, release=not self._tied)
 
     def forward(self, hidden: Tensor) -> Tensor | None:
         """The full ``[N, vocab]`` on the first rank; None on the others, which only hand it their columns."""
@@ -76,4 +83,5 @@ class ParallelLMHead(nn.Module):
         return None if gathered is None else gathered.float()
 
     def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
+        restore_dense_weight(self)
         _copy_checked(self.weight.data, tensor[self.vocab_start : self.vocab_end], what)

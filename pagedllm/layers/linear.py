@@ -6,7 +6,9 @@ method owns how the weight is stored and multiplied by (dense float today; a
 quantized format is another method with its own ``create_weights``). Both
 are fixed when the model is built; ``bind()`` then prepares the kernel for
 the device and dtype the weights ended up on (for dense CPU weights: a copy
-packed once into oneDNN's blocked layout).
+packed once into oneDNN's blocked layout, which then is the only copy: the
+plain ``weight`` is freed and comes back from the packed one when it is
+needed again, see :func:`restore_dense_weight`).
 
 Shapes: ``x [T, in_local] -> [T, out_local]``; a row-parallel layer's output
 is the full ``[T, out]`` after the all-reduce.
@@ -67,6 +69,14 @@ class _PackedMatmul:
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return self._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
+    def dense(self) -> Tensor:
+        """The weight in its plain ``[out, in]`` layout again (a new tensor, bit for bit the original)."""
+        return self.packed.to_dense()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
 
 def dense_matmul(weight: Tensor) -> _TorchMatmul | _PackedMatmul:
     """The kernel for a dense ``[out, in]`` weight: packed oneDNN on CPUs where it runs."""
@@ -75,15 +85,70 @@ def dense_matmul(weight: Tensor) -> _TorchMatmul | _PackedMatmul:
     return _TorchMatmul()
 
 
+def weight_released(module: nn.Module) -> bool:
+    """Whether ``module.weight`` was freed because its packed copy serves the matmuls."""
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.numel() == 0 and isinstance(getattr(module, "matmul", None), _PackedMatmul)
+
+
+def bind_dense(module: nn.Module, weight: Tensor, *, release: bool) -> None:
+    """``module.matmul`` for a dense ``weight``; with ``release``, a packed copy becomes the only one.
+
+    The plain tensor is then replaced by an empty one of its dtype and device
+    (as a quantized layer's placeholder is), so the layer holds its matrix
+    once instead of twice. A bind with nothing moved since keeps the packed copy.
+    """
+    if release and weight_released(module):
+        return
+    module.matmul = dense_matmul(weight)
+    if release and isinstance(module.matmul, _PackedMatmul):
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+
+def restore_dense_weight(module: nn.Module) -> None:
+    """Bring a released ``module.weight`` back from its packed copy (which is dropped; bind again after)."""
+    if weight_released(module):
+        module.weight.data = module.matmul.dense()
+        module.matmul = None
+
+
+def restore_dense_weights(model: nn.Module) -> None:
+    """:func:`restore_dense_weight` on every module of ``model``: before reading or replacing its weights."""
+    for module in model.modules():
+        restore_dense_weight(module)
+
+
+class PackedWeightHolder(nn.Module):
+    """A module whose dense ``weight`` may live only in its packed copy (see :func:`bind_dense`).
+
+    Moves and casts restore the plain weight first, ``state_dict()`` gives it
+    in its plain layout, and :meth:`dense_weight` reads it without changing
+    the module.
+    """
+
+    def dense_weight(self) -> Tensor:
+        """The ``[out, in]`` weight, whether the plain tensor or only its packed copy is held."""
+        return self.matmul.dense() if weight_released(self) else self.weight
+
+    def _apply(self, fn, recurse=True):
+        restore_dense_weight(self)  # fn (a move or a cast) must see the real values
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if weight_released(self):
+            destination[prefix + "weight"] = self.matmul.dense()
+
+
 class DenseLinearMethod(LinearMethod):
-    """A plain ``[out, in]`` weight in the model's dtype."""
+    """A plain ``[out, in]`` weight in the model's dtype (on CPU, held only in oneDNN's packed layout once bound)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def bind(self, layer: nn.Module) -> None:
-        layer.matmul = dense_matmul(layer.weight)
+        bind_dense(layer, layer.weight, release=True)
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None) -> Tensor:
         return layer.matmul(x, layer.weight, bias)
@@ -98,7 +163,7 @@ def _copy_checked(target: Tensor, source: Tensor, what: str) -> None:
         target.copy_(source)
 
 
-class LinearBase(nn.Module):
+class LinearBase(PackedWeightHolder):
     """A linear layer over one weight format; subclasses say which shard of the matrix is here."""
 
     num_parts = 1  # checkpoint tensors fused into this layer (q/k/v: 3)
@@ -122,6 +187,7 @@ class LinearBase(nn.Module):
 
     def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
         """Copy this rank's share of checkpoint tensor ``tensor`` (part ``part``) into ``name``."""
+        restore_dense_weight(self)
         _copy_checked(getattr(self, name).data, tensor, what)
 
 
@@ -152,6 +218,7 @@ class MergedColumnParallelLinear(LinearBase):
         return cls(input_size, parts, bias, tp)
 
     def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
+        restore_dense_weight(self)
         first, rows = self.parts[part]
         offset = self.offsets[part]
         target = getattr(self, name).data[offset : offset + rows]
@@ -197,6 +264,7 @@ class RowParallelLinear(LinearBase):
         return self.tp.all_reduce(self.method.apply(self, x, bias))
 
     def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
+        restore_dense_weight(self)
         if name == "weight" and tensor.dim() == 2:
             tensor = tensor[:, self.input_start : self.input_start + self.input_size]
         _copy_checked(getattr(self, name).data, tensor, what)

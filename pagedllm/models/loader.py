@@ -103,9 +103,11 @@ def load_model(
 
 def quantize_model(module: torch.nn.Module, *, bits: int, group_size: int) -> None:
     """Replace every quantizable weight of a loaded model by its RTN-quantized packed form."""
+    from pagedllm.layers.linear import restore_dense_weights
     from pagedllm.quant import quantize_rtn
     from pagedllm.quant.layers import install_quantized, quantizable_weights
 
+    restore_dense_weights(module)  # bound dense CPU weights live in their packed copies
     params = dict(module.named_parameters())
     names = quantizable_weights(module)
     install_quantized(module, {name: quantize_rtn(params[name].data, bits, group_size) for name in names})
