@@ -4,8 +4,13 @@ The paths (portable C, AVX2 + FMA, AVX-512 VNNI per row and tiled) must compute
 the same integer block sums; on inputs where every float operation is exact
 (activations that quantize to themselves, power-of-two scales, dyadic mins)
 that makes their outputs equal bit for bit, whatever the order of additions.
-On random inputs each path agrees with ``x @ dequantize().T`` to within the
-int8 activation error. An AVX-512 machine runs all paths, so all are tested here.
+Every path also follows one float sequence (per block in order: the exact
+integer sum times activation scale x weight scale, then the min term, each a
+fused multiply-add), so on random inputs too they give the same bits, and a
+row's output never depends on how many rows share the call (batch
+invariance). On random inputs each path agrees with ``x @ dequantize().T`` to
+within the int8 activation error. An AVX-512 machine runs all paths, so all
+are tested here.
 """
 
 from __future__ import annotations
@@ -109,7 +114,27 @@ def test_each_path_matches_the_dequantized_reference(path, name):
     got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1])
     assert ((got - want).norm() / want.norm()).item() < ACTIVATION_RTOL
     portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
-    assert ((got - portable).norm() / portable.norm()).item() < 1e-6  # float rounding of other orders only
+    assert torch.equal(got, portable)  # one float sequence on every path
+
+
+@pytest.mark.parametrize("path", PATHS, ids=_path_id)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(path, name):
+    """Batch invariance on random data: each row alone, in pairs and in the whole call (per-row
+    kernel below the tiled kernel's row count, tiled from it) gives the same bits."""
+    bits, _, group, _ = FORMATS[name]
+    w = torch.randn(53, 200, generator=torch.Generator().manual_seed(5))  # 53 outputs: partial passes
+    weight = quantize_rtn(w, bits, group) if name.startswith("int") else _exact_weight(name, 53, 200, seed=5)
+    x = torch.randn(21, 200, generator=torch.Generator().manual_seed(6)) * 2
+    args = weight._kernel_args()
+    together = quant_ops.gemm(x, *args, isa_override=path[0], tiled=path[1])
+    for i in range(x.shape[0]):
+        alone = quant_ops.gemm(x[i : i + 1], *args, isa_override=path[0], tiled=path[1])
+        assert torch.equal(alone[0], together[i]), i
+    for i in range(0, x.shape[0] - 1, 2):
+        pair = quant_ops.gemm(x[i : i + 2], *args, isa_override=path[0], tiled=path[1])
+        assert torch.equal(pair, together[i : i + 2]), i
+    assert torch.equal(together, quant_ops.gemm(x, *args, isa_override=0))
 
 
 @pytest.mark.parametrize("isa", quant_ops.runnable_isas() if quant_ops.available() else [])

@@ -168,41 +168,52 @@ static inline int weight_q(const uint8_t *row, int64_t k, int bits) {
     return (k % 64) < 32 ? (byte & 0x0f) : (byte >> 4);
 }
 
+/* One output . one activation row in the float sequence every path follows (the batch
+ * invariance of the quantized layers rests on it): per 32-block b in order, the exact integer
+ * sum isum = sum (q - zero) * x, then acc = fma(isum, dx * dw, acc) and, with mins,
+ * acc = fma(dx * xsum, mw, acc). */
 static float dot_portable(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow, int64_t Kp,
-                          int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs) {
+                          int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const int32_t *xsum) {
     float acc = 0.0f;
     for (int64_t b = 0; b < Kp / 32; b++) {
-        int32_t dot = 0, xsum = 0;
-        for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
-            dot += weight_q(qrow, k, bits) * xq[k];
-            xsum += xq[k];
-        }
-        float dw = half_to_float(drow[b / r]);
-        acc += dx[8 * b] * dw * (float)(dot - zero * xsum);
-        if (mrow) acc += half_to_float(mrow[b / r]) * dx[8 * b] * (float)xsum;
+        int32_t dot = 0;
+        for (int64_t k = 32 * b; k < 32 * b + 32; k++) dot += weight_q(qrow, k, bits) * xq[k];
+        const float dxb = dx[8 * b], scale = dxb * half_to_float(drow[b / r]);
+        acc = fmaf((float)(dot - zero * xsum[b]), scale, acc);
+        if (mrow) acc = fmaf(dxb * (float)xsum[b], half_to_float(mrow[b / r]), acc);
     }
-    (void)xs;
     return acc;
+}
+
+/* y[i, n] for outputs [n0, n0 + count) and every row i, one dot_portable each. */
+static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n0, int64_t count,
+                                  int64_t N, int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq,
+                                  const float *dx, const int32_t *xsum, int64_t rows, float *y) {
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r;
+    for (int64_t n = n0; n < n0 + count; n++)
+        for (int64_t i = 0; i < rows; i++)
+            y[i * N + n] = dot_portable(q + n * row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
+                                        Kp, bits, r, zero, xq + i * Kp, dx + i * (Kp / 4), xsum + i * (Kp / 32));
+}
+
+/* Outputs [n0, n0 + count) of a per-row pass: their per-block scales (and mins) as floats,
+ * transposed to [blocks][cols] so a block's scales of all the pass's outputs are one vector;
+ * outputs past count get zeros. */
+static void transpose_scales(const uint16_t *d, const uint16_t *m, int64_t n0, int64_t count, int64_t cols,
+                             int64_t blocks, int r, float *dw, float *mw) {
+    const int64_t scales_per_row = blocks / r;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t c = 0; c < cols; c++) {
+            const int64_t at = (n0 + c) * scales_per_row + b / r;
+            dw[b * cols + c] = c < count ? half_to_float(d[at]) : 0.0f;
+            if (mw) mw[b * cols + c] = c < count ? half_to_float(m[at]) : 0.0f;
+        }
 }
 
 /* ------------------------------------------------------------ AVX-512 VNNI path */
 
 #ifdef QUANT_X86
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-
-/* Outputs ahead whose weights a per-row kernel prefetches: 8-16 measure alike on the batch-1
- * decode of the default model (AVX-512 VNNI and AVX2 paths), 4 and 24 slower. The hardware
- * prefetcher alone leaves a batch-1 matmul at about half the read bandwidth. */
-#define PREFETCH_AHEAD 12
-
-/* Prefetch the codes and scales of outputs [n, n + count) (their rows are contiguous). */
-static inline void prefetch_outputs(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n,
-                                    int64_t count, int64_t row_bytes, int64_t scales_per_row) {
-    const uint8_t *codes = q + n * row_bytes;
-    for (int64_t off = 0; off < count * row_bytes; off += 64) _mm_prefetch((const char *)(codes + off), _MM_HINT_T0);
-    _mm_prefetch((const char *)(d + n * scales_per_row), _MM_HINT_T0);
-    if (m) _mm_prefetch((const char *)(m + n * scales_per_row), _MM_HINT_T0);
-}
 
 /* Group g (64 weights) of a row as 64 unsigned bytes in order. */
 TARGET_VNNI static inline __m512i unpack_group_vnni(const uint8_t *qrow, int64_t g, int bits) {
@@ -214,151 +225,83 @@ TARGET_VNNI static inline __m512i unpack_group_vnni(const uint8_t *qrow, int64_t
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-/* One output: row of weights . one quantized activation row. */
-TARGET_VNNI static float dot_vnni(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow, int64_t Kp,
-                                  int bits, int r, int zero, const int8_t *xq, const float *dx,
-                                  const float *xs, const int32_t *xcorr, const __m512i *scale_index) {
-    __m512 acc = _mm512_setzero_ps(), acc_min = _mm512_setzero_ps();
-    const int64_t num_groups = Kp / 64;            /* 64 weights (two blocks) per step */
-    const int64_t groups_per_chunk = 8;            /* 16 blocks per chunk of scales */
-    const int64_t num_scales = Kp / 32 / r;
-    for (int64_t c = 0; c * groups_per_chunk < num_groups; c++) {
-        int64_t first_scale = c * 16 / r, left = num_scales - first_scale;
-        int count = left < 16 / r ? (int)left : 16 / r;
-        __mmask16 mask = (__mmask16)((1u << count) - 1u);
-        __m512 dvec = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, drow + first_scale));
-        __m512 mvec = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mrow + first_scale)) : dvec;
-        int64_t end = (c + 1) * groups_per_chunk < num_groups ? (c + 1) * groups_per_chunk : num_groups;
-        for (int64_t g = c * groups_per_chunk; g < end; g++) {
-            const __m512i w = unpack_group_vnni(qrow, g, bits);
-            __m512i xv = _mm512_loadu_si512((const void *)(xq + g * 64));
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-            if (zero) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512((const void *)(xcorr + g * 16)));
-            __m512i index = scale_index[g - c * groups_per_chunk];
-            __m512 dw = _mm512_mul_ps(_mm512_permutexvar_ps(index, dvec), _mm512_loadu_ps(dx + g * 16));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dw, acc);
-            if (mrow) acc_min = _mm512_fmadd_ps(_mm512_permutexvar_ps(index, mvec), _mm512_loadu_ps(xs + g * 16), acc_min);
-        }
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_min));
+#define VNNI_ROW_COLS 16 /* outputs per per-row pass: one int32 / float lane each */
+
+/* t[j]: 16 lanes of 4-product sums of output j over one 64-weight group (lanes 0-7 its first
+ * 32-block, 8-15 its second) -> s0 / s1 [16 outputs]: each block's exact integer sum. */
+TARGET_VNNI static inline void block_sums_vnni(const __m512i t[VNNI_ROW_COLS], __m512i *s0, __m512i *s1) {
+    __m512i u[8], v[4];
+    for (int j = 0; j < 8; j++) /* per 128-bit chunk: lanes 0+2, 1+3 of outputs 2j, 2j + 1 */
+        u[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(t[2 * j], t[2 * j + 1]),
+                                _mm512_unpackhi_epi32(t[2 * j], t[2 * j + 1]));
+    for (int j = 0; j < 4; j++) /* per chunk: its 4-lane sum of outputs 4j .. 4j + 3 */
+        v[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[2 * j], u[2 * j + 1]),
+                                _mm512_unpackhi_epi64(u[2 * j], u[2 * j + 1]));
+    /* chunks 0 + 1 are the first block, 2 + 3 the second */
+    const __m512i x = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i y = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(v[2], v[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    *s0 = _mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0));
+    *s1 = _mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
-/* Four outputs of one activation row: weight rows qrow, qrow + row_bytes, ... (their scales
- * scales_per_row apart) . xq. The activation vectors are loaded once for the four, and four
- * independent accumulator chains keep the FMA units busy; each output's float operations are
- * dot_vnni's, in the same order. */
-TARGET_VNNI static void dot_x4_vnni(const uint8_t *qrow, int64_t row_bytes, const uint16_t *drow,
-                                    const uint16_t *mrow, int64_t scales_per_row, int64_t Kp, int bits, int r,
-                                    int zero, const int8_t *xq, const float *dx, const float *xs,
-                                    const int32_t *xcorr, const __m512i *scale_index, float *out) {
-    __m512 acc[4], acc_min[4];
-    for (int j = 0; j < 4; j++) acc[j] = acc_min[j] = _mm512_setzero_ps();
-    const int64_t num_groups = Kp / 64, num_scales = Kp / 32 / r;
-    for (int64_t c = 0; c * 8 < num_groups; c++) {
-        int64_t first_scale = c * 16 / r, left = num_scales - first_scale;
-        int count = left < 16 / r ? (int)left : 16 / r;
-        __mmask16 mask = (__mmask16)((1u << count) - 1u);
-        __m512 dvec[4], mvec[4];
-        for (int j = 0; j < 4; j++) {
-            dvec[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, drow + j * scales_per_row + first_scale));
-            mvec[j] = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mrow + j * scales_per_row + first_scale))
-                           : dvec[j];
-        }
-        int64_t end = (c + 1) * 8 < num_groups ? (c + 1) * 8 : num_groups;
-        for (int64_t g = c * 8; g < end; g++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + g * 64));
-            const __m512 dxv = _mm512_loadu_ps(dx + g * 16);
-            const __m512i corr = zero ? _mm512_loadu_si512((const void *)(xcorr + g * 16)) : _mm512_setzero_si512();
-            const __m512 xsv = mrow ? _mm512_loadu_ps(xs + g * 16) : dxv;
-            const __m512i index = scale_index[g - c * 8];
-            for (int j = 0; j < 4; j++) {
-                const __m512i w = unpack_group_vnni(qrow + j * row_bytes, g, bits);
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-                if (zero) dot = _mm512_sub_epi32(dot, corr);
-                __m512 dw = _mm512_mul_ps(_mm512_permutexvar_ps(index, dvec[j]), dxv);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dw, acc[j]);
-                if (mrow) acc_min[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(index, mvec[j]), xsv, acc_min[j]);
-            }
+/* Outputs [n0, n0 + count) (count <= 16) . one quantized activation row, in dot_portable's
+ * float sequence with the 16 outputs in the lanes. dw / mw: transpose_scales of the pass.
+ * next: the weights of the pass after this one (prefetched group by group), or 0. */
+TARGET_VNNI static void row_pass_vnni(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
+                                      int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+                                      const float *dw, const float *mw, const uint8_t *next, float *out) {
+    const uint8_t *rows[VNNI_ROW_COLS];
+    for (int j = 0; j < VNNI_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes; /* spare lanes: any row */
+    const int64_t group_bytes = bits == 4 ? 32 : 64;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < Kp / 64; g++) {
+        if (next)
+            for (int j = 0; j < VNNI_ROW_COLS; j++) _mm_prefetch((const char *)(next + j * row_bytes + g * group_bytes), _MM_HINT_T0);
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + g * 64));
+        __m512i t[VNNI_ROW_COLS], sums[2];
+        for (int j = 0; j < VNNI_ROW_COLS; j++)
+            t[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unpack_group_vnni(rows[j], g, bits), xv);
+        block_sums_vnni(t, &sums[0], &sums[1]);
+        for (int h = 0; h < 2; h++) {
+            const int64_t b = 2 * g + h;
+            __m512i isum = sums[h];
+            if (zero) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-zero * xsum[b]));
+            const float dxb = dx[8 * b];
+            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), _mm512_loadu_ps(dw + b * VNNI_ROW_COLS));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
+            if (mw) acc = _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), _mm512_loadu_ps(mw + b * VNNI_ROW_COLS), acc);
         }
     }
-    for (int j = 0; j < 4; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], acc_min[j]));
-}
-
-/* Four outputs: one row of weights . four quantized activation rows (strided by Kp and
- * Kp / 4 lanes); each weight group is unpacked once for the four. */
-TARGET_VNNI static void dot4_vnni(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow, int64_t Kp,
-                                  int bits, int r, int zero, const int8_t *xq, const float *dx,
-                                  const float *xs, const int32_t *xcorr, const __m512i *scale_index,
-                                  float *out, int64_t out_stride) {
-    const int64_t lanes = Kp / 4;
-    __m512 acc[4], acc_min[4];
-    for (int i = 0; i < 4; i++) acc[i] = acc_min[i] = _mm512_setzero_ps();
-    const int64_t num_groups = Kp / 64, num_scales = Kp / 32 / r;
-    for (int64_t c = 0; c * 8 < num_groups; c++) {
-        int64_t first_scale = c * 16 / r, left = num_scales - first_scale;
-        int count = left < 16 / r ? (int)left : 16 / r;
-        __mmask16 mask = (__mmask16)((1u << count) - 1u);
-        __m512 dvec = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, drow + first_scale));
-        __m512 mvec = mrow ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mrow + first_scale)) : dvec;
-        int64_t end = (c + 1) * 8 < num_groups ? (c + 1) * 8 : num_groups;
-        for (int64_t g = c * 8; g < end; g++) {
-            const __m512i w = unpack_group_vnni(qrow, g, bits);
-            __m512i index = scale_index[g - c * 8];
-            __m512 dw = _mm512_permutexvar_ps(index, dvec);
-            __m512 mw = _mm512_permutexvar_ps(index, mvec);
-            for (int i = 0; i < 4; i++) {
-                __m512i xv = _mm512_loadu_si512((const void *)(xq + i * Kp + g * 64));
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-                if (zero) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512((const void *)(xcorr + i * lanes + g * 16)));
-                __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(dx + i * lanes + g * 16));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
-                if (mrow) acc_min[i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xs + i * lanes + g * 16), acc_min[i]);
-            }
-        }
-    }
-    for (int i = 0; i < 4; i++) out[i * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
 }
 
 TARGET_VNNI static void gemm_rows_vnni(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
-                                  int bits, int r, int zero, const int8_t *xq, const float *dx, const float *xs,
-                                  const int32_t *xcorr, int64_t rows, float *y) {
-    /* scale_index[j]: lanes 0-7 take the scale of block 2j of the chunk, lanes 8-15 of block 2j + 1 */
-    __m512i scale_index[8];
-    for (int j = 0; j < 8; j++) {
-        int32_t lanes[16];
-        for (int l = 0; l < 16; l++) lanes[l] = (2 * j + l / 8) / r;
-        scale_index[j] = _mm512_loadu_si512((const void *)lanes);
-    }
-    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, lanes = Kp / 4;
-    const int64_t tile = 16; /* output rows per work item: their weights stay in L1 across activation rows */
-    const int64_t num_tiles = (N + tile - 1) / tile;
-    _Pragma("omp parallel for schedule(static) if(num_tiles > 1 && N * Kp * rows >= 65536)")
-    for (int64_t t = 0; t < num_tiles; t++) {
-        int64_t n_end = (t + 1) * tile < N ? (t + 1) * tile : N;
-        int64_t i = 0;
-        for (; i + 4 <= rows; i += 4) {
-            for (int64_t n = t * tile; n < n_end; n++) {
-                dot4_vnni(q + n * row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0, Kp, bits, r,
-                          zero, xq + i * Kp, dx + i * lanes, xs + i * lanes, xcorr + i * lanes, scale_index,
-                          y + i * N + n, N);
+                                       int bits, int r, int zero, const int8_t *xq, const float *dx,
+                                       const int32_t *xsum, int64_t rows, float *y) {
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32, lanes = Kp / 4;
+    const int64_t cols = VNNI_ROW_COLS, num_passes = (N + cols - 1) / cols;
+    _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
+    {
+        float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
+        float out[VNNI_ROW_COLS];
+        _Pragma("omp for schedule(static)")
+        for (int64_t p = 0; p < num_passes; p++) {
+            const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
+            if (!dw) { /* out of memory: the same numbers one output at a time */
+                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+                continue;
+            }
+            const uint8_t *next = n0 + 2 * cols <= N ? q + (n0 + cols) * row_bytes : 0;
+            transpose_scales(d, m, n0, count, cols, blocks, r, dw, mw);
+            for (int64_t i = 0; i < rows; i++) { /* the pass's weights stay in L1 for the later rows */
+                row_pass_vnni(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
+                              xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
+                memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
-        for (; i < rows; i++) {
-            int64_t n = t * tile;
-            for (; n + 4 <= n_end; n += 4) {
-                float out[4];
-                prefetch_outputs(q, d, m, n + PREFETCH_AHEAD, 4, row_bytes, scales_per_row);
-                dot_x4_vnni(q + n * row_bytes, row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
-                            scales_per_row, Kp, bits, r, zero, xq + i * Kp, dx + i * lanes, xs + i * lanes,
-                            xcorr + i * lanes, scale_index, out);
-                for (int j = 0; j < 4; j++) y[i * N + n + j] = out[j];
-            }
-            for (; n < n_end; n++) {
-                y[i * N + n] = dot_vnni(q + n * row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
-                                        Kp, bits, r, zero, xq + i * Kp, dx + i * lanes, xs + i * lanes,
-                                        xcorr + i * lanes, scale_index);
-            }
-        }
+        free(dw);
     }
 }
 /* ------------------------------------------------------------ many rows: the tiled kernels */
@@ -531,117 +474,73 @@ TARGET_AVX2 static inline __m256i block_lanes_avx2(__m256i w, __m256i x, int bit
     return zero ? _mm256_sub_epi32(lanes, _mm256_loadu_si256((const __m256i *)xcorr)) : lanes;
 }
 
-TARGET_AVX2 static inline float hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+#define AVX2_ROW_COLS 8 /* outputs per per-row pass: one int32 / float lane each */
+
+/* t[j]: 8 lanes of 4-product sums of output j over one 32-block -> [8 outputs] its exact sum. */
+TARGET_AVX2 static inline __m256i block_sums_avx2(const __m256i t[AVX2_ROW_COLS]) {
+    /* per 128-bit half: pair sums, then 4-lane sums of outputs 0-3 and 4-7 */
+    const __m256i k0 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+    const __m256i k1 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[4], t[5]), _mm256_hadd_epi32(t[6], t[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
 }
 
-/* rows_n (1..4) outputs: one row of weights . rows_n quantized activation rows; each
- * group of weights is unpacked once for all of them. */
-TARGET_AVX2 static inline void dots_avx2(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow,
-                                         int64_t Kp, int bits, int r, int zero, const int8_t *xq,
-                                         const float *dx, const float *xs, const int32_t *xcorr, int rows_n,
-                                         float *out, int64_t out_stride) {
-    const int64_t lanes = Kp / 4;
-    __m256 acc[4], acc_min[4];
-    for (int i = 0; i < 4; i++) acc[i] = acc_min[i] = _mm256_setzero_ps();
+/* Outputs [n0, n0 + count) (count <= 8) . one quantized activation row, in dot_portable's
+ * float sequence with the 8 outputs in the lanes (see row_pass_vnni). 8-bit codes need zero 128. */
+TARGET_AVX2 static void row_pass_avx2(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
+                                      int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+                                      const float *dw, const float *mw, const uint8_t *next, float *out) {
+    const uint8_t *rows[AVX2_ROW_COLS];
+    for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
+    const int64_t group_bytes = bits == 4 ? 32 : 64;
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < Kp / 64; g++) {
-        __m256i w[2];
-        unpack_group_avx2(qrow, g, bits, w);
-        for (int h = 0; h < 2; h++) {
-            const int64_t b = 2 * g + h;
-            const float dw = _cvtsh_ss(drow[b / r]), mw = mrow ? _cvtsh_ss(mrow[b / r]) : 0.0f;
-            for (int i = 0; i < rows_n; i++) {
-                const int slot = rows_n == 1 ? h : i; /* one row: two chains of additions, not one */
-                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + i * Kp + 32 * b));
-                __m256i sums = block_lanes_avx2(w[h], x, bits, zero, xcorr + i * lanes + 8 * b);
-                __m256 scale = _mm256_set1_ps(dx[i * lanes + 8 * b] * dw);
-                acc[slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[slot]);
-                if (mrow) {
-                    __m256 lane_xs = _mm256_loadu_ps(xs + i * lanes + 8 * b);
-                    acc_min[slot] = _mm256_fmadd_ps(_mm256_set1_ps(mw), lane_xs, acc_min[slot]);
-                }
-            }
-        }
-    }
-    if (rows_n == 1) {
-        out[0] = hsum_avx2(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc_min[0], acc_min[1])));
-        return;
-    }
-    for (int i = 0; i < rows_n; i++) out[i * out_stride] = hsum_avx2(_mm256_add_ps(acc[i], acc_min[i]));
-}
-
-/* Four outputs of one activation row: weight rows qrow, qrow + row_bytes, ... (scales
- * scales_per_row apart) . xq; each block's activation bytes, corrections and min terms are
- * loaded once for the four, and the four accumulator chains run side by side. */
-TARGET_AVX2 static void dots_x4_avx2(const uint8_t *qrow, int64_t row_bytes, const uint16_t *drow,
-                                     const uint16_t *mrow, int64_t scales_per_row, int64_t Kp, int bits, int r,
-                                     int zero, const int8_t *xq, const float *dx, const float *xs,
-                                     const int32_t *xcorr, float *out) {
-    __m256 acc[4], acc_min[4];
-    for (int j = 0; j < 4; j++) acc[j] = acc_min[j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < Kp / 64; g++) {
-        __m256i w[4][2];
-        for (int j = 0; j < 4; j++) unpack_group_avx2(qrow + j * row_bytes, g, bits, w[j]);
+        if (next)
+            for (int j = 0; j < AVX2_ROW_COLS; j++) _mm_prefetch((const char *)(next + j * row_bytes + g * group_bytes), _MM_HINT_T0);
+        __m256i w[AVX2_ROW_COLS][2];
+        for (int j = 0; j < AVX2_ROW_COLS; j++) unpack_group_avx2(rows[j], g, bits, w[j]);
         for (int h = 0; h < 2; h++) {
             const int64_t b = 2 * g + h;
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-            const __m256 lane_xs = mrow ? _mm256_loadu_ps(xs + 8 * b) : _mm256_setzero_ps();
+            __m256i t[AVX2_ROW_COLS];
+            for (int j = 0; j < AVX2_ROW_COLS; j++) t[j] = block_lanes_avx2(w[j][h], x, bits, 0, 0);
+            __m256i isum = block_sums_avx2(t);
+            if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
             const float dxb = dx[8 * b];
-            for (int j = 0; j < 4; j++) {
-                const float dw = _cvtsh_ss(drow[j * scales_per_row + b / r]);
-                __m256i sums = block_lanes_avx2(w[j][h], x, bits, zero, xcorr + 8 * b);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dxb * dw), acc[j]);
-                if (mrow) {
-                    const float mw = _cvtsh_ss(mrow[j * scales_per_row + b / r]);
-                    acc_min[j] = _mm256_fmadd_ps(_mm256_set1_ps(mw), lane_xs, acc_min[j]);
-                }
-            }
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
+            if (mw) acc = _mm256_fmadd_ps(_mm256_set1_ps(dxb * (float)xsum[b]), _mm256_loadu_ps(mw + b * AVX2_ROW_COLS), acc);
         }
     }
-    for (int j = 0; j < 4; j++) out[j] = hsum_avx2(_mm256_add_ps(acc[j], acc_min[j]));
+    float lanes[AVX2_ROW_COLS];
+    _mm256_storeu_ps(lanes, acc);
+    memcpy(out, lanes, (size_t)count * sizeof(float));
 }
 
 TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
-                                  int bits, int r, int zero, const int8_t *xq, const float *dx, const float *xs,
-                                  const int32_t *xcorr, int64_t rows, float *y) {
-    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, lanes = Kp / 4;
-    const int64_t tile = 16; /* outputs per work item: their weights stay in L1 across activation rows */
-    const int64_t num_tiles = (N + tile - 1) / tile;
-    _Pragma("omp parallel for schedule(static) if(num_tiles > 1 && N * Kp * rows >= 65536)")
-    for (int64_t t = 0; t < num_tiles; t++) {
-        const int64_t n_end = (t + 1) * tile < N ? (t + 1) * tile : N;
-        for (int64_t i = 0; i < rows; i += 4) {
-            const int rows_n = rows - i < 4 ? (int)(rows - i) : 4;
-            int64_t n = t * tile;
-            if (rows_n == 1) {
-                for (; n + 4 <= n_end; n += 4) {
-                    prefetch_outputs(q, d, m, n + PREFETCH_AHEAD, 4, row_bytes, scales_per_row);
-                    float out[4];
-                    dots_x4_avx2(q + n * row_bytes, row_bytes, d + n * scales_per_row,
-                                 m ? m + n * scales_per_row : 0, scales_per_row, Kp, bits, r, zero, xq + i * Kp,
-                                 dx + i * lanes, xs + i * lanes, xcorr + i * lanes, out);
-                    for (int j = 0; j < 4; j++) y[i * N + n + j] = out[j];
-                }
+                                       int bits, int r, int zero, const int8_t *xq, const float *dx,
+                                       const int32_t *xsum, int64_t rows, float *y) {
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32, lanes = Kp / 4;
+    const int64_t cols = AVX2_ROW_COLS, num_passes = (N + cols - 1) / cols;
+    _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
+    {
+        float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
+        float out[AVX2_ROW_COLS];
+        _Pragma("omp for schedule(static)")
+        for (int64_t p = 0; p < num_passes; p++) {
+            const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
+            if (!dw) {
+                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+                continue;
             }
-            for (; n < n_end; n++) {
-                const uint8_t *qrow = q + n * row_bytes;
-                const uint16_t *drow = d + n * scales_per_row, *mrow = m ? m + n * scales_per_row : 0;
-                if (i == 0) prefetch_outputs(q, d, m, n + PREFETCH_AHEAD, 1, row_bytes, scales_per_row);
-                const int8_t *x = xq + i * Kp;
-                const float *dxi = dx + i * lanes, *xsi = xs + i * lanes;
-                const int32_t *xci = xcorr + i * lanes;
-                /* a constant count per call lets the compiler keep the accumulators in registers */
-                switch (rows_n) {
-                case 4: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 4, y + i * N + n, N); break;
-                case 3: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 3, y + i * N + n, N); break;
-                case 2: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 2, y + i * N + n, N); break;
-                default: dots_avx2(qrow, drow, mrow, Kp, bits, r, zero, x, dxi, xsi, xci, 1, y + i * N + n, N); break;
-                }
+            const uint8_t *next = n0 + 2 * cols <= N ? q + (n0 + cols) * row_bytes : 0;
+            transpose_scales(d, m, n0, count, cols, blocks, r, dw, mw);
+            for (int64_t i = 0; i < rows; i++) {
+                row_pass_avx2(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
+                              xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
+                memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
+        free(dw);
     }
 }
 
@@ -809,16 +708,10 @@ int quant_tiled_min_rows(int isa, int bits) {
 }
 
 static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
-                          int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs, int64_t rows,
+                          int r, int32_t zero, const int8_t *xq, const float *dx, const int32_t *xsum, int64_t rows,
                           float *y) {
-    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r;
     _Pragma("omp parallel for schedule(static) if(N * Kp * rows >= 65536)")
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t i = 0; i < rows; i++) {
-            y[i * N + n] = dot_portable(q + n * row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
-                                        Kp, bits, r, zero, xq + i * Kp, dx + i * (Kp / 4), xs + i * (Kp / 4));
-        }
-    }
+    for (int64_t n = 0; n < N; n++) gemm_outputs_portable(q, d, m, n, 1, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
 }
 
 /* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T.
@@ -830,27 +723,27 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
 void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
                 int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs,
                 const int32_t *xcorr, const int32_t *xsum, int64_t rows, float *y) {
+    (void)xs; /* every path now takes the per-block sums; the lane arrays stay in the interface */
+    (void)xcorr;
 #ifdef QUANT_X86
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
             gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
-        gemm_rows_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
+        gemm_rows_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
         if (rows >= tiled_min_rows &&
             gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
-        gemm_rows_avx2(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, rows, y);
+        gemm_rows_avx2(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
         return;
     }
 #endif
     (void)isa; /* without x86, every path is the portable one */
     (void)tiled_min_rows;
-    (void)xcorr;
-    (void)xsum;
-    gemm_portable(q, d, m, N, Kp, bits, r, zero, xq, dx, xs, rows, y);
+    gemm_portable(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
 }
 
 /* quantize_activations then quant_gemm, scratch from the heap: one call per matmul.
