@@ -196,20 +196,6 @@ static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uin
                                         Kp, bits, r, zero, xq + i * Kp, dx + i * (Kp / 4), xsum + i * (Kp / 32));
 }
 
-/* Outputs [n0, n0 + count) of a per-row pass: their per-block scales (and mins) as floats,
- * transposed to [blocks][cols] so a block's scales of all the pass's outputs are one vector;
- * outputs past count get zeros. */
-static void transpose_scales(const uint16_t *d, const uint16_t *m, int64_t n0, int64_t count, int64_t cols,
-                             int64_t blocks, int r, float *dw, float *mw) {
-    const int64_t scales_per_row = blocks / r;
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t c = 0; c < cols; c++) {
-            const int64_t at = (n0 + c) * scales_per_row + b / r;
-            dw[b * cols + c] = c < count ? half_to_float(d[at]) : 0.0f;
-            if (mw) mw[b * cols + c] = c < count ? half_to_float(m[at]) : 0.0f;
-        }
-}
-
 /* ------------------------------------------------------------ AVX-512 VNNI path */
 
 #ifdef QUANT_X86
@@ -226,17 +212,22 @@ TARGET_VNNI static inline __m512i unpack_group_vnni(const uint8_t *qrow, int64_t
 }
 
 #define VNNI_ROW_COLS 16 /* outputs per per-row pass: one int32 / float lane each */
+#ifndef ROW_PREFETCH_PASSES
+#define ROW_PREFETCH_PASSES 2 /* a per-row pass prefetches the weights of the pass this far ahead */
+#endif
 
-/* t[j]: 16 lanes of 4-product sums of output j over one 64-weight group (lanes 0-7 its first
- * 32-block, 8-15 its second) -> s0 / s1 [16 outputs]: each block's exact integer sum. */
-TARGET_VNNI static inline void block_sums_vnni(const __m512i t[VNNI_ROW_COLS], __m512i *s0, __m512i *s1) {
+/* Group g (64 weights, two 32-blocks) of outputs rows[0..16) . xv -> s0 / s1 [16 outputs]:
+ * each block's exact integer sum. Pairs of outputs are reduced as soon as they exist. */
+TARGET_VNNI static inline void block_sums_vnni(const uint8_t *const rows[VNNI_ROW_COLS], int64_t g, int bits,
+                                               __m512i xv, __m512i *s0, __m512i *s1) {
     __m512i u[8], v[4];
-    for (int j = 0; j < 8; j++) /* per 128-bit chunk: lanes 0+2, 1+3 of outputs 2j, 2j + 1 */
-        u[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(t[2 * j], t[2 * j + 1]),
-                                _mm512_unpackhi_epi32(t[2 * j], t[2 * j + 1]));
-    for (int j = 0; j < 4; j++) /* per chunk: its 4-lane sum of outputs 4j .. 4j + 3 */
-        v[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[2 * j], u[2 * j + 1]),
-                                _mm512_unpackhi_epi64(u[2 * j], u[2 * j + 1]));
+    for (int j = 0; j < 8; j++) { /* per 128-bit chunk: lanes 0+2, 1+3 of outputs 2j, 2j + 1 */
+        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unpack_group_vnni(rows[2 * j], g, bits), xv);
+        const __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unpack_group_vnni(rows[2 * j + 1], g, bits), xv);
+        u[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+        if (j % 2) /* per chunk: its 4-lane sum of outputs 2j - 2 .. 2j + 1 */
+            v[j / 2] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[j - 1], u[j]), _mm512_unpackhi_epi64(u[j - 1], u[j]));
+    }
     /* chunks 0 + 1 are the first block, 2 + 3 the second */
     const __m512i x = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                        _mm512_shuffle_i32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -246,24 +237,65 @@ TARGET_VNNI static inline void block_sums_vnni(const __m512i t[VNNI_ROW_COLS], _
     *s1 = _mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
+/* In place: v[r][c] -> v[c][r] for 16 rows of 16 floats. */
+TARGET_VNNI static inline void transpose16_vnni(__m512 v[16]) {
+    __m512 t[16], u[16];
+    for (int p = 0; p < 8; p++) {
+        t[2 * p] = _mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + k], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + k */
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 x = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), y = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
+        const __m512 x2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512 y2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+        v[k] = _mm512_shuffle_f32x4(x, x2, 0x88);
+        v[8 + k] = _mm512_shuffle_f32x4(x, x2, 0xdd);
+        v[4 + k] = _mm512_shuffle_f32x4(y, y2, 0x88);
+        v[12 + k] = _mm512_shuffle_f32x4(y, y2, 0xdd);
+    }
+}
+
+/* The per-block scales (or mins) of outputs [n0, n0 + count) as floats, transposed to
+ * [blocks][16] so one block's values of the pass's outputs are one vector (zeros past count). */
+TARGET_VNNI static void transpose_scales_vnni(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r,
+                                              float *out) {
+    const int64_t per_row = blocks / r;
+    for (int64_t k0 = 0; k0 < per_row; k0 += 16) {
+        const int64_t nk = per_row - k0 < 16 ? per_row - k0 : 16;
+        const __mmask16 mask = (__mmask16)((1u << nk) - 1u);
+        __m512 v[16];
+        for (int j = 0; j < 16; j++)
+            v[j] = j < count ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s + (n0 + j) * per_row + k0))
+                             : _mm512_setzero_ps();
+        transpose16_vnni(v);
+        for (int64_t k = 0; k < nk; k++)
+            for (int rr = 0; rr < r; rr++) _mm512_storeu_ps(out + ((k0 + k) * r + rr) * 16, v[k]);
+    }
+}
+
 /* Outputs [n0, n0 + count) (count <= 16) . one quantized activation row, in dot_portable's
- * float sequence with the 16 outputs in the lanes. dw / mw: transpose_scales of the pass.
+ * float sequence with the 16 outputs in the lanes. dw / mw: transpose_scales_vnni of the pass.
  * next: the weights of the pass after this one (prefetched group by group), or 0. */
-TARGET_VNNI static void row_pass_vnni(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
-                                      int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
+    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
                                       const float *dw, const float *mw, const uint8_t *next, float *out) {
     const uint8_t *rows[VNNI_ROW_COLS];
     for (int j = 0; j < VNNI_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes; /* spare lanes: any row */
-    const int64_t group_bytes = bits == 4 ? 32 : 64;
+    const int64_t prefetch_step = ((VNNI_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < Kp / 64; g++) {
-        if (next)
-            for (int j = 0; j < VNNI_ROW_COLS; j++) _mm_prefetch((const char *)(next + j * row_bytes + g * group_bytes), _MM_HINT_T0);
+        if (next) /* the pass after next's weights (contiguous), a share of its lines per group */
+            for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
+                _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + g * 64));
-        __m512i t[VNNI_ROW_COLS], sums[2];
-        for (int j = 0; j < VNNI_ROW_COLS; j++)
-            t[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unpack_group_vnni(rows[j], g, bits), xv);
-        block_sums_vnni(t, &sums[0], &sums[1]);
+        __m512i sums[2];
+        block_sums_vnni(rows, g, bits, xv, &sums[0], &sums[1]);
         for (int h = 0; h < 2; h++) {
             const int64_t b = 2 * g + h;
             __m512i isum = sums[h];
@@ -275,6 +307,14 @@ TARGET_VNNI static void row_pass_vnni(const uint8_t *q, int64_t row_bytes, int64
         }
     }
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
+}
+
+/* row_pass_vnni compiled once per code width, so the inner loops hold no test of it. */
+TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
+                                     int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+                                     const float *dw, const float *mw, const uint8_t *next, float *out) {
+    if (bits == 4) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, dx, xsum, dw, mw, next, out);
+    else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, dx, xsum, dw, mw, next, out);
 }
 
 TARGET_VNNI static void gemm_rows_vnni(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
@@ -293,11 +333,12 @@ TARGET_VNNI static void gemm_rows_vnni(const uint8_t *q, const uint16_t *d, cons
                 gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
                 continue;
             }
-            const uint8_t *next = n0 + 2 * cols <= N ? q + (n0 + cols) * row_bytes : 0;
-            transpose_scales(d, m, n0, count, cols, blocks, r, dw, mw);
+            const uint8_t *next = n0 + (ROW_PREFETCH_PASSES + 1) * cols <= N ? q + (n0 + ROW_PREFETCH_PASSES * cols) * row_bytes : 0;
+            transpose_scales_vnni(d, n0, count, blocks, r, dw);
+            if (m) transpose_scales_vnni(m, n0, count, blocks, r, mw);
             for (int64_t i = 0; i < rows; i++) { /* the pass's weights stay in L1 for the later rows */
-                row_pass_vnni(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
-                              xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
+                row_pass_vnni_bits(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
+                                   xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
@@ -449,19 +490,6 @@ TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *
 
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* The 64 codes of group g of a weight row, one byte each: w[0] block 2g, w[1] block 2g + 1. */
-TARGET_AVX2 static inline void unpack_group_avx2(const uint8_t *qrow, int64_t g, int bits, __m256i w[2]) {
-    if (bits == 4) {
-        const __m256i low4 = _mm256_set1_epi8(0x0f);
-        __m256i packed = _mm256_loadu_si256((const __m256i *)(qrow + g * 32));
-        w[0] = _mm256_and_si256(packed, low4);
-        w[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-    } else {
-        w[0] = _mm256_loadu_si256((const __m256i *)(qrow + g * 64));
-        w[1] = _mm256_loadu_si256((const __m256i *)(qrow + g * 64 + 32));
-    }
-}
-
 /* The 8 lane sums (4 weights each) of one block, zero point applied: sum (q - zero) * x.
  * 8-bit codes need zero == 128: q - 128 is a signed byte, |q - 128| <= 128. */
 TARGET_AVX2 static inline __m256i block_lanes_avx2(__m256i w, __m256i x, int bits, int zero, const int32_t *xcorr) {
@@ -475,35 +503,90 @@ TARGET_AVX2 static inline __m256i block_lanes_avx2(__m256i w, __m256i x, int bit
 }
 
 #define AVX2_ROW_COLS 8 /* outputs per per-row pass: one int32 / float lane each */
+#ifndef AVX2_ROW_PREFETCH_PASSES
+#define AVX2_ROW_PREFETCH_PASSES 4
+#endif
 
-/* t[j]: 8 lanes of 4-product sums of output j over one 32-block -> [8 outputs] its exact sum. */
-TARGET_AVX2 static inline __m256i block_sums_avx2(const __m256i t[AVX2_ROW_COLS]) {
-    /* per 128-bit half: pair sums, then 4-lane sums of outputs 0-3 and 4-7 */
-    const __m256i k0 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
-    const __m256i k1 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[4], t[5]), _mm256_hadd_epi32(t[6], t[7]));
+/* Half h (one 32-block) of group g of a weight row, one byte per weight. */
+TARGET_AVX2 static inline __m256i unpack_block_avx2(const uint8_t *qrow, int64_t g, int h, int bits) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(qrow + g * 64 + 32 * h));
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(qrow + g * 32));
+    return _mm256_and_si256(h ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(0x0f));
+}
+
+/* Block h of group g of outputs rows[0..8) . x -> [8 outputs] each one's exact integer sum.
+ * Pairs are reduced as soon as they exist, so few registers are live (AVX2 has 16). */
+TARGET_AVX2 static inline __m256i block_sums_avx2(const uint8_t *const rows[AVX2_ROW_COLS], int64_t g, int h, int bits,
+                                                  __m256i x) {
+    __m256i pair[4];
+    for (int p = 0; p < 4; p++)
+        pair[p] = _mm256_hadd_epi32(block_lanes_avx2(unpack_block_avx2(rows[2 * p], g, h, bits), x, bits, 0, 0),
+                                    block_lanes_avx2(unpack_block_avx2(rows[2 * p + 1], g, h, bits), x, bits, 0, 0));
+    /* per 128-bit half: the 4-lane sums of outputs 0-3 and 4-7 */
+    const __m256i k0 = _mm256_hadd_epi32(pair[0], pair[1]), k1 = _mm256_hadd_epi32(pair[2], pair[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
+}
+
+/* In place: v[r][c] -> v[c][r] for 8 rows of 8 floats. */
+TARGET_AVX2 static inline void transpose8_avx2(__m256 v[8]) {
+    __m256 t[8], u[8];
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = _mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]);
+        t[2 * p + 1] = _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* u[4i + k], 128-bit half L: rows 4i .. 4i + 3 of column 4L + k */
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+        v[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* The per-block scales (or mins) of outputs [n0, n0 + count) as floats, transposed to
+ * [blocks][8] so one block's values of the pass's outputs are one vector (zeros past count). */
+TARGET_AVX2 static void transpose_scales_avx2(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r,
+                                              float *out) {
+    const int64_t per_row = blocks / r;
+    for (int64_t k0 = 0; k0 < per_row; k0 += 8) {
+        const int64_t nk = per_row - k0 < 8 ? per_row - k0 : 8;
+        __m256 v[8];
+        for (int j = 0; j < 8; j++) {
+            const uint16_t *src = s + (n0 + j) * per_row + k0;
+            if (j < count && nk == 8) {
+                v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+                continue;
+            }
+            uint16_t h[8] = {0};
+            for (int64_t k = 0; j < count && k < nk; k++) h[k] = src[k];
+            v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        }
+        transpose8_avx2(v);
+        for (int64_t k = 0; k < nk; k++)
+            for (int rr = 0; rr < r; rr++) _mm256_storeu_ps(out + ((k0 + k) * r + rr) * 8, v[k]);
+    }
 }
 
 /* Outputs [n0, n0 + count) (count <= 8) . one quantized activation row, in dot_portable's
  * float sequence with the 8 outputs in the lanes (see row_pass_vnni). 8-bit codes need zero 128. */
-TARGET_AVX2 static void row_pass_avx2(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
-                                      int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
+    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
                                       const float *dw, const float *mw, const uint8_t *next, float *out) {
-    const uint8_t *rows[AVX2_ROW_COLS];
+    const uint8_t *rows[AVX2_ROW_COLS];  /* spare lanes: any row */
     for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
-    const int64_t group_bytes = bits == 4 ? 32 : 64;
+    const int64_t prefetch_step = ((AVX2_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < Kp / 64; g++) {
-        if (next)
-            for (int j = 0; j < AVX2_ROW_COLS; j++) _mm_prefetch((const char *)(next + j * row_bytes + g * group_bytes), _MM_HINT_T0);
-        __m256i w[AVX2_ROW_COLS][2];
-        for (int j = 0; j < AVX2_ROW_COLS; j++) unpack_group_avx2(rows[j], g, bits, w[j]);
+        if (next) /* the pass after next's weights (contiguous), a share of its lines per group */
+            for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
+                _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             const int64_t b = 2 * g + h;
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-            __m256i t[AVX2_ROW_COLS];
-            for (int j = 0; j < AVX2_ROW_COLS; j++) t[j] = block_lanes_avx2(w[j][h], x, bits, 0, 0);
-            __m256i isum = block_sums_avx2(t);
+            __m256i isum = block_sums_avx2(rows, g, h, bits, x);
             if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
             const float dxb = dx[8 * b];
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
@@ -514,6 +597,14 @@ TARGET_AVX2 static void row_pass_avx2(const uint8_t *q, int64_t row_bytes, int64
     float lanes[AVX2_ROW_COLS];
     _mm256_storeu_ps(lanes, acc);
     memcpy(out, lanes, (size_t)count * sizeof(float));
+}
+
+/* row_pass_avx2 compiled once per code width, so the inner loops hold no test of it. */
+TARGET_AVX2 static void row_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
+                                     int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+                                     const float *dw, const float *mw, const uint8_t *next, float *out) {
+    if (bits == 4) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, dx, xsum, dw, mw, next, out);
+    else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, dx, xsum, dw, mw, next, out);
 }
 
 TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
@@ -532,11 +623,12 @@ TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, cons
                 gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
                 continue;
             }
-            const uint8_t *next = n0 + 2 * cols <= N ? q + (n0 + cols) * row_bytes : 0;
-            transpose_scales(d, m, n0, count, cols, blocks, r, dw, mw);
+            const uint8_t *next = n0 + (AVX2_ROW_PREFETCH_PASSES + 1) * cols <= N ? q + (n0 + AVX2_ROW_PREFETCH_PASSES * cols) * row_bytes : 0;
+            transpose_scales_avx2(d, n0, count, blocks, r, dw);
+            if (m) transpose_scales_avx2(m, n0, count, blocks, r, mw);
             for (int64_t i = 0; i < rows; i++) {
-                row_pass_avx2(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
-                              xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
+                row_pass_avx2_bits(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
+                                   xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
