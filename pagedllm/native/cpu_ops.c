@@ -671,11 +671,10 @@ DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
             h, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, scale,                  \
             h + 1 < first_head + heads_per_item ? h + 1 : -1, out)
-#define DISPATCH_CH(TILE_FN, CH_VALUE)                                                            \
-    do {                                                                                          \
-        if (tile.rows > 1) DISPATCH_NSUB(TILE_FN, CH_VALUE, SUB);                                 \
-        else DISPATCH_NSUB(TILE_FN, CH_VALUE, 1);                                                 \
-    } while (0)
+/* Every tile takes SUB chunks per softmax update, a decode token's too: a row's float
+   operations are then the same whatever tile it is in (a decode step, a prefill chunk, a
+   recompute after preemption), so the schedule never changes its bits. */
+#define DISPATCH_CH(TILE_FN, CH_VALUE) DISPATCH_NSUB(TILE_FN, CH_VALUE, SUB)
 
 /* One work item is a tile and either one KV head (split_heads: more items, for
    small batches) or all of them in turn (each K/V block then streams whole).
