@@ -213,7 +213,7 @@ TARGET_VNNI static inline __m512i unpack_group_vnni(const uint8_t *qrow, int64_t
 
 #define VNNI_ROW_COLS 16 /* outputs per per-row pass: one int32 / float lane each */
 #ifndef ROW_PREFETCH_PASSES
-#define ROW_PREFETCH_PASSES 2 /* a per-row pass prefetches the weights of the pass this far ahead */
+#define ROW_PREFETCH_PASSES 2 /* a per-row pass prefetches the weights of the pass this far ahead (1-4 measure alike) */
 #endif
 
 /* Group g (64 weights, two 32-blocks) of outputs rows[0..16) . xv -> s0 / s1 [16 outputs]:
@@ -281,16 +281,17 @@ TARGET_VNNI static void transpose_scales_vnni(const uint16_t *s, int64_t n0, int
 
 /* Outputs [n0, n0 + count) (count <= 16) . one quantized activation row, in dot_portable's
  * float sequence with the 16 outputs in the lanes. dw / mw: transpose_scales_vnni of the pass.
- * next: the weights of the pass after this one (prefetched group by group), or 0. */
+ * next: the weights of a later pass, prefetched a share per group, or 0. */
 TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
-    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
-                                      const float *dw, const float *mw, const uint8_t *next, float *out) {
+    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
+    const int8_t *xq, const float *dx, const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
+    float *out) {
     const uint8_t *rows[VNNI_ROW_COLS];
     for (int j = 0; j < VNNI_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes; /* spare lanes: any row */
     const int64_t prefetch_step = ((VNNI_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < Kp / 64; g++) {
-        if (next) /* the pass after next's weights (contiguous), a share of its lines per group */
+        if (next) /* the later pass's weights (contiguous), a share of its lines per group */
             for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
                 _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + g * 64));
@@ -504,7 +505,7 @@ TARGET_AVX2 static inline __m256i block_lanes_avx2(__m256i w, __m256i x, int bit
 
 #define AVX2_ROW_COLS 8 /* outputs per per-row pass: one int32 / float lane each */
 #ifndef AVX2_ROW_PREFETCH_PASSES
-#define AVX2_ROW_PREFETCH_PASSES 4
+#define AVX2_ROW_PREFETCH_PASSES 4 /* the same 32 outputs ahead as the VNNI kernel's 2 passes of 16 */
 #endif
 
 /* Half h (one 32-block) of group g of a weight row, one byte per weight. */
@@ -573,14 +574,15 @@ TARGET_AVX2 static void transpose_scales_avx2(const uint16_t *s, int64_t n0, int
 /* Outputs [n0, n0 + count) (count <= 8) . one quantized activation row, in dot_portable's
  * float sequence with the 8 outputs in the lanes (see row_pass_vnni). 8-bit codes need zero 128. */
 TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
-    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
-                                      const float *dw, const float *mw, const uint8_t *next, float *out) {
+    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
+    const int8_t *xq, const float *dx, const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
+    float *out) {
     const uint8_t *rows[AVX2_ROW_COLS];  /* spare lanes: any row */
     for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
     const int64_t prefetch_step = ((AVX2_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < Kp / 64; g++) {
-        if (next) /* the pass after next's weights (contiguous), a share of its lines per group */
+        if (next) /* the later pass's weights (contiguous), a share of its lines per group */
             for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
                 _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
