@@ -192,6 +192,32 @@ def test_paged_attention_matches_oracle(library, dtype, block_size, num_heads, n
         assert (out.double() - expected).abs().max().item() <= tolerance
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", [(16, 9, 3, 64), (8, 8, 2, 128), (32, 4, 4, 32)])
+def test_a_rows_attention_is_the_same_bits_in_any_tile(library, dtype, block_size, num_heads, num_kv_heads, head_dim):
+    """A position's output as a decode token, in a prefill tile and in a later prefill chunk
+    (a recompute after preemption re-prefills what was decoded) is equal bit for bit."""
+    if head_dim % library.vector_width():
+        pytest.skip("head_dim not a multiple of this path's vector width (cpu_ops.supports refuses it)")
+    length = 70
+    batch = make_paged_batch([(0, length)], block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, dtype=dtype, seed=3)
+    md = batch.metadata
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+    per_tile = cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim)
+
+    def attend(first: int, count: int) -> torch.Tensor:  # positions [first, first + count) as one chunk
+        tiles = cpu_ops.make_tiles([first + count], [count], per_tile)
+        return cpu_ops.paged_attention(batch.query[first : first + count].contiguous(), batch.k_cache,
+                                       batch.v_cache, md.block_tables, tiles, batch.scale, library=library)
+
+    whole = attend(0, length)
+    later_chunk = attend(23, length - 23)
+    assert torch.equal(later_chunk, whole[23:])
+    for position in (0, 5, 15, 16, 31, 47, length - 1):
+        assert torch.equal(attend(position, 1)[0], whole[position]), position
+
+
 # ---------------------------------------------------------------- dispatch
 
 
