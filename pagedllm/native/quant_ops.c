@@ -199,6 +199,52 @@ static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uin
 /* ------------------------------------------------------------ AVX-512 VNNI path */
 
 #ifdef QUANT_X86
+/* A per-row kernel of one ISA: outputs in the vector lanes, `cols` per pass. */
+typedef void (*TransposeScales)(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r, float *out);
+typedef void (*RowPass)(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits,
+                        int zero, const int8_t *xq, const float *dx, const int32_t *xsum, const float *dw,
+                        const float *mw, const uint8_t *next, float *out);
+typedef struct {
+    TransposeScales transpose; /* a pass's scales and mins into [blocks][cols] floats */
+    RowPass pass;              /* one activation row . the pass's outputs */
+    int64_t cols;              /* outputs per pass, at most MAX_ROW_COLS */
+    int64_t prefetch_passes;   /* a pass prefetches the weights of the pass this far ahead */
+} RowKernel;
+
+#define MAX_ROW_COLS 16
+
+/* y [rows, N] by passes of k.cols outputs, the parallel work items; each pass transposes its
+ * scales once and runs every row on them (its weights stay in L1 for the later rows). */
+static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
+                      int bits, int r, int zero, const int8_t *xq, const float *dx, const int32_t *xsum, int64_t rows,
+                      float *y) {
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32, lanes = Kp / 4;
+    const int64_t cols = k.cols, num_passes = (N + cols - 1) / cols;
+    _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
+    {
+        float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
+        float out[MAX_ROW_COLS];
+        _Pragma("omp for schedule(static)")
+        for (int64_t p = 0; p < num_passes; p++) {
+            const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
+            if (!dw) { /* out of memory: the same numbers one output at a time */
+                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+                continue;
+            }
+            const int64_t ahead = n0 + k.prefetch_passes * cols;
+            const uint8_t *next = ahead + cols <= N ? q + ahead * row_bytes : 0;
+            k.transpose(d, n0, count, blocks, r, dw);
+            if (m) k.transpose(m, n0, count, blocks, r, mw);
+            for (int64_t i = 0; i < rows; i++) {
+                k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes, xsum + i * blocks, dw,
+                       mw, i == 0 ? next : 0, out);
+                memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
+            }
+        }
+        free(dw);
+    }
+}
+
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
 /* Group g (64 weights) of a row as 64 unsigned bytes in order. */
@@ -318,34 +364,7 @@ TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, 
     else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, dx, xsum, dw, mw, next, out);
 }
 
-TARGET_VNNI static void gemm_rows_vnni(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
-                                       int bits, int r, int zero, const int8_t *xq, const float *dx,
-                                       const int32_t *xsum, int64_t rows, float *y) {
-    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32, lanes = Kp / 4;
-    const int64_t cols = VNNI_ROW_COLS, num_passes = (N + cols - 1) / cols;
-    _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
-    {
-        float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
-        float out[VNNI_ROW_COLS];
-        _Pragma("omp for schedule(static)")
-        for (int64_t p = 0; p < num_passes; p++) {
-            const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
-            if (!dw) { /* out of memory: the same numbers one output at a time */
-                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
-                continue;
-            }
-            const uint8_t *next = n0 + (ROW_PREFETCH_PASSES + 1) * cols <= N ? q + (n0 + ROW_PREFETCH_PASSES * cols) * row_bytes : 0;
-            transpose_scales_vnni(d, n0, count, blocks, r, dw);
-            if (m) transpose_scales_vnni(m, n0, count, blocks, r, mw);
-            for (int64_t i = 0; i < rows; i++) { /* the pass's weights stay in L1 for the later rows */
-                row_pass_vnni_bits(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
-                                   xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
-                memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
-            }
-        }
-        free(dw);
-    }
-}
+static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES};
 /* ------------------------------------------------------------ many rows: the tiled kernels */
 
 #define VNNI_TILE_ROWS 16 /* activation rows per zmm: one int32 lane each */
@@ -491,16 +510,16 @@ TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *
 
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* The 8 lane sums (4 weights each) of one block, zero point applied: sum (q - zero) * x.
- * 8-bit codes need zero == 128: q - 128 is a signed byte, |q - 128| <= 128. */
-TARGET_AVX2 static inline __m256i block_lanes_avx2(__m256i w, __m256i x, int bits, int zero, const int32_t *xcorr) {
+/* The 8 lane sums (4 weights each) of one block: sum q * x for 4-bit codes (their zero point
+ * is applied to the block sum), sum (q - 128) * x for 8-bit ones, whose zero must be 128:
+ * q - 128 is a signed byte, |q - 128| <= 128. */
+TARGET_AVX2 static inline __m256i block_lanes_avx2(__m256i w, __m256i x, int bits) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (bits == 8) {
         __m256i sw = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(sw), _mm256_sign_epi8(x, sw)), ones);
     }
-    __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones); /* 2 * 15 * 127: no saturation */
-    return zero ? _mm256_sub_epi32(lanes, _mm256_loadu_si256((const __m256i *)xcorr)) : lanes;
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones); /* 2 * 15 * 127: no saturation */
 }
 
 #define AVX2_ROW_COLS 8 /* outputs per per-row pass: one int32 / float lane each */
@@ -521,8 +540,8 @@ TARGET_AVX2 static inline __m256i block_sums_avx2(const uint8_t *const rows[AVX2
                                                   __m256i x) {
     __m256i pair[4];
     for (int p = 0; p < 4; p++)
-        pair[p] = _mm256_hadd_epi32(block_lanes_avx2(unpack_block_avx2(rows[2 * p], g, h, bits), x, bits, 0, 0),
-                                    block_lanes_avx2(unpack_block_avx2(rows[2 * p + 1], g, h, bits), x, bits, 0, 0));
+        pair[p] = _mm256_hadd_epi32(block_lanes_avx2(unpack_block_avx2(rows[2 * p], g, h, bits), x, bits),
+                                    block_lanes_avx2(unpack_block_avx2(rows[2 * p + 1], g, h, bits), x, bits));
     /* per 128-bit half: the 4-lane sums of outputs 0-3 and 4-7 */
     const __m256i k0 = _mm256_hadd_epi32(pair[0], pair[1]), k1 = _mm256_hadd_epi32(pair[2], pair[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
@@ -609,34 +628,7 @@ TARGET_AVX2 static void row_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, 
     else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, dx, xsum, dw, mw, next, out);
 }
 
-TARGET_AVX2 static void gemm_rows_avx2(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
-                                       int bits, int r, int zero, const int8_t *xq, const float *dx,
-                                       const int32_t *xsum, int64_t rows, float *y) {
-    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32, lanes = Kp / 4;
-    const int64_t cols = AVX2_ROW_COLS, num_passes = (N + cols - 1) / cols;
-    _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
-    {
-        float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
-        float out[AVX2_ROW_COLS];
-        _Pragma("omp for schedule(static)")
-        for (int64_t p = 0; p < num_passes; p++) {
-            const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
-            if (!dw) {
-                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
-                continue;
-            }
-            const uint8_t *next = n0 + (AVX2_ROW_PREFETCH_PASSES + 1) * cols <= N ? q + (n0 + AVX2_ROW_PREFETCH_PASSES * cols) * row_bytes : 0;
-            transpose_scales_avx2(d, n0, count, blocks, r, dw);
-            if (m) transpose_scales_avx2(m, n0, count, blocks, r, mw);
-            for (int64_t i = 0; i < rows; i++) {
-                row_pass_avx2_bits(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes,
-                                   xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
-                memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
-            }
-        }
-        free(dw);
-    }
-}
+static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES};
 
 /* One block's integer sums of an AVX2 tile into its float accumulators: x scale x w scale,
  * plus the block's min term (Q4_1-style) when the weights have mins. */
@@ -824,14 +816,14 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
         if (rows >= tiled_min_rows &&
             gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
-        gemm_rows_vnni(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+        gemm_rows(VNNI_ROWS, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
         if (rows >= tiled_min_rows &&
             gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
-        gemm_rows_avx2(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+        gemm_rows(AVX2_ROWS, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
         return;
     }
 #endif
