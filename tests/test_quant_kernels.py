@@ -35,7 +35,7 @@ FORMATS = {
     "Q4_0": (4, 8, 32, False), "Q4_1": (4, 0, 32, True), "Q8_0": (8, 128, 32, False),
     "int4-g128": (4, 0, 128, True), "int8-g64": (8, 128, 64, False),
 }
-ROWS = [1, 3, 4, 9, 17, 40]  # per-row: groups of 4 and tails; tiled: tiles of 16 / 8 and tails
+ROWS = [1, 3, 4, 9, 16, 17, 40]  # per-row: groups of 4 and tails; tiled: tiles of 16 / 8 and tails; AMX: 16-row tiles
 
 
 def _paths() -> list[tuple[int, bool | None]]:
@@ -143,8 +143,8 @@ def test_activation_quantization_is_the_same_bytes_on_every_path(isa, in_feature
     x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3)) * 3
     x[1, :32] = 0  # an all-zero block: scale 0
     padded = -(-in_features // 64) * 64
-    portable = quant_ops.quantize_activations(x, padded, 8, isa_override=0)
-    got = quant_ops.quantize_activations(x, padded, 8, isa_override=isa)
+    portable = quant_ops.quantize_activations(x, padded, isa_override=0)
+    got = quant_ops.quantize_activations(x, padded, isa_override=isa)
     for name, tensor in portable.items():
         assert torch.equal(got[name], tensor), name
     # the codes are round(x * 127 / amax) per 32-block
@@ -166,7 +166,7 @@ def test_the_row_counts_above_reach_the_tiled_kernel_as_dispatched(isa, bits):
 def test_a_path_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
     weight = quantize_rtn(torch.randn(8, 64), 4, 32)
     with pytest.raises(ValueError, match="not one this CPU runs"):
-        quant_ops.gemm(torch.randn(1, 64), *weight._kernel_args(), isa_override=3)
+        quant_ops.gemm(torch.randn(1, 64), *weight._kernel_args(), isa_override=max(quant_ops.ISA_NAMES) + 1)
     monkeypatch.setenv(quant_ops.ISA_ENV, "avx2")
     assert quant_ops.requested_isa(2) == 1
     monkeypatch.setenv(quant_ops.ISA_ENV, "AVX512-VNNI")
@@ -217,3 +217,28 @@ def test_every_path_gives_the_same_bits_on_two_threads():
             assert torch.equal(got, portable), (isa, tiled)
     finally:
         torch.set_num_threads(1)
+
+
+AMX = 3  # the AVX-512 VNNI + AMX-INT8 path
+
+
+@pytest.mark.skipif(not quant_ops.available() or AMX not in quant_ops.runnable_isas(),
+                    reason="this CPU has no AMX tiles (or the kernel refuses them)")
+def test_the_amx_kernel_and_onednns_amx_matmuls_share_threads():
+    """Both configure the tile registers on the same OpenMP threads; each must leave them so
+    that the other's next call still computes its own result (a tile left unconfigured
+    would raise SIGILL, a wrong configuration would give wrong sums)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weight = quantize_rtn(torch.randn(200, 576, generator=torch.Generator().manual_seed(7)), 4, 32)
+        args = weight._kernel_args()
+        x = torch.randn(40, 576, generator=torch.Generator().manual_seed(8))
+        a, b = torch.randn(64, 576).bfloat16(), torch.randn(300, 576).bfloat16()
+        want_q = quant_ops.gemm(x, *args, isa_override=0)
+        want_d = torch.nn.functional.linear(a, b)
+        for _ in range(50):
+            assert torch.equal(quant_ops.gemm(x, *args, isa_override=AMX, tiled=True), want_q)
+            assert torch.equal(torch.nn.functional.linear(a, b), want_d)
+    finally:
+        torch.set_num_threads(previous)

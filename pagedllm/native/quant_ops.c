@@ -20,7 +20,9 @@
  * Every path computes exactly these integer sums; only the order of the
  * float additions differs.
  *
- * Paths, chosen at run time (__builtin_cpu_supports) or forced by the caller:
+ * Paths, chosen at run time (__builtin_cpu_supports, CPUID) or forced by the caller:
+ *   3  AVX-512 VNNI + AMX-INT8: from AMX_MIN_ROWS activation rows, TDPBSUD on
+ *      16 x 16 tiles computes the block sums (see gemm_amx); fewer rows run path 2.
  *   2  AVX-512 VNNI. Few activation rows: per output, vpdpbusd multiplies 64
  *      unsigned weight bytes by 64 signed activation bytes; the per-lane terms
  *      (activation scale of each 4-weight lane, zero-point correction, min
@@ -45,7 +47,10 @@
 #include <string.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define QUANT_X86 1
 #endif
 
@@ -69,20 +74,18 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* Activation rows, quantized: xq [rows, Kp] int8 in [-127, 127]; per 4-element
- * lane (Kp / 4 of them): dx the block's scale, xs = dx * sum(xq of the lane),
- * xcorr = zero * sum(xq of the lane); per 32-block, xsum [rows, Kp / 32] =
- * sum(xq of the block). Elements k >= K are zero. Every path rounds the same
- * way (to nearest even) and writes the same bytes. */
+/* Activation rows, quantized: xq [rows, Kp] int8 in [-127, 127]; per 32-block,
+ * dx [rows, Kp / 32] the block's scale and xsum [rows, Kp / 32] = sum(xq of the
+ * block). Elements k >= K are zero. Every path rounds the same way (to nearest
+ * even) and writes the same bytes. */
 typedef struct {
-    int8_t *xq;     /* the row's Kp codes */
-    float *dx, *xs; /* the row's Kp / 4 lanes */
-    int32_t *xcorr; /* Kp / 4 lanes */
-    int32_t *xsum;  /* Kp / 32 blocks */
+    int8_t *xq;    /* the row's Kp codes */
+    float *dx;     /* Kp / 32 blocks */
+    int32_t *xsum; /* Kp / 32 blocks */
 } ActivationRow;
 
 /* Block [b, b + 32) of row xr (K elements, b < K). */
-static void quantize_block_portable(const float *xr, int64_t b, int64_t K, int32_t zero, ActivationRow out) {
+static void quantize_block_portable(const float *xr, int64_t b, int64_t K, ActivationRow out) {
     float amax = 0.0f;
     for (int64_t k = b; k < b + 32 && k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
     const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -93,17 +96,12 @@ static void quantize_block_portable(const float *xr, int64_t b, int64_t K, int32
         block_sum += qr[k];
     }
     out.xsum[b / 32] = block_sum;
-    for (int64_t lane = b / 4; lane < (b + 32) / 4; lane++) {
-        int32_t sum = qr[4 * lane] + qr[4 * lane + 1] + qr[4 * lane + 2] + qr[4 * lane + 3];
-        out.dx[lane] = d;
-        out.xs[lane] = d * (float)sum;
-        out.xcorr[lane] = zero * sum;
-    }
+    out.dx[b / 32] = d;
 }
 
 #ifdef QUANT_X86
 /* A whole block (b + 32 <= K) with 8-float vectors: the same bytes as the portable code. */
-__attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const float *xr, int64_t b, int32_t zero,
+__attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const float *xr, int64_t b,
                                                                          ActivationRow out) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v[4], amax8 = _mm256_setzero_ps();
@@ -122,10 +120,7 @@ __attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const f
     bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)(out.xq + b), bytes);
     const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-    const int64_t lane = b / 4;
-    _mm256_storeu_ps(out.dx + lane, _mm256_set1_ps(d));
-    _mm256_storeu_ps(out.xs + lane, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lane_sums)));
-    _mm256_storeu_si256((__m256i *)(out.xcorr + lane), _mm256_mullo_epi32(lane_sums, _mm256_set1_epi32(zero)));
+    out.dx[b / 32] = d;
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(lane_sums), _mm256_extracti128_si256(lane_sums, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
@@ -134,28 +129,27 @@ __attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const f
 
 /* One row: whole blocks with vectors, a partial last block with the portable code. */
 __attribute__((target("avx2,fma,f16c"))) static void quantize_row_avx2(const float *xr, int64_t K, int64_t Kp,
-                                                                       int32_t zero, ActivationRow out) {
+                                                                       ActivationRow out) {
     int64_t b = 0;
-    for (; b + 32 <= K; b += 32) quantize_block_avx2(xr, b, zero, out);
-    for (; b < Kp; b += 32) quantize_block_portable(xr, b, K, zero, out);
+    for (; b + 32 <= K; b += 32) quantize_block_avx2(xr, b, out);
+    for (; b < Kp; b += 32) quantize_block_portable(xr, b, K, out);
 }
 #endif
 
 /* isa >= 1 takes the AVX2 code for whole blocks (every CPU with a vector path has AVX2). */
-void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int64_t Kp, int32_t zero,
-                          int8_t *xq, float *dx, float *xs, int32_t *xcorr, int32_t *xsum) {
+void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int64_t Kp, int8_t *xq, float *dx,
+                          int32_t *xsum) {
     _Pragma("omp parallel for schedule(static) if(rows >= 8)")
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * K;
-        ActivationRow out = {xq + r * Kp, dx + r * (Kp / 4), xs + r * (Kp / 4), xcorr + r * (Kp / 4),
-                             xsum + r * (Kp / 32)};
+        ActivationRow out = {xq + r * Kp, dx + r * (Kp / 32), xsum + r * (Kp / 32)};
 #ifdef QUANT_X86
         if (isa >= 1) {
-            quantize_row_avx2(xr, K, Kp, zero, out);
+            quantize_row_avx2(xr, K, Kp, out);
             continue;
         }
 #endif
-        for (int64_t b = 0; b < Kp; b += 32) quantize_block_portable(xr, b, K, zero, out);
+        for (int64_t b = 0; b < Kp; b += 32) quantize_block_portable(xr, b, K, out);
     }
     (void)isa;
 }
@@ -178,7 +172,7 @@ static float dot_portable(const uint8_t *qrow, const uint16_t *drow, const uint1
     for (int64_t b = 0; b < Kp / 32; b++) {
         int32_t dot = 0;
         for (int64_t k = 32 * b; k < 32 * b + 32; k++) dot += weight_q(qrow, k, bits) * xq[k];
-        const float dxb = dx[8 * b], scale = dxb * half_to_float(drow[b / r]);
+        const float dxb = dx[b], scale = dxb * half_to_float(drow[b / r]);
         acc = fmaf((float)(dot - zero * xsum[b]), scale, acc);
         if (mrow) acc = fmaf(dxb * (float)xsum[b], half_to_float(mrow[b / r]), acc);
     }
@@ -193,7 +187,7 @@ static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uin
     for (int64_t n = n0; n < n0 + count; n++)
         for (int64_t i = 0; i < rows; i++)
             y[i * N + n] = dot_portable(q + n * row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
-                                        Kp, bits, r, zero, xq + i * Kp, dx + i * (Kp / 4), xsum + i * (Kp / 32));
+                                        Kp, bits, r, zero, xq + i * Kp, dx + i * (Kp / 32), xsum + i * (Kp / 32));
 }
 
 /* ------------------------------------------------------------ AVX-512 VNNI path */
@@ -218,7 +212,7 @@ typedef struct {
 static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
                       int bits, int r, int zero, const int8_t *xq, const float *dx, const int32_t *xsum, int64_t rows,
                       float *y) {
-    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32, lanes = Kp / 4;
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32;
     const int64_t cols = k.cols, num_passes = (N + cols - 1) / cols;
     _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
     {
@@ -236,7 +230,7 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
             k.transpose(d, n0, count, blocks, r, dw);
             if (m) k.transpose(m, n0, count, blocks, r, mw);
             for (int64_t i = 0; i < rows; i++) {
-                k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * lanes, xsum + i * blocks, dw,
+                k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * blocks, xsum + i * blocks, dw,
                        mw, i == 0 ? next : 0, out);
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
@@ -347,7 +341,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
             const int64_t b = 2 * g + h;
             __m512i isum = sums[h];
             if (zero) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-zero * xsum[b]));
-            const float dxb = dx[8 * b];
+            const float dxb = dx[b];
             const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), _mm512_loadu_ps(dw + b * VNNI_ROW_COLS));
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
             if (mw) acc = _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), _mm512_loadu_ps(mw + b * VNNI_ROW_COLS), acc);
@@ -402,8 +396,8 @@ static int row_tiles_init(RowTiles *t, int64_t tile_rows, const int8_t *xq, cons
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t at = (tile * blocks + b) * tile_rows + lane;
             const int32_t sum = xsum[i * blocks + b];
-            t->dx[at] = dx[i * quads + 8 * b];
-            t->xs[at] = dx[i * quads + 8 * b] * (float)sum;
+            t->dx[at] = dx[i * blocks + b];
+            t->xs[at] = dx[i * blocks + b] * (float)sum;
             t->zc[at] = -zero * sum;
         }
     }
@@ -609,7 +603,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
             __m256i isum = block_sums_avx2(rows, g, h, bits, x);
             if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
-            const float dxb = dx[8 * b];
+            const float dxb = dx[b];
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
             if (mw) acc = _mm256_fmadd_ps(_mm256_set1_ps(dxb * (float)xsum[b]), _mm256_loadu_ps(mw + b * AVX2_ROW_COLS), acc);
@@ -762,17 +756,247 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
     row_tiles_free(&rt);
     return !failed;
 }
+
+/* ------------------------------------------------------------ AVX-512 + AMX-INT8 path
+ *
+ * Many rows on a CPU with AMX tiles (Sapphire Rapids and later): one TDPBSUD per 32-block
+ * multiplies 16 activation rows (signed bytes, one tile row each, loaded straight from xq)
+ * by 16 outputs' codes (unsigned bytes, 4 consecutive codes of an output per dword) into
+ * 16 x 16 exact integer block sums. Those go through memory into zmm registers, where the
+ * same per-block float sequence as every other path runs: acc = fma(isum, dx * dw, acc),
+ * then with mins acc = fma(dx * xsum, mw, acc). So the path gives the other paths' bits;
+ * the tiles only compute the integer sums faster. Two blocks per step use two sets of
+ * tiles, so the TMUL unit works on one block while the vector units scale the other. */
+
+#define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8")))
+#define AMX_TILE_ROWS 16
+#define AMX_TILE_COLS 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) AmxConfig;
+
+/* Tiles 0-3: integer sums [16 rows][16 outputs]; 4, 5: activations [16 rows][32 bytes];
+ * 6, 7: codes [8 dwords of 4][16 outputs]. */
+TARGET_AMX static void amx_configure(void) {
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.rows[t] = AMX_TILE_ROWS, c.colsb[t] = AMX_TILE_COLS * 4;
+    for (int t = 4; t < 6; t++) c.rows[t] = AMX_TILE_ROWS, c.colsb[t] = 32;
+    for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = AMX_TILE_COLS * 4;
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+}
+
+TARGET_AMX static void amx_release(void) { _tile_release(); }
+
+/* The codes of outputs [n0, n0 + count) as TDPBSUD's right operand, per block b a
+ * [8][16 outputs][4 codes] tile at out + 512 b; spare outputs repeat output n0. */
+TARGET_AMX static void amx_pack_codes(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
+                                      int bits, uint8_t *out) {
+    int32_t offsets[AMX_TILE_COLS];
+    for (int j = 0; j < AMX_TILE_COLS; j++) offsets[j] = (int32_t)((j < count ? j : 0) * row_bytes);
+    const __m512i index = _mm512_loadu_si512((const void *)offsets), low4 = _mm512_set1_epi8(0x0f);
+    const uint8_t *base = q + n0 * row_bytes;
+    if (bits == 4) { /* group g's dword kk: codes 4kk.. of block 2g in the low nibbles, of 2g + 1 in the high */
+        for (int64_t g = 0; g < Kp / 64; g++)
+            for (int kk = 0; kk < 8; kk++) {
+                const __m512i v = _mm512_i32gather_epi32(index, (const void *)(base + g * 32 + 4 * kk), 1);
+                _mm512_storeu_si512((void *)(out + (2 * g * 8 + kk) * 64), _mm512_and_si512(v, low4));
+                _mm512_storeu_si512((void *)(out + ((2 * g + 1) * 8 + kk) * 64),
+                                    _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+            }
+        return;
+    }
+    for (int64_t b = 0; b < Kp / 32; b++)
+        for (int kk = 0; kk < 8; kk++)
+            _mm512_storeu_si512((void *)(out + (b * 8 + kk) * 64),
+                                _mm512_i32gather_epi32(index, (const void *)(base + 32 * b + 4 * kk), 1));
+}
+
+/* Per activation row and block, the float / integer terms of the block sequence, per row
+ * tile [tiles][blocks][16 rows] so that one block's terms of a tile are contiguous. */
+typedef struct {
+    float *dx;   /* the block's activation scale */
+    float *xs;   /* dx * xsum */
+    int32_t *zc; /* -zero * xsum */
+} AmxRowTerms;
+
+/* One block's 16 x 16 integer sums (in memory) into acc: row i's terms at dx[i], xs[i], zc[i]. */
+TARGET_AMX static inline __attribute__((always_inline)) void amx_block_out(
+    const int32_t *sums, const float *dx, const float *xs, const int32_t *zc, int zero,
+    __m512 dwv, __m512 mwv, int has_mins, __m512 acc[AMX_TILE_ROWS]) {
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < AMX_TILE_ROWS; i++) {
+        __m512i v = _mm512_load_si512((const void *)(sums + i * AMX_TILE_COLS));
+        if (zero) v = _mm512_add_epi32(v, _mm512_set1_epi32(zc[i]));
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dx[i]), dwv);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, acc[i]);
+        if (has_mins) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), mwv, acc[i]);
+    }
+}
+
+/* Blocks b, b + 1 into sum tiles c0, c1 (through activation tiles 4, 5 and code tiles 6, 7). */
+#define AMX_DOT_PAIR(c0, c1, b)                                   \
+    do {                                                          \
+        _tile_zero(c0);                                           \
+        _tile_zero(c1);                                           \
+        _tile_loadd(4, x + 32 * (b), x_stride);                   \
+        _tile_loadd(6, codes + 512 * (b), 64);                    \
+        _tile_dpbsud(c0, 4, 6);                                   \
+        _tile_loadd(5, x + 32 * ((b) + 1), x_stride);             \
+        _tile_loadd(7, codes + 512 * ((b) + 1), 64);              \
+        _tile_dpbsud(c1, 5, 7);                                   \
+    } while (0)
+
+/* Sum tiles c0, c1 (blocks 2p, 2p + 1) into buffer s. */
+#define AMX_STORE_PAIR(c0, c1, s)                                 \
+    do {                                                          \
+        _tile_stored(c0, sums[s][0], AMX_TILE_COLS * 4);          \
+        _tile_stored(c1, sums[s][1], AMX_TILE_COLS * 4);          \
+    } while (0)
+
+/* Buffer s (blocks 2p, 2p + 1) into the float accumulators, block by block. */
+#define AMX_OUT_PAIR(s, p)                                                                                   \
+    do {                                                                                                     \
+        _Pragma("GCC unroll 2")                                                                              \
+        for (int h = 0; h < 2; h++) {                                                                        \
+            const int64_t bb = 2 * (p) + h;                                                                  \
+            const __m512 dwv = _mm512_loadu_ps(dw + bb * AMX_TILE_COLS);                                     \
+            const __m512 mwv = mw ? _mm512_loadu_ps(mw + bb * AMX_TILE_COLS) : _mm512_setzero_ps();          \
+            amx_block_out(sums[s][h], dx + 16 * bb, xs + 16 * bb, zc + 16 * bb, zero, dwv, mwv, mw != 0, acc); \
+        }                                                                                                    \
+    } while (0)
+
+/* Row tile [r0, r0 + 16) of activations x (rows of x_stride bytes) . the packed outputs,
+ * stored to y rows r0.. (num rows, count outputs from column n0). Software-pipelined over
+ * the pairs of blocks, three deep: while the tiles multiply pair p + 1 (into sum tiles 0, 1
+ * or 2, 3, by parity) and store pair p to memory, the vector units scale pair p - 1, whose
+ * sums reached memory a step earlier (a load right behind a tile store would wait for it). */
+TARGET_AMX static inline __attribute__((always_inline)) void amx_tile(
+    const int8_t *x, int64_t x_stride, const AmxRowTerms *terms, int64_t r0, const uint8_t *codes, const float *dw,
+    const float *mw, int64_t blocks, int zero, float *y, int64_t N, int64_t n0, int64_t count, int64_t num) {
+    __m512 acc[AMX_TILE_ROWS];
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < AMX_TILE_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    int32_t sums[2][2][AMX_TILE_ROWS * AMX_TILE_COLS] __attribute__((aligned(64)));
+    const float *dx = terms->dx + r0 * blocks, *xs = terms->xs + r0 * blocks; /* r0 = 16 x the tile */
+    const int32_t *zc = terms->zc + r0 * blocks;
+    const int64_t pairs = blocks / 2; /* Kp is a multiple of 64: blocks is even */
+    __asm__ volatile("" ::: "memory"); /* the packed codes are in memory before the tiles load them */
+    AMX_DOT_PAIR(0, 1, 0);
+    for (int64_t p = 0; p < pairs; p += 2) { /* even pairs in tiles 0, 1 and buffer 0, odd in 2, 3 and 1 */
+        if (p + 1 < pairs) AMX_DOT_PAIR(2, 3, 2 * (p + 1));
+        AMX_STORE_PAIR(0, 1, 0);
+        if (p > 0) AMX_OUT_PAIR(1, p - 1);
+        if (p + 1 < pairs) {
+            if (p + 2 < pairs) AMX_DOT_PAIR(0, 1, 2 * (p + 2));
+            AMX_STORE_PAIR(2, 3, 1);
+            AMX_OUT_PAIR(0, p);
+        }
+    }
+    AMX_OUT_PAIR((pairs - 1) % 2, pairs - 1);
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < AMX_TILE_ROWS; i++)
+        if (i < num) _mm512_mask_storeu_ps(y + (r0 + i) * N + n0, mask, acc[i]);
+}
+
+/* amx_tile compiled per (mins, zero point) pair, so its inner loop tests neither. */
+TARGET_AMX static void amx_tile_mins(const int8_t *x, int64_t x_stride, const AmxRowTerms *terms, int64_t r0,
+                                     const uint8_t *codes, const float *dw, const float *mw, int64_t blocks,
+                                     int zero, float *y, int64_t N, int64_t n0, int64_t count, int64_t num) {
+    if (mw && zero) amx_tile(x, x_stride, terms, r0, codes, dw, mw, blocks, zero, y, N, n0, count, num);
+    else if (mw) amx_tile(x, x_stride, terms, r0, codes, dw, mw, blocks, 0, y, N, n0, count, num);
+    else if (zero) amx_tile(x, x_stride, terms, r0, codes, dw, 0, blocks, zero, y, N, n0, count, num);
+    else amx_tile(x, x_stride, terms, r0, codes, dw, 0, blocks, 0, y, N, n0, count, num);
+}
+
+/* y [rows, N] on the AMX tiles: groups of 16 outputs are the parallel work items; each
+ * packs its codes once and runs every 16-row tile on them. Returns 0 when out of memory. */
+static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r,
+                    int zero, const int8_t *xq, const float *dx, const int32_t *xsum, int64_t rows, float *y) {
+    const int64_t blocks = Kp / 32, row_bytes = bits == 4 ? Kp / 2 : Kp;
+    const int64_t tiles = (rows + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS, padded = tiles * AMX_TILE_ROWS;
+    const int64_t full = rows / AMX_TILE_ROWS; /* tiles read straight from xq; the last partial one from tail */
+    AmxRowTerms terms = {malloc((size_t)(padded * blocks) * sizeof(float)),
+                         malloc((size_t)(padded * blocks) * sizeof(float)),
+                         malloc((size_t)(padded * blocks) * sizeof(int32_t))};
+    int8_t *tail = calloc((size_t)(AMX_TILE_ROWS * Kp), 1);
+    int failed = !terms.dx || !terms.xs || !terms.zc || !tail;
+    if (!failed) {
+        for (int64_t i = 0; i < padded; i++)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int32_t s = i < rows ? xsum[i * blocks + b] : 0;
+                const float dxb = i < rows ? dx[i * blocks + b] : 0.0f;
+                const int64_t at = ((i / AMX_TILE_ROWS) * blocks + b) * AMX_TILE_ROWS + i % AMX_TILE_ROWS;
+                terms.dx[at] = dxb;
+                terms.xs[at] = dxb * (float)s;
+                terms.zc[at] = -zero * s;
+            }
+        if (full < tiles) memcpy(tail, xq + full * AMX_TILE_ROWS * Kp, (size_t)((rows - full * AMX_TILE_ROWS) * Kp));
+        const int64_t num_groups = (N + AMX_TILE_COLS - 1) / AMX_TILE_COLS;
+        _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
+        {
+            uint8_t *codes = aligned_alloc(64, (size_t)(blocks * 512));
+            float *dw = malloc((size_t)(2 * blocks * AMX_TILE_COLS) * sizeof(float));
+            float *mw = m && dw ? dw + blocks * AMX_TILE_COLS : 0;
+            if (!codes || !dw) {
+                _Pragma("omp atomic write")
+                failed = 1;
+            } else {
+                amx_configure();
+            }
+            _Pragma("omp for schedule(static)")
+            for (int64_t g = 0; g < num_groups; g++) {
+                if (!codes || !dw) continue;
+                const int64_t n0 = g * AMX_TILE_COLS, count = N - n0 < AMX_TILE_COLS ? N - n0 : AMX_TILE_COLS;
+                amx_pack_codes(q, row_bytes, n0, count, Kp, bits, codes);
+                transpose_scales_vnni(d, n0, count, blocks, r, dw);
+                if (m) transpose_scales_vnni(m, n0, count, blocks, r, mw);
+                for (int64_t step = 0; step < tiles; step++) {
+                    const int64_t t = g % 2 ? tiles - 1 - step : step; /* as gemm_tiled: warm tiles first */
+                    const int64_t num = rows - t * AMX_TILE_ROWS < AMX_TILE_ROWS ? rows - t * AMX_TILE_ROWS : AMX_TILE_ROWS;
+                    const int8_t *x = t < full ? xq + t * AMX_TILE_ROWS * Kp : tail;
+                    amx_tile_mins(x, Kp, &terms, t * AMX_TILE_ROWS, codes, dw, mw, blocks, zero, y, N, n0, count, num);
+                }
+            }
+            if (codes && dw) amx_release();
+            free(codes);
+            free(dw);
+        }
+    }
+    free(terms.dx);
+    free(terms.xs);
+    free(terms.zc);
+    free(tail);
+    return !failed;
+}
 #endif
 
 /* ------------------------------------------------------------ dispatch */
 
-/* The best path this CPU runs: 2 (AVX-512 VNNI), 1 (AVX2 + FMA + F16C) or 0 (portable C). */
+#ifdef QUANT_X86
+/* AMX-TILE and AMX-INT8 in CPUID, and the kernel's leave to use the tile data (Linux asks
+ * each process to request it; the request is granted once and holds for every thread). */
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+#endif
+
+/* The best path this CPU runs: 3 (AVX-512 VNNI + AMX-INT8), 2 (AVX-512 VNNI), 1 (AVX2 +
+ * FMA + F16C) or 0 (portable C). */
 int quant_isa(void) {
 #ifdef QUANT_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
-        return 2;
+        return amx_usable() ? 3 : 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return 1;
 #endif
@@ -785,9 +1009,14 @@ int quant_isa(void) {
 #define VNNI_TILED_MIN_ROWS 3
 #define AVX2_Q4_TILED_MIN_ROWS 4
 #define AVX2_Q8_TILED_MIN_ROWS 5
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 4 /* path 3: the AMX kernel from here (faster than path 2 from 4 rows, by kernel_bench); below, path 2 */
+#endif
 
-/* isa 2 or 1, codes of `bits` bits; 0 for the portable path, which has no tiled kernel. */
+/* isa 3, 2 or 1, codes of `bits` bits (for 3: the rows from which the AMX kernel runs);
+ * 0 for the portable path, which has no tiled kernel. */
 int quant_tiled_min_rows(int isa, int bits) {
+    if (isa == 3) return AMX_MIN_ROWS;
     if (isa == 2) return VNNI_TILED_MIN_ROWS;
     if (isa == 1) return bits == 4 ? AVX2_Q4_TILED_MIN_ROWS : AVX2_Q8_TILED_MIN_ROWS;
     return 0;
@@ -807,11 +1036,13 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
  * the tiled kernel out of memory) falls back to the next one down. */
 void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
-                int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const float *xs,
-                const int32_t *xcorr, const int32_t *xsum, int64_t rows, float *y) {
-    (void)xs; /* every path now takes the per-block sums; the lane arrays stay in the interface */
-    (void)xcorr;
+                int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const int32_t *xsum,
+                int64_t rows, float *y) {
 #ifdef QUANT_X86
+    if (isa == 3) {
+        if (rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y)) return;
+        isa = 2, tiled_min_rows = VNNI_TILED_MIN_ROWS; /* few rows (or out of memory): path 2 */
+    }
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
             gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
@@ -837,14 +1068,14 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
 int quant_linear(int isa, int64_t tiled_min_rows, const float *x, int64_t rows, int64_t K, const uint8_t *q,
                  const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero,
                  float *y) {
-    const int64_t lanes = Kp / 4, blocks = Kp / 32;
-    char *scratch = malloc((size_t)(rows * Kp + rows * lanes * 12 + rows * blocks * 4));
+    const int64_t blocks = Kp / 32;
+    char *scratch = malloc((size_t)(rows * Kp + rows * blocks * 8));
     if (!scratch) return 0;
     int8_t *xq = (int8_t *)scratch;
-    float *dx = (float *)(scratch + rows * Kp), *xs = dx + rows * lanes;
-    int32_t *xcorr = (int32_t *)(xs + rows * lanes), *xsum = xcorr + rows * lanes;
-    quantize_activations(isa, x, rows, K, Kp, zero, xq, dx, xs, xcorr, xsum);
-    quant_gemm(isa, tiled_min_rows, q, d, m, N, Kp, bits, r, zero, xq, dx, xs, xcorr, xsum, rows, y);
+    float *dx = (float *)(scratch + rows * Kp); /* Kp is a multiple of 64: aligned */
+    int32_t *xsum = (int32_t *)(dx + rows * blocks);
+    quantize_activations(isa, x, rows, K, Kp, xq, dx, xsum);
+    quant_gemm(isa, tiled_min_rows, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
     free(scratch);
     return 1;
 }

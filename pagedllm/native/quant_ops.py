@@ -4,9 +4,11 @@ Built like :mod:`pagedllm.native.cpu_ops` (system C compiler, per-user cache,
 ``ctypes``), but without ``-march=native``: the AVX-512 VNNI and AVX2 paths
 carry their own target attributes and the best one the CPU runs is chosen at
 run time (:func:`isa`), so one build serves any x86-64 CPU.
-``PAGEDLLM_QUANT_ISA`` (``auto``, ``portable``, ``avx2``, ``avx512-vnni``)
-forces a path, as ``gemm(..., isa_override=)`` does per call: an AVX-512
-machine runs, tests and benchmarks all three. ``PAGEDLLM_NATIVE_OPS=0``
+``PAGEDLLM_QUANT_ISA`` (``auto``, ``portable``, ``avx2``, ``avx512-vnni``,
+``avx512-amx``) forces a path, as ``gemm(..., isa_override=)`` does per call: an
+AVX-512 machine runs, tests and benchmarks every path up to its own (one with
+AMX tiles, all four). The AMX path asks Linux for the tile state once per process
+(``arch_prctl``); where the kernel refuses, the best path is AVX-512 VNNI. ``PAGEDLLM_NATIVE_OPS=0``
 disables the kernels, as it does the other native ones; the quantized layers
 then compute on their dequantized weight.
 """
@@ -31,7 +33,7 @@ from pagedllm.native.cpu_ops import _compiler
 logger = logging.getLogger("pagedllm")
 
 _SOURCE_PATH = Path(__file__).with_name("quant_ops.c")
-ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}  # the C path numbers, cheapest first
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni", 3: "avx512-amx"}  # the C path numbers, cheapest first
 ISA_ENV = "PAGEDLLM_QUANT_ISA"
 
 _lock = threading.Lock()
@@ -57,7 +59,8 @@ def available() -> bool:
 
 
 def isa() -> int:
-    """The path the kernels run: 2 (AVX-512 VNNI), 1 (AVX2 + FMA) or 0 (portable C);
+    """The path the kernels run: 3 (AVX-512 VNNI with AMX-INT8 tiles for many rows),
+    2 (AVX-512 VNNI), 1 (AVX2 + FMA) or 0 (portable C);
     the best of :func:`runnable_isas` unless ``PAGEDLLM_QUANT_ISA`` names another."""
     assert available(), "call available() first"
     return _isa
@@ -116,8 +119,8 @@ def build_library() -> ctypes.CDLL:
     library.quant_isa.restype = library.quant_tiled_min_rows.restype = c_int
     library.quant_isa.argtypes = []
     library.quant_tiled_min_rows.argtypes = [c_int, c_int]
-    library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, i32, p, p, p, p, p]
-    library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, p, i64, p]
+    library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, p, p, p]
+    library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, i64, p]
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
     library.quant_linear.argtypes = [c_int, i64, p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear.restype = c_int
@@ -167,7 +170,8 @@ def gemm(
 
     ``isa_override`` runs another path of :func:`runnable_isas` than :func:`isa`. The
     AVX-512 VNNI and AVX2 paths take their tiled kernel from :func:`tiled_min_rows` rows
-    (``tiled=None``), at any row count (``True``) or never (``False``)."""
+    (``tiled=None``), at any row count (``True``) or never (``False``); for the AMX path
+    the tiled kernel is the AMX one, and ``False`` runs path 2's dispatch."""
     path = _isa if isa_override is None else isa_override
     if path not in _runnable:
         raise ValueError(f"quantized-kernel path {path} is not one this CPU runs: {_runnable}")
@@ -227,23 +231,21 @@ def dequantize_rows(
 
 def quantize_activations(
     x: torch.Tensor,  # [T, K] float32, contiguous
-    padded_in: int, zero: int, isa_override: int | None = None,
+    padded_in: int, isa_override: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The kernels' int8 activations of ``x`` (what :func:`gemm` computes first), for tests:
-    ``xq`` [T, Kp] int8, per 4-element lane ``dx``, ``xs`` [T, Kp / 4] float32 and ``xcorr``
-    int32, per 32-block ``xsum`` [T, Kp / 32] int32 (see quant_ops.c)."""
+    ``xq`` [T, Kp] int8 and per 32-block the scale ``dx`` [T, Kp / 32] float32 and the code
+    sum ``xsum`` [T, Kp / 32] int32 (see quant_ops.c)."""
     path = _isa if isa_override is None else isa_override
     if path not in _runnable:
         raise ValueError(f"quantized-kernel path {path} is not one this CPU runs: {_runnable}")
     rows, in_features = x.shape
-    lanes, blocks = padded_in // 4, padded_in // 32
+    blocks = padded_in // 32
     out = {
         "xq": torch.empty((rows, padded_in), dtype=torch.int8),
-        "dx": torch.empty((rows, lanes)), "xs": torch.empty((rows, lanes)),
-        "xcorr": torch.empty((rows, lanes), dtype=torch.int32), "xsum": torch.empty((rows, blocks), dtype=torch.int32),
+        "dx": torch.empty((rows, blocks)), "xsum": torch.empty((rows, blocks), dtype=torch.int32),
     }
     _library.quantize_activations(
-        path, x.data_ptr(), rows, in_features, padded_in, zero,
-        *(out[name].data_ptr() for name in ("xq", "dx", "xs", "xcorr", "xsum")),
+        path, x.data_ptr(), rows, in_features, padded_in, *(out[name].data_ptr() for name in ("xq", "dx", "xsum")),
     )
     return out
