@@ -205,10 +205,10 @@ class EngineConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size, allow_none=False)
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1; leave it unset")
-        if self.tensor_parallel_size > 1 and self.quantization not in (None, "none"):
+        if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4"):
             raise ConfigError(
                 f"quantization={self.quantization!r} with tensor_parallel_size > 1 is not supported yet; "
-                "use tensor_parallel_size=1 or quantization='none'"
+                "use a GGUF file with quantization='gguf', tensor_parallel_size=1 or quantization='none'"
             )
         _not_yet("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_CACHE_DTYPES)
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -20,12 +20,18 @@ from test_gguf_loader import _hf_model, _prefill_logits, _state, _write_gguf
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.config import EngineConfig
+from pagedllm.distributed import TensorParallelGroup
 from pagedllm.errors import ConfigError
 from pagedllm.layers.linear import LinearBase
 from pagedllm.models.loader import load_model
 from pagedllm.native import quant_ops
 from pagedllm.quant import QuantizedWeight, from_gguf_blocks, quantize_rtn
-from pagedllm.quant.layers import QuantizedEmbedding, QuantizedLinearMethod, QuantizedLMHead
+from pagedllm.quant.layers import (
+    QuantizedEmbedding,
+    QuantizedLinearMethod,
+    QuantizedLMHead,
+    QuantizedRowParallelMethod,
+)
 
 GGUF_TYPES = {"Q4_0": QType.Q4_0, "Q4_1": QType.Q4_1, "Q8_0": QType.Q8_0}
 # int8 activations per 32-block: relative error of a dot product a few tenths of a percent
@@ -138,8 +144,7 @@ def test_engine_config_refuses_unknown_quantization():
         EngineConfig(quantization="fp4")
     with pytest.raises(ConfigError, match="quantization_group_size"):
         EngineConfig(quantization="int4", quantization_group_size=16)
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported yet"):
-        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    assert EngineConfig(quantization="gguf", tensor_parallel_size=2).tensor_parallel_size == 2
     assert EngineConfig(quantization="none", tensor_parallel_size=2).tensor_parallel_size == 2
 
 
@@ -213,6 +218,41 @@ def test_rtn_quantizes_every_linear_layer_embedding_and_head(tmp_path, quantizat
     tokens = list(range(3, 60))
     want, got = _prefill_logits(dense, tokens), _prefill_logits(packed, tokens)
     assert _relative_error(got, want) < (0.02 if quantization == "int8" else 0.3)
+
+
+@needs_kernels
+def test_each_rank_serves_its_shard_of_the_packed_matrices(tmp_path):
+    """Under TP=2 every packed matrix is this rank's part of the full one, the same bytes:
+    column-parallel layers hold the dense model's shard on that rank; the row-parallel ones
+    hold output rows over every input column (QuantizedRowParallelMethod)."""
+    path = tmp_path / "tiny-q.gguf"
+    _write_gguf(path, _state(_hf_model()), QTYPES)
+    whole = _load(path, "none").model.layers[0]
+    for rank in range(2):
+        tp = TensorParallelGroup(rank=rank, size=2)
+        dense, packed = _load(path, "none", tp=tp).model, _load(path, "gguf", tp=tp).model
+        layer, want = packed.layers[0], dense.layers[0]
+        for got, ref in [(layer.self_attn.qkv_proj, want.self_attn.qkv_proj),
+                         (layer.mlp.gate_up_proj, want.mlp.gate_up_proj)]:
+            assert isinstance(got.method, QuantizedLinearMethod)
+            assert torch.equal(_packed(got).dequantize(), ref.dense_weight())
+        for got, ref in [(layer.self_attn.o_proj, whole.self_attn.o_proj), (layer.mlp.down_proj, whole.mlp.down_proj)]:
+            start, end = tp.shard(got.output_size)
+            assert isinstance(got.method, QuantizedRowParallelMethod) and got.method.out_start == start
+            assert torch.equal(_packed(got).dequantize(), ref.dense_weight()[start:end])
+        embed = packed.embed_tokens
+        assert isinstance(embed, QuantizedEmbedding) and embed.quantized is packed.lm_head.quantized
+        assert (embed.vocab_start, embed.vocab_end) == (dense.embed_tokens.vocab_start, dense.embed_tokens.vocab_end)
+        assert torch.equal(embed.quantized.dequantize(), dense.embed_tokens.weight)
+
+
+def test_rtn_quantization_with_tensor_parallelism_is_refused(tmp_path):
+    path = tmp_path / "tiny-f32.gguf"
+    _write_gguf(path, _state(_hf_model()), {})
+    with pytest.raises(ConfigError, match="int8.*tensor parallelism"):
+        _load(path, "int8", tp=TensorParallelGroup(rank=0, size=2))
+    with pytest.raises(ConfigError, match="int4.*tensor_parallel_size"):
+        EngineConfig(quantization="int4", tensor_parallel_size=2)
 
 
 def test_gguf_quantization_needs_a_gguf_file(tmp_path):

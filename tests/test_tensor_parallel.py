@@ -16,6 +16,7 @@ import pytest
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.distributed import head_shard
 from pagedllm.errors import ConfigError, EngineDeadError
+from pagedllm.native import quant_ops
 
 PROMPTS = [
     "The capital of France is",
@@ -77,6 +78,28 @@ def test_tp2_greedy_equals_tp1_on_the_default_model():
         assert t.logits_gather.num_calls == t.num_steps
         assert 0 < t.all_reduce.seconds < t.forward_seconds
     assert times[0].sample_seconds > 0 and times[1].sample_seconds == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the quantized kernels")
+def test_tp2_with_packed_gguf_weights_equals_tp1_bit_for_bit():
+    """Each rank serves its shard of the GGUF's packed matrices, and every output of every layer
+    is computed whole on one rank in TP=1's float sequence (the row-parallel ones gather their
+    input), so TP=2 gives TP=1's tokens and logprobs exactly, not only where ties are far."""
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
+    tp2 = _llm(2, quantization="gguf")
+    try:
+        got = tp2.generate(PROMPTS, params, use_tqdm=False)
+        times = tp2.llm_engine.executor.rank_times()
+    finally:
+        tp2.llm_engine.shutdown()
+    want = _llm(1, quantization="gguf").generate(PROMPTS, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids), g.prompt
+        for mine, theirs in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            assert {t: lp.logprob for t, lp in mine.items()} == {t: lp.logprob for t, lp in theirs.items()}
+    # per layer: the attention's and the MLP's row-parallel layer sum twice (input, output); plus the embedding's
+    assert all(t.all_reduce.num_calls == (4 * 30 + 1) * t.num_steps > 0 for t in times)
 
 
 @pytest.mark.slow

@@ -258,8 +258,11 @@ class RowParallelLinear(LinearBase):
         start, end = input_range or shard_range(input_size, tp.size, tp.rank)
         super().__init__(end - start, output_size, bias, tp, method)
         self.input_start = start
+        self.full_input_size = input_size
 
     def forward(self, x: Tensor) -> Tensor:
+        if getattr(self.method, "gathers_input", False):  # it does its own collectives
+            return self.method.apply(self, x, self.bias)
         bias = self.bias if self.tp.is_first else None
         return self.tp.all_reduce(self.method.apply(self, x, bias))
 

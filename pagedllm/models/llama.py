@@ -283,9 +283,10 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}"
             )
         if quantized:
-            from pagedllm.quant.layers import install_quantized
+            from pagedllm.quant.layers import install_quantized, local_shard
 
-            packed = {name: QuantizedWeight.cat_rows([parts[p] for p in sorted(parts)])
+            packed = {name: local_shard(self.get_submodule(name.removesuffix(".weight")),
+                                        [parts[p] for p in sorted(parts)])
                       for name, parts in quantized.items()}
             install_quantized(self, packed)
         self.bind_kernels()

@@ -60,8 +60,8 @@ def load_model(
     Q4_1 / Q8_0 tensors kept packed), "int8" / "int4" (round-to-nearest
     weight-only, ``quantization_group_size`` weights per scale, of every linear
     layer, the embedding and the LM head), served by
-    :mod:`pagedllm.quant.layers`; single-process only. Raises ConfigError for
-    a setting that does not apply to this model, ModelLoadError naming what is missing,
+    :mod:`pagedllm.quant.layers` (gguf under tensor parallelism too: each rank its shard).
+    Raises ConfigError for a setting that does not apply to this model, ModelLoadError naming what is missing,
     UnsupportedModelError for an architecture pagedllm does not implement.
     """
     started = time.perf_counter()
@@ -71,8 +71,9 @@ def load_model(
         raise ConfigError(f"quantization='gguf' needs a .gguf model, got {path}; use int8 or int4 for other checkpoints")
     if quantization != "none" and device.type != "cpu":
         raise ConfigError(f"quantization={quantization!r} runs on the CPU only; use quantization='none' on {device}")
-    if quantization != "none" and tp.size > 1:
-        raise ConfigError(f"quantization={quantization!r} with tensor parallelism is not supported yet; use TP=1")
+    if quantization in ("int8", "int4") and tp.size > 1:
+        raise ConfigError(f"quantization={quantization!r} with tensor parallelism is not supported yet; "
+                          "use a GGUF file with quantization='gguf', or TP=1")
     if path.suffix == ".gguf":
         from pagedllm.models.gguf_loader import load_gguf_checkpoint
 

@@ -148,6 +148,10 @@ class QuantizedWeight:
             None if self.mins is None else fn(self.mins).contiguous(),
         )
 
+    def rows(self, start: int, end: int) -> QuantizedWeight:
+        """Output rows ``[start, end)``: a column-parallel shard."""
+        return self.map_rows(lambda t: t[start:end])
+
     @staticmethod
     def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack matrices of one format by rows (``[q | k | v]``)."""

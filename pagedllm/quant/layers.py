@@ -5,8 +5,12 @@ A linear layer serves a packed matrix through :class:`QuantizedLinearMethod`
 model's dtype and device); the embedding and the LM head are replaced by
 :class:`QuantizedEmbedding` / :class:`QuantizedLMHead` over one packed
 ``[vocab, hidden]`` matrix (one object for both when they are tied).
-:func:`install_quantized` does the swap on a loaded model, single-process
-only (tensor parallelism with quantization raises ConfigError earlier).
+:func:`install_quantized` does the swap on a loaded model. Under tensor
+parallelism each rank serves its shard (:func:`local_shard`), the same bytes
+as that part of the full matrix: column-parallel layers and the vocabulary by
+rows, and the row-parallel ones (o_proj, down_proj) by rows too, over every
+input column (:class:`QuantizedRowParallelMethod`), so that each output is
+computed whole, in one rank's float sequence, exactly as at TP=1.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import LinearBase, LinearMethod
+from pagedllm.layers.linear import LinearBase, LinearMethod, MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.quant.formats import QuantizedWeight
 
 
@@ -50,59 +55,129 @@ class QuantizedLinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
 
-class QuantizedEmbedding(nn.Module):
-    """``ids [T] -> [T, hidden]`` in ``weight``'s dtype, looked up in a packed ``[vocab, hidden]`` matrix."""
+class QuantizedRowParallelMethod(QuantizedLinearMethod):
+    """A row-parallel layer's packed matrix under tensor parallelism, held by output rows.
 
-    def __init__(self, quantized: QuantizedWeight, like: Tensor) -> None:
+    Splitting a packed matrix by input columns would leave each output as two partial block
+    sequences summed across ranks, which round differently from TP=1's single sequence; the
+    next layer's int8 activations then turn that rounding into different codes and, at
+    near ties, different tokens. Instead each rank holds rows ``[out_start, out_end)`` over
+    every input column: it gathers the full input (its columns, zeros elsewhere, summed
+    across ranks: exact), computes its outputs as TP=1 does, and the outputs are gathered the
+    same way. Two sums of zero-padded tensors instead of one of partial products.
+    """
+
+    gathers_input = True
+
+    def __init__(self, weight: QuantizedWeight, out_start: int) -> None:
+        super().__init__(weight)
+        self.out_start = out_start
+
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None) -> Tensor:
+        tp, rows = layer.tp, x.shape[0]
+        full = x.new_zeros((rows, layer.full_input_size))
+        full[:, layer.input_start : layer.input_start + layer.input_size] = x
+        y = self.matmul(tp.all_reduce(full))  # [T, this rank's outputs]
+        end = self.out_start + y.shape[1]
+        if bias is not None:
+            y = y + bias[self.out_start : end]
+        out = y.new_zeros((rows, layer.output_size))
+        out[:, self.out_start : end] = y
+        return tp.all_reduce(out)
+
+
+class QuantizedEmbedding(nn.Module):
+    """``ids [T] -> [T, hidden]`` in ``weight``'s dtype, looked up in a packed ``[vocab, hidden]``
+    matrix; under tensor parallelism, the rows ``[vocab_start, vocab_end)`` of it, as
+    :class:`VocabParallelEmbedding` (zeros for the ids another rank holds, then an all-reduce)."""
+
+    def __init__(self, quantized: QuantizedWeight, like: Tensor, tp: TensorParallelGroup = SINGLE_PROCESS,
+                 vocab_start: int = 0) -> None:
         super().__init__()
         self.quantized = quantized
         self.weight = _placeholder(like)  # the model's dtype and device
+        self.tp, self.vocab_start = tp, vocab_start
+        self.vocab_end = vocab_start + quantized.out_features
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self.quantized.embed(input_ids).to(self.weight.dtype)
+        if self.tp.size == 1:
+            return self.quantized.embed(input_ids).to(self.weight.dtype)
+        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        out = self.quantized.embed(torch.where(held, input_ids - self.vocab_start, 0)).to(self.weight.dtype)
+        out.masked_fill_(~held.unsqueeze(1), 0.0)
+        return self.tp.all_reduce(out)
 
 
 class QuantizedLMHead(nn.Module):
-    """``hidden [N, hidden] -> logits [N, vocab]`` float32 on a packed ``[vocab, hidden]`` matrix."""
+    """``hidden [N, hidden] -> logits [N, vocab]`` float32 on a packed ``[vocab, hidden]`` matrix;
+    under tensor parallelism on this rank's vocabulary rows, gathered on the first rank as
+    :class:`ParallelLMHead` does (None on the others)."""
 
-    def __init__(self, quantized: QuantizedWeight) -> None:
+    def __init__(self, quantized: QuantizedWeight, tp: TensorParallelGroup = SINGLE_PROCESS,
+                 vocab_size: int | None = None) -> None:
         super().__init__()
         self.quantized = quantized
         self.matmul = quantized.apply  # until bind() chooses the kernel once
+        self.tp = tp
+        self.vocab_size = quantized.out_features if vocab_size is None else vocab_size
 
     def bind(self, device: torch.device, dtype: torch.dtype) -> None:
         self.matmul = self.quantized.matmul(device)
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.matmul(hidden).float()
+    def forward(self, hidden: Tensor) -> Tensor | None:
+        logits = self.matmul(hidden)
+        if self.tp.size == 1:
+            return logits.float()
+        gathered = self.tp.gather_columns(logits, self.vocab_size)
+        return None if gathered is None else gathered.float()
+
+
+def local_shard(module: nn.Module, parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """This rank's share of a packed parameter, from its checkpoint matrices ``parts`` (q, k, v
+    or gate, up for a fused layer; one otherwise), each of the checkpoint's full shape."""
+    if isinstance(module, MergedColumnParallelLinear):
+        return QuantizedWeight.cat_rows([part.rows(first, first + rows)
+                                         for part, (first, rows) in zip(parts, module.parts, strict=True)])
+    (whole,) = parts
+    if isinstance(module, RowParallelLinear):  # by output rows over every column: QuantizedRowParallelMethod
+        return whole.rows(*module.tp.shard(module.output_size))
+    if isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
+        return whole.rows(module.vocab_start, module.vocab_end)
+    if isinstance(module, LinearBase):  # not split
+        return whole
+    raise ModelLoadError(f"{type(module).__name__} cannot hold a quantized matrix")
 
 
 def install_quantized(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
     """Serve the named parameters of ``model`` (a LlamaForCausalLM) from packed matrices.
 
     ``weights`` maps parameter names (``layers.0.mlp.gate_up_proj.weight``,
-    ``embed_tokens.weight``, ``lm_head.weight``) to matrices of the full
-    parameter's shape. A quantized ``embed_tokens.weight`` also serves a tied
+    ``embed_tokens.weight``, ``lm_head.weight``) to matrices of this rank's
+    parameter's shape (:func:`local_shard`). A quantized ``embed_tokens.weight`` also serves a tied
     LM head. Raises ModelLoadError on a shape mismatch or a name that cannot
     be quantized. Call ``model.bind_kernels()`` afterwards.
     """
-    if model.tp.size != 1:
-        raise ModelLoadError("quantized weights with tensor parallelism are not supported yet")
+    tp = model.tp
     for name, weight in weights.items():
         module = model.get_submodule(name.removesuffix(".weight"))
-        if isinstance(module, LinearBase):
+        if isinstance(module, RowParallelLinear) and tp.size > 1:
+            start, end = tp.shard(module.output_size)
+            _check_shape(name, weight, (end - start, module.full_input_size))
+            module.method = QuantizedRowParallelMethod(weight, start)
+            module.weight = _placeholder(module.weight)
+        elif isinstance(module, LinearBase):
             _check_shape(name, weight, (module.output_size, module.input_size))
             module.method = QuantizedLinearMethod(weight)
             module.weight = _placeholder(module.weight)
         elif isinstance(module, VocabParallelEmbedding):
             _check_shape(name, weight, tuple(module.weight.shape))
             tied = isinstance(model.lm_head, ParallelLMHead) and bool(model.lm_head._tied)
-            model.embed_tokens = QuantizedEmbedding(weight, module.weight)
+            model.embed_tokens = QuantizedEmbedding(weight, module.weight, tp, module.vocab_start)
             if tied:
-                model.lm_head = QuantizedLMHead(weight)
+                model.lm_head = QuantizedLMHead(weight, tp, module.vocab_size)
         elif isinstance(module, ParallelLMHead):
             _check_shape(name, weight, tuple(module.weight_tensor.shape))
-            model.lm_head = QuantizedLMHead(weight)
+            model.lm_head = QuantizedLMHead(weight, tp, module.vocab_size)
         else:
             raise ModelLoadError(f"{name} cannot be quantized")
 

@@ -99,12 +99,17 @@ def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, e
 
 
 def _attach_shared_memory(worker: Worker, tp: TensorParallelGroup) -> None:
-    """On the CPU, the shared-memory all-reduce, sized for a full step's ``[tokens, hidden]``."""
+    """On the CPU, the shared-memory all-reduce, sized for a full step's ``[tokens, hidden]``;
+    with packed GGUF weights for ``[tokens, intermediate]`` too, the down projection's gathered
+    input (pagedllm.quant.layers.QuantizedRowParallelMethod)."""
     if worker.device.type != "cpu":
         return
-    config = worker.config
+    config, model = worker.config, worker.model_config
     tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-    slot_bytes = tokens * worker.model_config.hidden_size * worker.dtype.itemsize
+    width = model.hidden_size
+    if config.quantization == "gguf":
+        width = max(width, model.intermediate_size, model.num_heads * model.head_dim)
+    slot_bytes = tokens * width * worker.dtype.itemsize
     attach_shared_memory(tp, slot_bytes, COLLECTIVE_TIMEOUT_S)
 
 
