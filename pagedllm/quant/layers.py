@@ -21,7 +21,12 @@ from torch import Tensor, nn
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import LinearBase, LinearMethod, MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import (
+    LinearBase,
+    LinearMethod,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from pagedllm.quant.formats import QuantizedWeight
 
 
