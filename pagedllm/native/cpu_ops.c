@@ -203,6 +203,12 @@ static inline vf vloadu_bf16(const bf16_t *p) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+/* 16 dwords, each two bf16 (the first in the low half) -> the first and the second as floats */
+static inline void split_bf16_pairs(vf pairs, vf *first, vf *second) {
+    const __m512i bits = _mm512_castps_si512(pairs);
+    *first = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    *second = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+}
 #ifdef __AVX512BF16__
 /* the hardware conversion: round to nearest even, NaN kept quiet */
 static inline __m256i bf16_bits(vf v) { return (__m256i)_mm512_cvtneps_pbh(v); }
@@ -318,6 +324,12 @@ static inline void vstoren_f32(float *p, vf v, int64_t n) {
 static inline vf vloadu_bf16(const bf16_t *p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+/* 8 dwords, each two bf16 (the first in the low half) -> the first and the second as floats */
+static inline void split_bf16_pairs(vf pairs, vf *first, vf *second) {
+    const __m256i bits = _mm256_castps_si256(pairs);
+    *first = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    *second = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
 }
 static inline vf vloadn_bf16(const bf16_t *p, int64_t n) {
     if (n >= 8) return vloadu_bf16(p);
@@ -532,7 +544,7 @@ static inline int64_t key_chunk(const int32_t *table, int64_t pos, int64_t max_l
    and output's element type; TC: the cache's. QUANT (a constant: the float
    caches' instantiations compile without it) applies the per-slot scales,
    times the format's UNIT, to each chunk's scores and softmax weights. */
-#define DEFINE_TILE(NAME, TQ, LOADQ, STOREQ, T, LOADV, ACCUMULATE_V, QUANT, UNIT)                 \
+#define DEFINE_TILE(NAME, TQ, LOADQ, STOREQ, T, LOADV, ACCUMULATE_V, QUANT, UNIT, PAIRS)          \
 static inline __attribute__((always_inline)) void NAME(                                           \
     const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale,   \
     const uint16_t *v_scale, const int32_t *table,                                                \
@@ -612,6 +624,28 @@ static inline __attribute__((always_inline)) void NAME(                         
                 memset(kt, 0, (size_t)(D * VW) * sizeof(float));                                  \
                 continue;                                                                         \
             }                                                                                     \
+            if ((PAIRS) && CH % 2 == 0) {                                                         \
+                /* bf16 keys: 32 dims (16 pairs) of the 16 keys per transpose, moved as dwords,  \
+                   then each pair split into its two floats (exact): the same KT as below in     \
+                   half the transposes */                                                         \
+                for (int c2 = 0; c2 < CH / 2; ++c2) {                                             \
+                    vf rows[VW];                                                                  \
+                    for (int t = 0; t < VW; ++t)                                                  \
+                        rows[t] = t < ns[sub] ? vloadu_f32((const float *)(kbs[sub] + t * tok_stride + 2 * VW * c2)) \
+                                              : vzero();                                          \
+                    if (64 * c2 < row_bytes)                                                      \
+                        for (int64_t t = 0; t < ahead[sub]; ++t)                                  \
+                            _mm_prefetch(nk[sub] + t * stride_bytes + 64 * c2, _MM_HINT_T0);      \
+                    vtranspose(rows);                                                             \
+                    for (int j = 0; j < VW; ++j) {                                                \
+                        vf even, odd;                                                             \
+                        split_bf16_pairs(rows[j], &even, &odd);                                   \
+                        vstore(kt + (2 * VW * c2 + 2 * j) * VW, even);                            \
+                        vstore(kt + (2 * VW * c2 + 2 * j + 1) * VW, odd);                         \
+                    }                                                                             \
+                }                                                                                 \
+                continue;                                                                         \
+            }                                                                                     \
             for (int c = 0; c < CH; ++c) {                                                        \
                 vf rows[VW];                                                                      \
                 for (int t = 0; t < VW; ++t)                                                      \
@@ -657,14 +691,14 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                             \
 }
 
-DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, float, vloadu_f32, accumulate_v_f32, 0, 1.0f)
-DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, bf16_t, vloadu_bf16, accumulate_v_bf16, 0, 1.0f)
-DEFINE_TILE(tile_f32_i8, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT)
-DEFINE_TILE(tile_bf16_i8, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT)
-DEFINE_TILE(tile_f32_e4m3, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT)
-DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT)
-DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT)
-DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT)
+DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, float, vloadu_f32, accumulate_v_f32, 0, 1.0f, 0)
+DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, bf16_t, vloadu_bf16, accumulate_v_bf16, 0, 1.0f, 1)
+DEFINE_TILE(tile_f32_i8, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 0)
+DEFINE_TILE(tile_bf16_i8, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 0)
+DEFINE_TILE(tile_f32_e4m3, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 0)
+DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 0)
+DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 0)
+DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 0)
 
 #define DISPATCH_NSUB(TILE_FN, CH_VALUE, NSUB_VALUE)                                               \
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
