@@ -22,6 +22,16 @@ from pagedllm.layers.linear import (
 )
 
 
+def vocab_parallel_lookup(input_ids: Tensor, vocab_start: int, vocab_end: int, tp: TensorParallelGroup,
+                          lookup) -> Tensor:
+    """``lookup(local ids)`` for the ids this rank holds (``[vocab_start, vocab_end)``), zeros for
+    the others, summed over the ranks."""
+    held = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    out = lookup(torch.where(held, input_ids - vocab_start, 0))
+    out.masked_fill_(~held.unsqueeze(1), 0.0)
+    return tp.all_reduce(out)
+
+
 class VocabParallelEmbedding(nn.Module):
     """``ids [T] -> [T, hidden]``; this rank's weight is ``[end - start, hidden]``."""
 
@@ -35,11 +45,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
-        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local = torch.where(held, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight)
-        out.masked_fill_(~held.unsqueeze(1), 0.0)
-        return self.tp.all_reduce(out)
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.vocab_end, self.tp,
+                                     lambda ids: F.embedding(ids, self.weight))
 
     def load_weight(self, name: str, tensor: Tensor, part: int, what: str) -> None:
         _copy_checked(self.weight.data, tensor[self.vocab_start : self.vocab_end], what)

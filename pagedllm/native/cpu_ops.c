@@ -204,10 +204,10 @@ static inline vf vloadu_bf16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 /* 16 dwords, each two bf16 (the first in the low half) -> the first and the second as floats */
-static inline void split_bf16_pairs(vf pairs, vf *first, vf *second) {
+static inline void split_bf16_pairs(vf pairs, vf out[2]) {
     const __m512i bits = _mm512_castps_si512(pairs);
-    *first = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-    *second = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    out[1] = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
 }
 #ifdef __AVX512BF16__
 /* the hardware conversion: round to nearest even, NaN kept quiet */
@@ -338,10 +338,10 @@ static inline void split_i8_quads(vf quads, vf out[4]) {
         out[b] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(bits, 24 - 8 * b), 24));
 }
 /* 8 dwords, each two bf16 (the first in the low half) -> the first and the second as floats */
-static inline void split_bf16_pairs(vf pairs, vf *first, vf *second) {
+static inline void split_bf16_pairs(vf pairs, vf out[2]) {
     const __m256i bits = _mm256_castps_si256(pairs);
-    *first = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-    *second = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
+    out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    out[1] = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
 }
 static inline vf vloadn_bf16(const bf16_t *p, int64_t n) {
     if (n >= 8) return vloadu_bf16(p);
@@ -552,7 +552,7 @@ static inline int64_t key_chunk(const int32_t *table, int64_t pos, int64_t max_l
 }
 
 /* PAIRS (a constant): how many key codes one dword of the cache holds where the key
-   transpose moves them raw and converts after (2: bf16, 4: int8; 0: convert on load). */
+   transpose moves them raw and converts after (2: bf16, 4: int8; 1: converted on load). */
 
 /* The tile kernel. CH = head_dim / VW is a compile-time constant in each
    instantiation, so the accumulators below live in registers. TQ: the query's
@@ -639,44 +639,25 @@ static inline __attribute__((always_inline)) void NAME(                         
                 memset(kt, 0, (size_t)(D * VW) * sizeof(float));                                  \
                 continue;                                                                         \
             }                                                                                     \
-            if ((PAIRS) == 2 && CH % 2 == 0) {                                                    \
-                /* bf16 keys: 32 dims (16 pairs) of the 16 keys per transpose, moved as dwords,  \
-                   then each pair split into its two floats (exact): the same KT as below in     \
-                   half the transposes */                                                         \
-                for (int c2 = 0; c2 < CH / 2; ++c2) {                                             \
+            if ((PAIRS) > 1 && CH % (PAIRS) == 0) {                                               \
+                /* PAIRS * VW dims of the keys per transpose, moved raw as dwords (VW of PAIRS   \
+                   codes each), then each dword split into its codes as floats (exact): the same  \
+                   KT as below in 1 / PAIRS of the transposes */                                  \
+                for (int cg = 0; cg < CH / (PAIRS); ++cg) {                                       \
                     vf rows[VW];                                                                  \
                     for (int t = 0; t < VW; ++t)                                                  \
-                        rows[t] = t < ns[sub] ? vloadu_f32((const float *)(kbs[sub] + t * tok_stride + 2 * VW * c2)) \
+                        rows[t] = t < ns[sub] ? vloadu_f32((const float *)(kbs[sub] + t * tok_stride + (PAIRS) * VW * cg)) \
                                               : vzero();                                          \
-                    if (64 * c2 < row_bytes)                                                      \
+                    if (64 * cg < row_bytes)                                                      \
                         for (int64_t t = 0; t < ahead[sub]; ++t)                                  \
-                            _mm_prefetch(nk[sub] + t * stride_bytes + 64 * c2, _MM_HINT_T0);      \
-                    vtranspose(rows);                                                             \
-                    for (int j = 0; j < VW; ++j) {                                                \
-                        vf even, odd;                                                             \
-                        split_bf16_pairs(rows[j], &even, &odd);                                   \
-                        vstore(kt + (2 * VW * c2 + 2 * j) * VW, even);                            \
-                        vstore(kt + (2 * VW * c2 + 2 * j + 1) * VW, odd);                         \
-                    }                                                                             \
-                }                                                                                 \
-                continue;                                                                         \
-            }                                                                                     \
-            if ((PAIRS) == 4 && CH % 4 == 0) {                                                    \
-                /* int8 keys: 4 * VW dims (VW dwords of 4 codes) of the keys per transpose, then \
-                   each dword split into its four codes as floats (exact): the same KT */         \
-                for (int c4 = 0; c4 < CH / 4; ++c4) {                                             \
-                    vf rows[VW];                                                                  \
-                    for (int t = 0; t < VW; ++t)                                                  \
-                        rows[t] = t < ns[sub] ? vloadu_f32((const float *)(kbs[sub] + t * tok_stride + 4 * VW * c4)) \
-                                              : vzero();                                          \
-                    if (64 * c4 < row_bytes)                                                      \
-                        for (int64_t t = 0; t < ahead[sub]; ++t)                                  \
-                            _mm_prefetch(nk[sub] + t * stride_bytes + 64 * c4, _MM_HINT_T0);      \
+                            _mm_prefetch(nk[sub] + t * stride_bytes + 64 * cg, _MM_HINT_T0);      \
                     vtranspose(rows);                                                             \
                     for (int j = 0; j < VW; ++j) {                                                \
                         vf codes[4];                                                              \
-                        split_i8_quads(rows[j], codes);                                           \
-                        for (int b = 0; b < 4; ++b) vstore(kt + (4 * VW * c4 + 4 * j + b) * VW, codes[b]); \
+                        if ((PAIRS) == 2) split_bf16_pairs(rows[j], codes);                       \
+                        else split_i8_quads(rows[j], codes);                                      \
+                        for (int b = 0; b < (PAIRS); ++b)                                         \
+                            vstore(kt + ((PAIRS) * (VW * cg + j) + b) * VW, codes[b]);            \
                     }                                                                             \
                 }                                                                                 \
                 continue;                                                                         \
@@ -726,14 +707,14 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                             \
 }
 
-DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, float, vloadu_f32, accumulate_v_f32, 0, 1.0f, 0)
+DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, float, vloadu_f32, accumulate_v_f32, 0, 1.0f, 1)
 DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, bf16_t, vloadu_bf16, accumulate_v_bf16, 0, 1.0f, 2)
 DEFINE_TILE(tile_f32_i8, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 4)
 DEFINE_TILE(tile_bf16_i8, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 4)
-DEFINE_TILE(tile_f32_e4m3, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 0)
-DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 0)
-DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 0)
-DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 0)
+DEFINE_TILE(tile_f32_e4m3, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 1)
+DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 1)
+DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1)
+DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1)
 
 #define DISPATCH_NSUB(TILE_FN, CH_VALUE, NSUB_VALUE)                                               \
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \

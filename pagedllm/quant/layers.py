@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from pagedllm.distributed import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.errors import ModelLoadError
-from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_lookup
 from pagedllm.layers.linear import (
     LinearBase,
     LinearMethod,
@@ -105,12 +105,12 @@ class QuantizedEmbedding(nn.Module):
         self.vocab_end = vocab_start + quantized.out_features
 
     def forward(self, input_ids: Tensor) -> Tensor:
+        def lookup(ids: Tensor) -> Tensor:
+            return self.quantized.embed(ids).to(self.weight.dtype)
+
         if self.tp.size == 1:
-            return self.quantized.embed(input_ids).to(self.weight.dtype)
-        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = self.quantized.embed(torch.where(held, input_ids - self.vocab_start, 0)).to(self.weight.dtype)
-        out.masked_fill_(~held.unsqueeze(1), 0.0)
-        return self.tp.all_reduce(out)
+            return lookup(input_ids)
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.vocab_end, self.tp, lookup)
 
 
 class QuantizedLMHead(nn.Module):
@@ -130,10 +130,7 @@ class QuantizedLMHead(nn.Module):
         self.matmul = self.quantized.matmul(device)
 
     def forward(self, hidden: Tensor) -> Tensor | None:
-        logits = self.matmul(hidden)
-        if self.tp.size == 1:
-            return logits.float()
-        gathered = self.tp.gather_columns(logits, self.vocab_size)
+        gathered = self.tp.gather_columns(self.matmul(hidden), self.vocab_size)  # itself at one rank
         return None if gathered is None else gathered.float()
 
 
