@@ -18,6 +18,7 @@ from pagedllm.config import (
     DTYPE_ALIASES,
     KV_POLICIES,
     PREEMPTION_MODES,
+    QUANT_ACTIVATIONS,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATIONS,
     SUPPORTED_BLOCK_SIZES,
@@ -88,6 +89,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="weights: none (default: dense --dtype), gguf (GGUF Q4_0/Q4_1/Q8_0 served packed), "
                    "int8|int4 (RTN, --quantization-group-size per scale); CPU only")
+    g.add_argument("--quant-activations", default="int16", choices=list(QUANT_ACTIVATIONS),
+                   help="with packed weights, quantize each matmul's inputs per 32 values to int16 (two int8 "
+                   "levels: the dequantized weights' accuracy; default) or int8 (less integer work on big "
+                   "batches, larger logit error)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(SUPPORTED_KV_CACHE_DTYPES),
                    help="KV cache storage: auto (the model dtype) or 8-bit codes with a float16 scale per "
                    "token and KV head -- int8, fp8_e4m3 (also fp8) or fp8_e5m2 -- which fit ~1.9x the "
@@ -174,6 +179,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_logprobs=getattr(args, "max_logprobs", DEFAULT_MAX_LOGPROBS),
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        quant_activations=args.quant_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         generation_config=args.generation_config,
         **_vllm_only_args(args),

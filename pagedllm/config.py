@@ -25,6 +25,8 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+# packed-weight activations per 32-block: two int8 levels (16-bit fixed point) or one
+QUANT_ACTIVATIONS = ("int16", "int8")
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 # Tokens of growth per running sequence kept free when admitting (one block at
 # the default block size); measured in docs/benchmarks.md, "KV memory audit".
@@ -90,6 +92,10 @@ class EngineConfig:
     ``quantization``: None or "none" (dense weights of ``dtype``), "gguf" (a GGUF's
     Q4_0/Q4_1/Q8_0 tensors served packed), "int8"/"int4" (weight-only RTN with
     ``quantization_group_size`` weights per scale); CPU only.
+    ``quant_activations``: how packed weights' matmuls quantize their inputs per
+    32-block: "int16" (two int8 levels, 16-bit fixed point: the dequantized
+    weights' accuracy; the default) or "int8" (one level, as llama.cpp's Q8
+    activations: half the integer work on many rows, larger logit error).
     ``async_scheduling``: schedule and launch each decode step before reading
     the previous step's tokens (stop conditions are then seen one step late);
     ``None`` turns it on where CUDA graphs run.
@@ -139,6 +145,7 @@ class EngineConfig:
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    quant_activations: str = "int16"
     kv_cache_dtype: str = "auto"
     generation_config: str = "auto"
     rope_scaling: dict | None = None
@@ -159,6 +166,7 @@ class EngineConfig:
         _choice("kv_policy", self.kv_policy, KV_POLICIES)
         _not_yet("quantization", self.quantization, SUPPORTED_QUANTIZATIONS)
         _choice("quantization_group_size", self.quantization_group_size, QUANTIZATION_GROUP_SIZES)
+        _choice("quant_activations", self.quant_activations, QUANT_ACTIVATIONS)
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ConfigError(f"device={self.device!r} is not supported; use 'auto', 'cpu' or 'cuda[:N]'")
         _positive("num_kv_blocks", self.num_kv_blocks)

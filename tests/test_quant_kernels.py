@@ -9,8 +9,10 @@ integer sum times activation scale x weight scale, then the min term, each a
 fused multiply-add), so on random inputs too they give the same bits, and a
 row's output never depends on how many rows share the call (batch
 invariance). On random inputs each path agrees with ``x @ dequantize().T`` to
-within the int8 activation error. An AVX-512 machine runs all paths, so all
-are tested here.
+within the activation error. All of it holds for both activation modes: one
+int8 level per 32-block, and two (the residual of the first at a 256 times
+finer scale, a 16-bit fixed-point activation), whose error is hundreds of
+times smaller. An AVX-512 machine runs all paths, so all are tested here.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pagedllm.quant.formats import pack_nibbles
 
 pytestmark = pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the quantized kernels")
 
-ACTIVATION_RTOL = 0.02
+ACTIVATION_RTOL = {1: 0.02, 2: 1e-4}  # relative error of the product, by activation levels
+LEVELS = [1, 2]
 # (format, bits, zero, group size, has mins): each zero-point / min case of formats.py
 FORMATS = {
     "Q4_0": (4, 8, 32, False), "Q4_1": (4, 0, 32, True), "Q8_0": (8, 128, 32, False),
@@ -90,36 +93,39 @@ def _exact_activations(rows: int, in_features: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("path", PATHS, ids=_path_id)
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_each_path_equals_the_portable_path_bit_for_bit(path, name):
+def test_each_path_equals_the_portable_path_bit_for_bit(path, name, levels):
     for rows in ROWS:
         weight = _exact_weight(name, 37, 160, seed=rows)  # 37 outputs: a tail of 5 past 4 tiles of 8
         x = _exact_activations(rows, 160, seed=100 + rows)
-        portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
-        got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1])
+        portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0, levels=levels)
+        got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1], levels=levels)
         assert torch.equal(got, portable), rows
         # the activations quantize to themselves, so this is the dequantized product, exactly
         assert torch.equal(portable, x @ weight.dequantize().T), rows
 
 
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("path", PATHS, ids=_path_id)
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_each_path_matches_the_dequantized_reference(path, name):
+def test_each_path_matches_the_dequantized_reference(path, name, levels):
     bits, _, group, _ = FORMATS[name]
     w = torch.randn(70, 576, generator=torch.Generator().manual_seed(1))
     weight = quantize_rtn(w, bits, group) if name.startswith("int") else _exact_weight(name, 70, 576, seed=1)
     x = torch.randn(33, 576, generator=torch.Generator().manual_seed(2))
     want = x @ weight.dequantize().T
-    got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1])
-    assert ((got - want).norm() / want.norm()).item() < ACTIVATION_RTOL
-    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+    got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1], levels=levels)
+    assert ((got - want).norm() / want.norm()).item() < ACTIVATION_RTOL[levels]
+    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0, levels=levels)
     assert torch.equal(got, portable)  # one float sequence on every path
 
 
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("path", PATHS, ids=_path_id)
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(path, name):
+def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(path, name, levels):
     """Batch invariance on random data: each row alone, in pairs and in the whole call (per-row
     kernel below the tiled kernel's row count, tiled from it) gives the same bits."""
     bits, _, group, _ = FORMATS[name]
@@ -127,32 +133,46 @@ def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(path, name)
     weight = quantize_rtn(w, bits, group) if name.startswith("int") else _exact_weight(name, 53, 200, seed=5)
     x = torch.randn(21, 200, generator=torch.Generator().manual_seed(6)) * 2
     args = weight._kernel_args()
-    together = quant_ops.gemm(x, *args, isa_override=path[0], tiled=path[1])
+    together = quant_ops.gemm(x, *args, isa_override=path[0], tiled=path[1], levels=levels)
     for i in range(x.shape[0]):
-        alone = quant_ops.gemm(x[i : i + 1], *args, isa_override=path[0], tiled=path[1])
+        alone = quant_ops.gemm(x[i : i + 1], *args, isa_override=path[0], tiled=path[1], levels=levels)
         assert torch.equal(alone[0], together[i]), i
     for i in range(0, x.shape[0] - 1, 2):
-        pair = quant_ops.gemm(x[i : i + 2], *args, isa_override=path[0], tiled=path[1])
+        pair = quant_ops.gemm(x[i : i + 2], *args, isa_override=path[0], tiled=path[1], levels=levels)
         assert torch.equal(pair, together[i : i + 2]), i
-    assert torch.equal(together, quant_ops.gemm(x, *args, isa_override=0))
+    assert torch.equal(together, quant_ops.gemm(x, *args, isa_override=0, levels=levels))
 
 
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("isa", quant_ops.runnable_isas() if quant_ops.available() else [])
 @pytest.mark.parametrize("in_features", [64, 96, 576])  # 96: a partial block past the last whole one
-def test_activation_quantization_is_the_same_bytes_on_every_path(isa, in_features):
+def test_activation_quantization_is_the_same_bytes_on_every_path(isa, in_features, levels):
     x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3)) * 3
     x[1, :32] = 0  # an all-zero block: scale 0
     padded = -(-in_features // 64) * 64
-    portable = quant_ops.quantize_activations(x, padded, isa_override=0)
-    got = quant_ops.quantize_activations(x, padded, isa_override=isa)
+    portable = quant_ops.quantize_activations(x, padded, isa_override=0, levels=levels)
+    got = quant_ops.quantize_activations(x, padded, isa_override=isa, levels=levels)
+    assert set(got) == set(portable) == {"xq", "dx", "xsum"} | ({"xq2"} if levels == 2 else set())
     for name, tensor in portable.items():
         assert torch.equal(got[name], tensor), name
-    # the codes are round(x * 127 / amax) per 32-block
+    # the codes are round(t) for t = x * 127 / amax per 32-block; the second level round(256 (t - q1))
     blocks = torch.nn.functional.pad(x, (0, padded - in_features)).reshape(5, -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    want = torch.where(amax > 0, torch.round(blocks * (127 / amax)), torch.zeros(()))
-    assert torch.equal(portable["xq"].reshape(5, -1, 32).float(), want)
-    assert torch.equal(portable["xsum"], portable["xq"].reshape(5, -1, 32).sum(-1, dtype=torch.int32))
+    t = torch.where(amax > 0, blocks * torch.where(amax > 0, 127 / amax, torch.zeros(())), torch.zeros(()))
+    q1 = torch.round(t)
+    assert torch.equal(portable["xq"].reshape(5, -1, 32).float(), q1)
+    sum1 = portable["xq"].reshape(5, -1, 32).sum(-1, dtype=torch.int32)
+    if levels == 1:
+        assert torch.equal(portable["xsum"], sum1)
+        assert torch.equal(portable["dx"], (amax / 127).squeeze(-1))
+        return
+    q2 = torch.round((t - q1) * 256).clamp(-127, 127)
+    assert torch.equal(portable["xq2"].reshape(5, -1, 32).float(), q2)
+    assert torch.equal(portable["xsum"], 256 * sum1 + portable["xq2"].reshape(5, -1, 32).sum(-1, dtype=torch.int32))
+    assert torch.equal(portable["dx"], (amax / 127 / 256).squeeze(-1))
+    # x ~ dx (256 q1 + q2) to within a step of the finer level (half a step but where the clamp bites)
+    rebuilt = portable["dx"][..., None] * (256 * q1 + q2)
+    assert ((rebuilt - blocks).abs() <= portable["dx"][..., None] * 1.001).all()
 
 
 @pytest.mark.parametrize("isa", [i for i in quant_ops.runnable_isas() if i > 0] if quant_ops.available() else [])
@@ -167,6 +187,8 @@ def test_a_path_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
     weight = quantize_rtn(torch.randn(8, 64), 4, 32)
     with pytest.raises(ValueError, match="not one this CPU runs"):
         quant_ops.gemm(torch.randn(1, 64), *weight._kernel_args(), isa_override=max(quant_ops.ISA_NAMES) + 1)
+    with pytest.raises(ValueError, match="activation levels must be 1 or 2"):
+        quant_ops.gemm(torch.randn(1, 64), *weight._kernel_args(), levels=3)
     monkeypatch.setenv(quant_ops.ISA_ENV, "avx2")
     assert quant_ops.requested_isa(2) == 1
     monkeypatch.setenv(quant_ops.ISA_ENV, "AVX512-VNNI")
@@ -206,14 +228,15 @@ def test_kernel_bench_times_each_asked_path(capsys):
     assert capsys.readouterr().out.strip().splitlines()[2].startswith("| 4 | 64x128 |")
 
 
-def test_every_path_gives_the_same_bits_on_two_threads():
+@pytest.mark.parametrize("levels", LEVELS)
+def test_every_path_gives_the_same_bits_on_two_threads(levels):
     weight = _exact_weight("Q4_1", 301, 576, seed=7)  # 301 x 576 x 40: large enough to run in parallel
-    x = _exact_activations(40, 576, seed=8)
-    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(8))
+    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0, levels=levels)
     torch.set_num_threads(2)
     try:
         for isa, tiled in PATHS:
-            got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=isa, tiled=tiled)
+            got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=isa, tiled=tiled, levels=levels)
             assert torch.equal(got, portable), (isa, tiled)
     finally:
         torch.set_num_threads(1)

@@ -7,6 +7,7 @@ overwritten tensor by tensor from the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.paths import resolve_model_path
 from pagedllm.models.registry import resolve_architecture
+from pagedllm.native.quant_ops import ACTIVATION_LEVELS
 
 logger = logging.getLogger("pagedllm")
 
@@ -52,6 +54,7 @@ def load_model(
     tp: TensorParallelGroup = SINGLE_PROCESS,
     quantization: str = "none",
     quantization_group_size: int = 32,
+    quant_activations: str = "int16",
 ) -> LoadedModel:
     """Load ``model`` (HF directory, .gguf file, or None for the default model);
     ``rope_scaling`` replaces the checkpoint's (ConfigError if malformed).
@@ -60,13 +63,17 @@ def load_model(
     Q4_1 / Q8_0 tensors kept packed), "int8" / "int4" (round-to-nearest
     weight-only, ``quantization_group_size`` weights per scale, of every linear
     layer, the embedding and the LM head), served by
-    :mod:`pagedllm.quant.layers` (gguf under tensor parallelism too: each rank its shard).
+    :mod:`pagedllm.quant.layers` (gguf under tensor parallelism too: each rank its shard),
+    whose matmuls quantize their inputs as ``quant_activations`` says ("int16" | "int8").
     Raises ConfigError for a setting that does not apply to this model, ModelLoadError naming what is missing,
     UnsupportedModelError for an architecture pagedllm does not implement.
     """
     started = time.perf_counter()
     path = resolve_model_path(model)
     device = torch.device(device)
+    if quant_activations not in ACTIVATION_LEVELS:
+        raise ConfigError(f"quant_activations={quant_activations!r} is not supported; choose one of "
+                          f"{list(ACTIVATION_LEVELS)}")
     if quantization == "gguf" and path.suffix != ".gguf":
         raise ConfigError(f"quantization='gguf' needs a .gguf model, got {path}; use int8 or int4 for other checkpoints")
     if quantization != "none" and device.type != "cpu":
@@ -79,6 +86,7 @@ def load_model(
 
         checkpoint = load_gguf_checkpoint(path, keep_quantized=quantization == "gguf")
         hf_config, weights, generation_config = checkpoint.hf_config, checkpoint.weights, {}
+        weights = _with_activation_levels(weights, ACTIVATION_LEVELS[quant_activations])
     else:
         hf_config = _read_json(path / "config.json", required=True)
         generation_config = _read_json(path / "generation_config.json", required=False)
@@ -88,7 +96,8 @@ def load_model(
     module = build_model(model_cls, config, attn_backend, dtype=dtype, device=device, tp=tp)
     module.load_weights(weights)
     if quantization in ("int8", "int4"):
-        quantize_model(module, bits=8 if quantization == "int8" else 4, group_size=quantization_group_size)
+        quantize_model(module, bits=8 if quantization == "int8" else 4, group_size=quantization_group_size,
+                       activation_levels=ACTIVATION_LEVELS[quant_activations])
     module.eval()
     logger.info(
         "loaded %s (%s, %s, %s weights, %s) in %.2f s",
@@ -102,8 +111,32 @@ def load_model(
     return LoadedModel(module, config, path, hf_config, generation_config)
 
 
-def quantize_model(module: torch.nn.Module, *, bits: int, group_size: int) -> None:
-    """Replace every quantizable weight of a loaded model by its RTN-quantized packed form."""
+def default_quantization(path: Path, device: str, dtype: str) -> str:
+    """What ``quantization=None`` means for the checkpoint at ``path``: "gguf" (its Q4_0 / Q4_1 /
+    Q8_0 tensors served packed, as llama.cpp serves them) for a GGUF file on the CPU in float32
+    where the native quantized kernels build, "none" (dense weights) everywhere else. With
+    int16 activations the packed path gives the dequantized weights' logits to within about 0.01
+    and is several times faster at batch 1 (docs/benchmarks.md, "Quantized weights")."""
+    from pagedllm.native import quant_ops
+
+    on_cpu = device == "cpu" or device == "auto" and not torch.cuda.is_available()
+    if path.suffix != ".gguf" or not on_cpu or dtype not in ("auto", "float32"):
+        return "none"
+    return "gguf" if quant_ops.available() else "none"
+
+
+def _with_activation_levels(weights: Iterator[tuple[str, torch.Tensor]], levels: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` (name, tensor) with each packed matrix set to quantize its inputs to
+    ``levels`` int8 levels (new objects: a cached checkpoint's stay as they are)."""
+    from pagedllm.quant import QuantizedWeight
+
+    for name, w in weights:
+        yield name, dataclasses.replace(w, activation_levels=levels) if isinstance(w, QuantizedWeight) else w
+
+
+def quantize_model(module: torch.nn.Module, *, bits: int, group_size: int, activation_levels: int = 2) -> None:
+    """Replace every quantizable weight of a loaded model by its RTN-quantized packed form,
+    whose matmuls quantize their inputs to ``activation_levels`` int8 levels."""
     from pagedllm.layers.linear import restore_dense_weights
     from pagedllm.quant import quantize_rtn
     from pagedllm.quant.layers import install_quantized, quantizable_weights
@@ -111,7 +144,9 @@ def quantize_model(module: torch.nn.Module, *, bits: int, group_size: int) -> No
     restore_dense_weights(module)  # bound dense CPU weights live in their packed copies
     params = dict(module.named_parameters())
     names = quantizable_weights(module)
-    install_quantized(module, {name: quantize_rtn(params[name].data, bits, group_size) for name in names})
+    install_quantized(module, {name: dataclasses.replace(quantize_rtn(params[name].data, bits, group_size),
+                                                         activation_levels=activation_levels)
+                               for name in names})
     module.bind_kernels()
 
 

@@ -17,8 +17,14 @@
  * The activations are quantized per 32-block to int8 with a float scale
  * (as llama.cpp's Q8 activations are), so a block's dot product is one
  * integer sum, dot - zero * xsum, scaled by dx * d (plus m * dx * xsum).
- * Every path computes exactly these integer sums; only the order of the
- * float additions differs.
+ * With two levels (xq2 given) each block also carries the residual of the
+ * first level at a scale 256 times finer: x ~ dx * (256 q1 + q2), a 16-bit
+ * fixed-point activation, and the block's integer sum is
+ * (sum w q1 << 8) + sum w q2 - zero * xsum with xsum = 256 sum q1 + sum q2
+ * (below 2^31 for every code width). The float work per block is the same
+ * as with one level; only the integer work doubles.
+ * Every path computes exactly these integer sums and follows one float
+ * sequence per output, so every path gives the same bits.
  *
  * Paths, chosen at run time (__builtin_cpu_supports, CPUID) or forced by the caller:
  *   3  AVX-512 VNNI + AMX-INT8: from AMX_MIN_ROWS activation rows, TDPBSUD on
@@ -76,30 +82,55 @@ static inline float half_to_float(uint16_t h) {
 
 /* Activation rows, quantized: xq [rows, Kp] int8 in [-127, 127]; per 32-block,
  * dx [rows, Kp / 32] the block's scale and xsum [rows, Kp / 32] = sum(xq of the
- * block). Elements k >= K are zero. Every path rounds the same way (to nearest
- * even) and writes the same bytes. */
+ * block). With two levels, xq2 [rows, Kp] int8 in [-127, 127] holds the
+ * residual: t = x / d (d = amax / 127), q1 = round(t), q2 = round(256 (t - q1)),
+ * and then dx = d / 256, xsum = 256 sum q1 + sum q2. Elements k >= K are zero.
+ * Every path rounds the same way (to nearest even; t - q1 and the product by
+ * 256 are exact) and writes the same bytes. */
 typedef struct {
-    int8_t *xq;    /* the row's Kp codes */
+    int8_t *xq;    /* the row's Kp codes (the first level) */
+    int8_t *xq2;   /* the second level's Kp codes, or NULL for one level */
     float *dx;     /* Kp / 32 blocks */
     int32_t *xsum; /* Kp / 32 blocks */
 } ActivationRow;
+
+static inline int32_t clamp127(int32_t v) { return v < -127 ? -127 : v > 127 ? 127 : v; }
 
 /* Block [b, b + 32) of row xr (K elements, b < K). */
 static void quantize_block_portable(const float *xr, int64_t b, int64_t K, ActivationRow out) {
     float amax = 0.0f;
     for (int64_t k = b; k < b + 32 && k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
     const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t *qr = out.xq;
-    int32_t block_sum = 0;
+    int32_t sum1 = 0, sum2 = 0;
     for (int64_t k = b; k < b + 32; k++) {
-        qr[k] = k < K ? (int8_t)lrintf(xr[k] * inv) : 0;
-        block_sum += qr[k];
+        const float t = k < K ? xr[k] * inv : 0.0f;
+        const int32_t q1 = (int32_t)lrintf(t);
+        out.xq[k] = (int8_t)q1;
+        sum1 += q1;
+        if (out.xq2) {
+            const int32_t q2 = clamp127((int32_t)lrintf((t - (float)q1) * 256.0f));
+            out.xq2[k] = (int8_t)q2;
+            sum2 += q2;
+        }
     }
-    out.xsum[b / 32] = block_sum;
-    out.dx[b / 32] = d;
+    out.xsum[b / 32] = out.xq2 ? 256 * sum1 + sum2 : sum1;
+    out.dx[b / 32] = out.xq2 ? d * (1.0f / 256.0f) : d;
 }
 
 #ifdef QUANT_X86
+/* 32 int32 codes (each in [-127, 127]) stored as bytes in order; returns their sum. */
+__attribute__((target("avx2,fma,f16c"))) static int32_t store_codes_avx2(const __m256i q[4], int8_t *dst) {
+    /* packs interleave 128-bit lanes: dwords come out as a0 b0 c0 d0 a1 b1 c1 d1 */
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)dst, bytes);
+    const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(lane_sums), _mm256_extracti128_si256(lane_sums, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
 /* A whole block (b + 32 <= K) with 8-float vectors: the same bytes as the portable code. */
 __attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const float *xr, int64_t b,
                                                                          ActivationRow out) {
@@ -113,18 +144,26 @@ __attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const f
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4), d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m256 t[4];
     __m256i q[4];
-    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-    /* packs interleave 128-bit lanes: dwords come out as a0 b0 c0 d0 a1 b1 c1 d1 */
-    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)(out.xq + b), bytes);
-    const __m256i lane_sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-    out.dx[b / 32] = d;
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(lane_sums), _mm256_extracti128_si256(lane_sums, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    out.xsum[b / 32] = _mm_cvtsi128_si32(s4);
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm256_mul_ps(v[j], _mm256_set1_ps(inv));
+        q[j] = _mm256_cvtps_epi32(t[j]);
+    }
+    const int32_t sum1 = store_codes_avx2(q, out.xq + b);
+    if (!out.xq2) {
+        out.dx[b / 32] = d;
+        out.xsum[b / 32] = sum1;
+        return;
+    }
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (int j = 0; j < 4; j++) { /* t - q1 is exact, and so is its product by 256 */
+        const __m256 rest = _mm256_sub_ps(t[j], _mm256_cvtepi32_ps(q[j]));
+        q[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(256.0f))), lo), hi);
+    }
+    const int32_t sum2 = store_codes_avx2(q, out.xq2 + b);
+    out.dx[b / 32] = d * (1.0f / 256.0f);
+    out.xsum[b / 32] = 256 * sum1 + sum2;
 }
 
 /* One row: whole blocks with vectors, a partial last block with the portable code. */
@@ -136,13 +175,14 @@ __attribute__((target("avx2,fma,f16c"))) static void quantize_row_avx2(const flo
 }
 #endif
 
-/* isa >= 1 takes the AVX2 code for whole blocks (every CPU with a vector path has AVX2). */
-void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int64_t Kp, int8_t *xq, float *dx,
-                          int32_t *xsum) {
+/* isa >= 1 takes the AVX2 code for whole blocks (every CPU with a vector path has AVX2).
+ * xq2: the second level's codes [rows, Kp], or NULL for one level. */
+void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int64_t Kp, int8_t *xq, int8_t *xq2,
+                          float *dx, int32_t *xsum) {
     _Pragma("omp parallel for schedule(static) if(rows >= 8)")
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * K;
-        ActivationRow out = {xq + r * Kp, dx + r * (Kp / 32), xsum + r * (Kp / 32)};
+        ActivationRow out = {xq + r * Kp, xq2 ? xq2 + r * Kp : 0, dx + r * (Kp / 32), xsum + r * (Kp / 32)};
 #ifdef QUANT_X86
         if (isa >= 1) {
             quantize_row_avx2(xr, K, Kp, out);
@@ -164,14 +204,16 @@ static inline int weight_q(const uint8_t *row, int64_t k, int bits) {
 
 /* One output . one activation row in the float sequence every path follows (the batch
  * invariance of the quantized layers rests on it): per 32-block b in order, the exact integer
- * sum isum = sum (q - zero) * x, then acc = fma(isum, dx * dw, acc) and, with mins,
- * acc = fma(dx * xsum, mw, acc). */
+ * sum isum = sum (q - zero) * x (x = 256 q1 + q2 with two levels), then
+ * acc = fma(isum, dx * dw, acc) and, with mins, acc = fma(dx * xsum, mw, acc). */
 static float dot_portable(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow, int64_t Kp,
-                          int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const int32_t *xsum) {
+                          int bits, int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                          const int32_t *xsum) {
     float acc = 0.0f;
     for (int64_t b = 0; b < Kp / 32; b++) {
         int32_t dot = 0;
-        for (int64_t k = 32 * b; k < 32 * b + 32; k++) dot += weight_q(qrow, k, bits) * xq[k];
+        for (int64_t k = 32 * b; k < 32 * b + 32; k++)
+            dot += weight_q(qrow, k, bits) * (xq2 ? 256 * xq[k] + xq2[k] : xq[k]);
         const float dxb = dx[b], scale = dxb * half_to_float(drow[b / r]);
         acc = fmaf((float)(dot - zero * xsum[b]), scale, acc);
         if (mrow) acc = fmaf(dxb * (float)xsum[b], half_to_float(mrow[b / r]), acc);
@@ -182,12 +224,13 @@ static float dot_portable(const uint8_t *qrow, const uint16_t *drow, const uint1
 /* y[i, n] for outputs [n0, n0 + count) and every row i, one dot_portable each. */
 static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n0, int64_t count,
                                   int64_t N, int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq,
-                                  const float *dx, const int32_t *xsum, int64_t rows, float *y) {
+                                  const int8_t *xq2, const float *dx, const int32_t *xsum, int64_t rows, float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r;
     for (int64_t n = n0; n < n0 + count; n++)
         for (int64_t i = 0; i < rows; i++)
             y[i * N + n] = dot_portable(q + n * row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
-                                        Kp, bits, r, zero, xq + i * Kp, dx + i * (Kp / 32), xsum + i * (Kp / 32));
+                                        Kp, bits, r, zero, xq + i * Kp, xq2 ? xq2 + i * Kp : 0, dx + i * (Kp / 32),
+                                        xsum + i * (Kp / 32));
 }
 
 /* ------------------------------------------------------------ AVX-512 VNNI path */
@@ -196,8 +239,8 @@ static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uin
 /* A per-row kernel of one ISA: outputs in the vector lanes, `cols` per pass. */
 typedef void (*TransposeScales)(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r, float *out);
 typedef void (*RowPass)(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits,
-                        int zero, const int8_t *xq, const float *dx, const int32_t *xsum, const float *dw,
-                        const float *mw, const uint8_t *next, float *out);
+                        int zero, const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum,
+                        const float *dw, const float *mw, const uint8_t *next, float *out);
 typedef struct {
     TransposeScales transpose; /* a pass's scales and mins into [blocks][cols] floats */
     RowPass pass;              /* one activation row . the pass's outputs */
@@ -210,8 +253,8 @@ typedef struct {
 /* y [rows, N] by passes of k.cols outputs, the parallel work items; each pass transposes its
  * scales once and runs every row on them (its weights stay in L1 for the later rows). */
 static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
-                      int bits, int r, int zero, const int8_t *xq, const float *dx, const int32_t *xsum, int64_t rows,
-                      float *y) {
+                      int bits, int r, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                      const int32_t *xsum, int64_t rows, float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32;
     const int64_t cols = k.cols, num_passes = (N + cols - 1) / cols;
     _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
@@ -222,7 +265,7 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
         for (int64_t p = 0; p < num_passes; p++) {
             const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
             if (!dw) { /* out of memory: the same numbers one output at a time */
-                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
                 continue;
             }
             const int64_t ahead = n0 + k.prefetch_passes * cols;
@@ -230,8 +273,8 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
             k.transpose(d, n0, count, blocks, r, dw);
             if (m) k.transpose(m, n0, count, blocks, r, mw);
             for (int64_t i = 0; i < rows; i++) {
-                k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, dx + i * blocks, xsum + i * blocks, dw,
-                       mw, i == 0 ? next : 0, out);
+                k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, xq2 ? xq2 + i * Kp : 0, dx + i * blocks,
+                       xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
@@ -256,14 +299,21 @@ TARGET_VNNI static inline __m512i unpack_group_vnni(const uint8_t *qrow, int64_t
 #define ROW_PREFETCH_PASSES 2 /* a per-row pass prefetches the weights of the pass this far ahead (1-4 measure alike) */
 #endif
 
-/* Group g (64 weights, two 32-blocks) of outputs rows[0..16) . xv -> s0 / s1 [16 outputs]:
+/* The 16 lane sums (4 weights each) of weights w . activations xv, or with two levels
+ * (xv2: the second level) (w . xv << 8) + w . xv2: exact, and linear in the lanes. */
+TARGET_VNNI static inline __m512i lane_sums_vnni(__m512i w, __m512i xv, __m512i xv2, int two) {
+    const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+    return two ? _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), w, xv2) : a;
+}
+
+/* Group g (64 weights, two 32-blocks) of outputs rows[0..16) . xv (and xv2) -> s0 / s1 [16 outputs]:
  * each block's exact integer sum. Pairs of outputs are reduced as soon as they exist. */
 TARGET_VNNI static inline void block_sums_vnni(const uint8_t *const rows[VNNI_ROW_COLS], int64_t g, int bits,
-                                               __m512i xv, __m512i *s0, __m512i *s1) {
+                                               __m512i xv, __m512i xv2, int two, __m512i *s0, __m512i *s1) {
     __m512i u[8], v[4];
     for (int j = 0; j < 8; j++) { /* per 128-bit chunk: lanes 0+2, 1+3 of outputs 2j, 2j + 1 */
-        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unpack_group_vnni(rows[2 * j], g, bits), xv);
-        const __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unpack_group_vnni(rows[2 * j + 1], g, bits), xv);
+        const __m512i a = lane_sums_vnni(unpack_group_vnni(rows[2 * j], g, bits), xv, xv2, two);
+        const __m512i b = lane_sums_vnni(unpack_group_vnni(rows[2 * j + 1], g, bits), xv, xv2, two);
         u[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
         if (j % 2) /* per chunk: its 4-lane sum of outputs 2j - 2 .. 2j + 1 */
             v[j / 2] = _mm512_add_epi32(_mm512_unpacklo_epi64(u[j - 1], u[j]), _mm512_unpackhi_epi64(u[j - 1], u[j]));
@@ -324,8 +374,8 @@ TARGET_VNNI static void transpose_scales_vnni(const uint16_t *s, int64_t n0, int
  * next: the weights of a later pass, prefetched a share per group, or 0. */
 TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
     const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
-    const int8_t *xq, const float *dx, const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
-    float *out) {
+    const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum, const float *dw, const float *mw,
+    const uint8_t *next, float *out) {
     const uint8_t *rows[VNNI_ROW_COLS];
     for (int j = 0; j < VNNI_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes; /* spare lanes: any row */
     const int64_t prefetch_step = ((VNNI_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
@@ -335,8 +385,9 @@ TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
             for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
                 _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + g * 64));
+        const __m512i xv2 = xq2 ? _mm512_loadu_si512((const void *)(xq2 + g * 64)) : _mm512_setzero_si512();
         __m512i sums[2];
-        block_sums_vnni(rows, g, bits, xv, &sums[0], &sums[1]);
+        block_sums_vnni(rows, g, bits, xv, xv2, xq2 != 0, &sums[0], &sums[1]);
         for (int h = 0; h < 2; h++) {
             const int64_t b = 2 * g + h;
             __m512i isum = sums[h];
@@ -350,12 +401,15 @@ TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
 }
 
-/* row_pass_vnni compiled once per code width, so the inner loops hold no test of it. */
+/* row_pass_vnni compiled once per code width and level count, so the inner loops test neither. */
 TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
-                                     int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
-                                     const float *dw, const float *mw, const uint8_t *next, float *out) {
-    if (bits == 4) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, dx, xsum, dw, mw, next, out);
-    else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, dx, xsum, dw, mw, next, out);
+                                     int bits, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                                     const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
+                                     float *out) {
+    if (bits == 4 && xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
+    else if (bits == 4) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, dx, xsum, dw, mw, next, out);
+    else if (xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, dx, xsum, dw, mw, next, out);
+    else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
 }
 
 static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES};
@@ -373,26 +427,29 @@ static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, V
 typedef struct {
     int64_t tile_rows, num_tiles, num_blocks;
     int8_t *x;   /* [tiles][Kp / 4][tile_rows][4]: lane i of quad l is row i's xq[4l .. 4l + 4) */
+    int8_t *x2;  /* the second level's codes in the same order, or NULL for one level */
     float *dx;   /* [tiles][blocks][tile_rows] the block's activation scale */
     float *xs;   /* [tiles][blocks][tile_rows] dx * xsum: the min term's activation side */
     int32_t *zc; /* [tiles][blocks][tile_rows] -zero * xsum: the zero-point correction */
 } RowTiles;
 
-static int row_tiles_init(RowTiles *t, int64_t tile_rows, const int8_t *xq, const float *dx, const int32_t *xsum,
-                          int64_t rows, int64_t Kp, int32_t zero) {
+static int row_tiles_init(RowTiles *t, int64_t tile_rows, const int8_t *xq, const int8_t *xq2, const float *dx,
+                          const int32_t *xsum, int64_t rows, int64_t Kp, int32_t zero) {
     const int64_t blocks = Kp / 32, quads = Kp / 4, tiles = (rows + tile_rows - 1) / tile_rows;
     t->tile_rows = tile_rows;
     t->num_tiles = tiles;
     t->num_blocks = blocks;
     t->x = calloc((size_t)(tiles * tile_rows * Kp), 1);
+    t->x2 = xq2 ? calloc((size_t)(tiles * tile_rows * Kp), 1) : 0;
     t->dx = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
     t->xs = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
     t->zc = calloc((size_t)(tiles * blocks * tile_rows), sizeof(int32_t));
-    if (!t->x || !t->dx || !t->xs || !t->zc) return 0;
+    if (!t->x || (xq2 && !t->x2) || !t->dx || !t->xs || !t->zc) return 0;
     for (int64_t i = 0; i < rows; i++) {
         const int64_t tile = i / tile_rows, lane = i % tile_rows;
-        int8_t *dst = t->x + tile * tile_rows * Kp + lane * 4;
-        for (int64_t l = 0; l < quads; l++) memcpy(dst + l * tile_rows * 4, xq + i * Kp + 4 * l, 4);
+        const int64_t at = tile * tile_rows * Kp + lane * 4;
+        for (int64_t l = 0; l < quads; l++) memcpy(t->x + at + l * tile_rows * 4, xq + i * Kp + 4 * l, 4);
+        for (int64_t l = 0; xq2 && l < quads; l++) memcpy(t->x2 + at + l * tile_rows * 4, xq2 + i * Kp + 4 * l, 4);
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t at = (tile * blocks + b) * tile_rows + lane;
             const int32_t sum = xsum[i * blocks + b];
@@ -406,6 +463,7 @@ static int row_tiles_init(RowTiles *t, int64_t tile_rows, const int8_t *xq, cons
 
 static void row_tiles_free(RowTiles *t) {
     free(t->x);
+    free(t->x2);
     free(t->dx);
     free(t->xs);
     free(t->zc);
@@ -466,26 +524,36 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_
 typedef void (*TileKernel)(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw, const float *mw,
                            int64_t Kp, int zero, float *out);
 
-/* AVX-512 VNNI, 16 rows x 8 outputs, any codes. */
-TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
-                                  const float *mw, int64_t Kp, int zero, float *out) {
+/* AVX-512 VNNI, 16 rows x 8 outputs, any codes; two: the activations have two levels
+ * (rt->x2), whose sums are kept apart per block and joined as (first << 8) + second. */
+TARGET_VNNI static inline __attribute__((always_inline)) void tile_vnni_levels(
+    const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw, const float *mw, int64_t Kp, int zero,
+    int two, float *out) {
     const int64_t blocks = rt->num_blocks;
-    const int8_t *x = rt->x + t * VNNI_TILE_ROWS * Kp;
+    const int8_t *x = rt->x + t * VNNI_TILE_ROWS * Kp, *x2 = two ? rt->x2 + t * VNNI_TILE_ROWS * Kp : 0;
     __m512 acc[VNNI_TILE_COLS];
     for (int c = 0; c < VNNI_TILE_COLS; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = (t * blocks + b) * VNNI_TILE_ROWS;
         const __m512i init = zero ? _mm512_loadu_si512((const void *)(rt->zc + at)) : _mm512_setzero_si512();
-        __m512i dot[VNNI_TILE_COLS];
-        for (int c = 0; c < VNNI_TILE_COLS; c++) dot[c] = init;
+        __m512i dot[VNNI_TILE_COLS], dot2[VNNI_TILE_COLS];
+        for (int c = 0; c < VNNI_TILE_COLS; c++) {
+            dot[c] = two ? _mm512_setzero_si512() : init;
+            dot2[c] = init;
+        }
         for (int s = 0; s < 8; s++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(x + (8 * b + s) * VNNI_TILE_ROWS * 4));
+            const int64_t off = (8 * b + s) * VNNI_TILE_ROWS * 4;
+            const __m512i xv = _mm512_loadu_si512((const void *)(x + off));
+            const __m512i xv2 = two ? _mm512_loadu_si512((const void *)(x2 + off)) : _mm512_setzero_si512();
             for (int c = 0; c < VNNI_TILE_COLS; c++) {
                 int32_t w4;
                 memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
-                dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(w4), xv);
+                const __m512i w = _mm512_set1_epi32(w4);
+                dot[c] = _mm512_dpbusd_epi32(dot[c], w, xv);
+                if (two) dot2[c] = _mm512_dpbusd_epi32(dot2[c], w, xv2);
             }
         }
+        for (int c = 0; two && c < VNNI_TILE_COLS; c++) dot[c] = _mm512_add_epi32(_mm512_slli_epi32(dot[c], 8), dot2[c]);
         const __m512 dxv = _mm512_loadu_ps(rt->dx + at);
         for (int c = 0; c < VNNI_TILE_COLS; c++) {
             __m512 scale = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[c * blocks + b]));
@@ -498,6 +566,12 @@ TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *
         }
     }
     for (int c = 0; c < VNNI_TILE_COLS; c++) _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, acc[c]);
+}
+
+TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                  const float *mw, int64_t Kp, int zero, float *out) {
+    if (rt->x2) tile_vnni_levels(rt, t, codes, dw, mw, Kp, zero, 1, out);
+    else tile_vnni_levels(rt, t, codes, dw, mw, Kp, zero, 0, out);
 }
 
 /* ------------------------------------------------------------ AVX2 + FMA path */
@@ -528,14 +602,20 @@ TARGET_AVX2 static inline __m256i unpack_block_avx2(const uint8_t *qrow, int64_t
     return _mm256_and_si256(h ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(0x0f));
 }
 
-/* Block h of group g of outputs rows[0..8) . x -> [8 outputs] each one's exact integer sum.
+/* block_lanes_avx2 of one level, or with two (x2: the second level) (w . x << 8) + w . x2 per lane. */
+TARGET_AVX2 static inline __m256i levels_lanes_avx2(__m256i w, __m256i x, __m256i x2, int two, int bits) {
+    const __m256i a = block_lanes_avx2(w, x, bits);
+    return two ? _mm256_add_epi32(_mm256_slli_epi32(a, 8), block_lanes_avx2(w, x2, bits)) : a;
+}
+
+/* Block h of group g of outputs rows[0..8) . x (and x2) -> [8 outputs] each one's exact integer sum.
  * Pairs are reduced as soon as they exist, so few registers are live (AVX2 has 16). */
 TARGET_AVX2 static inline __m256i block_sums_avx2(const uint8_t *const rows[AVX2_ROW_COLS], int64_t g, int h, int bits,
-                                                  __m256i x) {
+                                                  __m256i x, __m256i x2, int two) {
     __m256i pair[4];
     for (int p = 0; p < 4; p++)
-        pair[p] = _mm256_hadd_epi32(block_lanes_avx2(unpack_block_avx2(rows[2 * p], g, h, bits), x, bits),
-                                    block_lanes_avx2(unpack_block_avx2(rows[2 * p + 1], g, h, bits), x, bits));
+        pair[p] = _mm256_hadd_epi32(levels_lanes_avx2(unpack_block_avx2(rows[2 * p], g, h, bits), x, x2, two, bits),
+                                    levels_lanes_avx2(unpack_block_avx2(rows[2 * p + 1], g, h, bits), x, x2, two, bits));
     /* per 128-bit half: the 4-lane sums of outputs 0-3 and 4-7 */
     const __m256i k0 = _mm256_hadd_epi32(pair[0], pair[1]), k1 = _mm256_hadd_epi32(pair[2], pair[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
@@ -588,8 +668,8 @@ TARGET_AVX2 static void transpose_scales_avx2(const uint16_t *s, int64_t n0, int
  * float sequence with the 8 outputs in the lanes (see row_pass_vnni). 8-bit codes need zero 128. */
 TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
     const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
-    const int8_t *xq, const float *dx, const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
-    float *out) {
+    const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum, const float *dw, const float *mw,
+    const uint8_t *next, float *out) {
     const uint8_t *rows[AVX2_ROW_COLS];  /* spare lanes: any row */
     for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
     const int64_t prefetch_step = ((AVX2_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
@@ -601,7 +681,8 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
         for (int h = 0; h < 2; h++) {
             const int64_t b = 2 * g + h;
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-            __m256i isum = block_sums_avx2(rows, g, h, bits, x);
+            const __m256i x2 = xq2 ? _mm256_loadu_si256((const __m256i *)(xq2 + 32 * b)) : _mm256_setzero_si256();
+            __m256i isum = block_sums_avx2(rows, g, h, bits, x, x2, xq2 != 0);
             if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
             const float dxb = dx[b];
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
@@ -614,12 +695,15 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
     memcpy(out, lanes, (size_t)count * sizeof(float));
 }
 
-/* row_pass_avx2 compiled once per code width, so the inner loops hold no test of it. */
+/* row_pass_avx2 compiled once per code width and level count, so the inner loops test neither. */
 TARGET_AVX2 static void row_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
-                                     int bits, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
-                                     const float *dw, const float *mw, const uint8_t *next, float *out) {
-    if (bits == 4) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, dx, xsum, dw, mw, next, out);
-    else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, dx, xsum, dw, mw, next, out);
+                                     int bits, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                                     const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
+                                     float *out) {
+    if (bits == 4 && xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
+    else if (bits == 4) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, dx, xsum, dw, mw, next, out);
+    else if (xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, dx, xsum, dw, mw, next, out);
+    else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
 }
 
 static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES};
@@ -642,30 +726,37 @@ TARGET_AVX2 static inline void tile_avx2_block_out(const RowTiles *rt, int64_t a
 }
 
 /* AVX2, 8 rows x 4 outputs, 4-bit codes only: vpmaddubsw pair sums of one block add up in
- * int16 without overflow (8 steps x 2 x 15 x 127 = 30480). */
-TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
-                                     const float *mw, int64_t Kp, int zero, float *out) {
+ * int16 without overflow (8 steps x 2 x 15 x 127 = 30480), per level; two levels (rt->x2)
+ * are joined in int32 as (first << 8) + second. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void tile_avx2_q4_levels(
+    const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw, const float *mw, int64_t Kp, int zero,
+    int two, float *out) {
     const int64_t blocks = rt->num_blocks;
-    const int8_t *x = rt->x + t * AVX2_TILE_ROWS * Kp;
+    const int8_t *x = rt->x + t * AVX2_TILE_ROWS * Kp, *x2 = two ? rt->x2 + t * AVX2_TILE_ROWS * Kp : 0;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[AVX2_TILE_COLS];
     for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = (t * blocks + b) * AVX2_TILE_ROWS;
-        __m256i pairs[AVX2_TILE_COLS];
-        for (int c = 0; c < AVX2_TILE_COLS; c++) pairs[c] = _mm256_setzero_si256();
+        __m256i pairs[AVX2_TILE_COLS], pairs2[AVX2_TILE_COLS];
+        for (int c = 0; c < AVX2_TILE_COLS; c++) pairs[c] = pairs2[c] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (8 * b + s) * AVX2_TILE_ROWS * 4));
+            const int64_t off = (8 * b + s) * AVX2_TILE_ROWS * 4;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + off));
+            const __m256i xv2 = two ? _mm256_loadu_si256((const __m256i *)(x2 + off)) : _mm256_setzero_si256();
             for (int c = 0; c < AVX2_TILE_COLS; c++) {
                 int32_t w4;
                 memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
-                pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(_mm256_set1_epi32(w4), xv));
+                const __m256i w = _mm256_set1_epi32(w4);
+                pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(w, xv));
+                if (two) pairs2[c] = _mm256_add_epi16(pairs2[c], _mm256_maddubs_epi16(w, xv2));
             }
         }
         const __m256i zc = _mm256_loadu_si256((const __m256i *)(rt->zc + at));
         __m256i sums[AVX2_TILE_COLS];
         for (int c = 0; c < AVX2_TILE_COLS; c++) {
             sums[c] = _mm256_madd_epi16(pairs[c], ones);
+            if (two) sums[c] = _mm256_add_epi32(_mm256_slli_epi32(sums[c], 8), _mm256_madd_epi16(pairs2[c], ones));
             if (zero) sums[c] = _mm256_add_epi32(sums[c], zc);
         }
         tile_avx2_block_out(rt, at, b, blocks, dw, mw, sums, acc);
@@ -673,34 +764,53 @@ TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_
     for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
 }
 
+TARGET_AVX2 static void tile_avx2_q4(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                     const float *mw, int64_t Kp, int zero, float *out) {
+    if (rt->x2) tile_avx2_q4_levels(rt, t, codes, dw, mw, Kp, zero, 1, out);
+    else tile_avx2_q4_levels(rt, t, codes, dw, mw, Kp, zero, 0, out);
+}
+
 /* AVX2, 8 rows x 4 outputs, 8-bit codes unpacked signed (q - 128, zero 128): the sign
  * trick, |w| . (x with w's sign), pair sums <= 2 x 128 x 127 so no saturation; widened to
- * int32 every step. */
-TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
-                                     const float *mw, int64_t Kp, int zero, float *out) {
+ * int32 every step, per level; two levels (rt->x2) joined as (first << 8) + second. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void tile_avx2_q8_levels(
+    const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw, const float *mw, int64_t Kp, int two,
+    float *out) {
     const int64_t blocks = rt->num_blocks;
-    const int8_t *x = rt->x + t * AVX2_TILE_ROWS * Kp;
+    const int8_t *x = rt->x + t * AVX2_TILE_ROWS * Kp, *x2 = two ? rt->x2 + t * AVX2_TILE_ROWS * Kp : 0;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[AVX2_TILE_COLS];
     for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = (t * blocks + b) * AVX2_TILE_ROWS;
-        __m256i sums[AVX2_TILE_COLS];
-        for (int c = 0; c < AVX2_TILE_COLS; c++) sums[c] = _mm256_setzero_si256();
+        __m256i sums[AVX2_TILE_COLS], sums2[AVX2_TILE_COLS];
+        for (int c = 0; c < AVX2_TILE_COLS; c++) sums[c] = sums2[c] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (8 * b + s) * AVX2_TILE_ROWS * 4));
+            const int64_t off = (8 * b + s) * AVX2_TILE_ROWS * 4;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + off));
+            const __m256i xv2 = two ? _mm256_loadu_si256((const __m256i *)(x2 + off)) : _mm256_setzero_si256();
             for (int c = 0; c < AVX2_TILE_COLS; c++) {
                 int32_t w4;
                 memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
-                const __m256i w = _mm256_set1_epi32(w4);
-                const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+                const __m256i w = _mm256_set1_epi32(w4), magnitude = _mm256_abs_epi8(w);
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, w));
                 sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs, ones));
+                if (two)
+                    sums2[c] = _mm256_add_epi32(sums2[c],
+                                                _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv2, w)), ones));
             }
         }
+        for (int c = 0; two && c < AVX2_TILE_COLS; c++) sums[c] = _mm256_add_epi32(_mm256_slli_epi32(sums[c], 8), sums2[c]);
         tile_avx2_block_out(rt, at, b, blocks, dw, mw, sums, acc);
     }
-    (void)zero;
     for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
+}
+
+TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                     const float *mw, int64_t Kp, int zero, float *out) {
+    (void)zero; /* the codes are unpacked signed: the zero point is in them */
+    if (rt->x2) tile_avx2_q8_levels(rt, t, codes, dw, mw, Kp, 1, out);
+    else tile_avx2_q8_levels(rt, t, codes, dw, mw, Kp, 0, out);
 }
 
 typedef struct {
@@ -717,11 +827,11 @@ static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, AVX2_TILE_ROWS, AVX2_TILE_C
  * each unpacks its outputs once and runs every row tile on them. Returns 0 when out of
  * memory (y then incomplete: the caller recomputes it another way). */
 static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
-                      int64_t Kp, int bits, int r, int zero, const int8_t *xq, const float *dx, const int32_t *xsum,
-                      int64_t rows, float *y) {
+                      int64_t Kp, int bits, int r, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                      const int32_t *xsum, int64_t rows, float *y) {
     const int64_t tile_rows = shape.rows, cols = shape.cols;
     RowTiles rt;
-    if (!row_tiles_init(&rt, tile_rows, xq, dx, xsum, rows, Kp, zero)) {
+    if (!row_tiles_init(&rt, tile_rows, xq, xq2, dx, xsum, rows, Kp, zero)) {
         row_tiles_free(&rt);
         return 0;
     }
@@ -1023,59 +1133,63 @@ int quant_tiled_min_rows(int isa, int bits) {
 }
 
 static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
-                          int r, int32_t zero, const int8_t *xq, const float *dx, const int32_t *xsum, int64_t rows,
-                          float *y) {
+                          int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                          const int32_t *xsum, int64_t rows, float *y) {
     _Pragma("omp parallel for schedule(static) if(N * Kp * rows >= 65536)")
-    for (int64_t n = 0; n < N; n++) gemm_outputs_portable(q, d, m, n, 1, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+    for (int64_t n = 0; n < N; n++)
+        gemm_outputs_portable(q, d, m, n, 1, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
 }
 
-/* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T.
- * isa: a path quant_isa() allows (2, 1 or 0). The AVX-512 VNNI and the AVX2 paths take
+/* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T; xq2: the
+ * activations' second level, or NULL for one level (see quantize_activations).
+ * isa: a path quant_isa() allows (3, 2, 1 or 0). The AVX-512 VNNI and the AVX2 paths take
  * their tiled kernels from tiled_min_rows rows on (quant_tiled_min_rows(isa, bits) by
  * default; other values for benchmarks and tests).
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
- * the tiled kernel out of memory) falls back to the next one down. */
+ * the tiled kernel out of memory, AMX with two levels) falls back to the next one down,
+ * which gives the same bits. */
 void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
-                int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const float *dx, const int32_t *xsum,
-                int64_t rows, float *y) {
+                int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                const int32_t *xsum, int64_t rows, float *y) {
 #ifdef QUANT_X86
     if (isa == 3) {
-        if (rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y)) return;
-        isa = 2, tiled_min_rows = VNNI_TILED_MIN_ROWS; /* few rows (or out of memory): path 2 */
+        if (!xq2 && rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
+            return;
+        isa = 2, tiled_min_rows = VNNI_TILED_MIN_ROWS; /* few rows, two levels (or out of memory): path 2 */
     }
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
-            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
+            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(VNNI_ROWS, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+        gemm_rows(VNNI_ROWS, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
-        if (rows >= tiled_min_rows &&
-            gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
+        if (rows >= tiled_min_rows && gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r,
+                                                 zero, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(AVX2_ROWS, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+        gemm_rows(AVX2_ROWS, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
         return;
     }
 #endif
     (void)isa; /* without x86, every path is the portable one */
     (void)tiled_min_rows;
-    gemm_portable(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+    gemm_portable(q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
 }
 
-/* quantize_activations then quant_gemm, scratch from the heap: one call per matmul.
- * Returns 0 when out of memory (y not written). */
-int quant_linear(int isa, int64_t tiled_min_rows, const float *x, int64_t rows, int64_t K, const uint8_t *q,
-                 const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero,
-                 float *y) {
-    const int64_t blocks = Kp / 32;
-    char *scratch = malloc((size_t)(rows * Kp + rows * blocks * 8));
+/* quantize_activations (levels: 1 or 2) then quant_gemm, scratch from the heap: one call per
+ * matmul. Returns 0 when out of memory (y not written). */
+int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, int64_t rows, int64_t K,
+                 const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r,
+                 int32_t zero, float *y) {
+    const int64_t blocks = Kp / 32, code_bytes = (levels == 2 ? 2 : 1) * rows * Kp;
+    char *scratch = malloc((size_t)(code_bytes + rows * blocks * 8));
     if (!scratch) return 0;
-    int8_t *xq = (int8_t *)scratch;
-    float *dx = (float *)(scratch + rows * Kp); /* Kp is a multiple of 64: aligned */
+    int8_t *xq = (int8_t *)scratch, *xq2 = levels == 2 ? xq + rows * Kp : 0;
+    float *dx = (float *)(scratch + code_bytes); /* Kp is a multiple of 64: aligned */
     int32_t *xsum = (int32_t *)(dx + rows * blocks);
-    quantize_activations(isa, x, rows, K, Kp, xq, dx, xsum);
-    quant_gemm(isa, tiled_min_rows, q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y);
+    quantize_activations(isa, x, rows, K, Kp, xq, xq2, dx, xsum);
+    quant_gemm(isa, tiled_min_rows, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
     free(scratch);
     return 1;
 }
@@ -1108,7 +1222,7 @@ typedef struct {
     const uint8_t *q;
     const uint16_t *d, *m;
     const float *bias; /* [N] or NULL */
-    int64_t N, K, Kp, bits, r, zero, tiled_min_rows;
+    int64_t N, K, Kp, bits, r, zero, tiled_min_rows, levels;
 } StackLinear;
 
 typedef struct {
@@ -1125,8 +1239,8 @@ typedef struct {
 } LayerStack;
 
 static int stack_linear(const LayerStack *s, const StackLinear *l, const float *x, int64_t rows, float *y) {
-    if (!quant_linear((int)s->isa, l->tiled_min_rows, x, rows, l->K, l->q, l->d, l->m, l->N, l->Kp, (int)l->bits,
-                      (int)l->r, (int32_t)l->zero, y))
+    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, x, rows, l->K, l->q, l->d, l->m, l->N, l->Kp,
+                      (int)l->bits, (int)l->r, (int32_t)l->zero, y))
         return 0;
     if (l->bias)
         for (int64_t i = 0; i < rows; i++)

@@ -43,6 +43,10 @@ _isa = 0
 _runnable: tuple[int, ...] = (0,)
 _tiled_from: dict[tuple[int, int], int] = {}  # (path, bits) -> rows from which it takes its tiled kernel (0: none)
 _FORCED_TILED_FROM = {True: 1, False: 2**62}  # the same for gemm(tiled=True / False)
+# How the activations of a packed matmul are quantized, per 32-block: "int16" two int8 levels
+# (the residual of the first at a 256 times finer scale: 16-bit fixed point, the dequantized
+# weights' accuracy), "int8" one level (llama.cpp's Q8 activations; less integer work).
+ACTIVATION_LEVELS = {"int16": 2, "int8": 1}
 
 
 def available() -> bool:
@@ -113,16 +117,19 @@ def _load() -> ctypes.CDLL | None:
 
 
 def build_library() -> ctypes.CDLL:
-    library = ctypes.CDLL(str(_build(_compiler(), ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"])))
+    # -ffp-contract=off: no multiply-add is fused behind the code's back, so the vector paths
+    # round exactly where the portable one does (their bit equality rests on it).
+    library = ctypes.CDLL(str(_build(_compiler(), ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+                                                   "-ffp-contract=off"])))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     c_int = ctypes.c_int
     library.quant_isa.restype = library.quant_tiled_min_rows.restype = c_int
     library.quant_isa.argtypes = []
     library.quant_tiled_min_rows.argtypes = [c_int, c_int]
-    library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, p, p, p]
-    library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, i64, p]
+    library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, p, p, p, p]
+    library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, i64, p]
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
-    library.quant_linear.argtypes = [c_int, i64, p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
+    library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear.restype = c_int
     for fn in (library.quantize_activations, library.quant_gemm, library.quant_dequantize_rows):
         fn.restype = None
@@ -164,22 +171,22 @@ def gemm(
     scales: torch.Tensor,  # [N, Kp / group] float16
     mins: torch.Tensor | None,  # like scales
     bits: int, group_size: int, zero: int, padded_in: int,
-    isa_override: int | None = None, tiled: bool | None = None,
+    isa_override: int | None = None, tiled: bool | None = None, levels: int = 2,
 ) -> torch.Tensor:  # [T, N] float32
-    """``x @ W^T`` of a quantized weight (see quant_ops.c for the layout).
+    """``x @ W^T`` of a quantized weight (see quant_ops.c for the layout), the activations
+    quantized per 32-block to ``levels`` int8 levels (2: 16-bit fixed point; 1: int8).
 
     ``isa_override`` runs another path of :func:`runnable_isas` than :func:`isa`. The
     AVX-512 VNNI and AVX2 paths take their tiled kernel from :func:`tiled_min_rows` rows
     (``tiled=None``), at any row count (``True``) or never (``False``); for the AMX path
     the tiled kernel is the AMX one, and ``False`` runs path 2's dispatch."""
-    path = _isa if isa_override is None else isa_override
-    if path not in _runnable:
-        raise ValueError(f"quantized-kernel path {path} is not one this CPU runs: {_runnable}")
+    path = _check_path(isa_override, levels)
     rows, in_features = x.shape
     out_features = qweight.shape[0]
     y = torch.empty((rows, out_features), dtype=torch.float32)
     done = _library.quant_linear(
-        path, _tiled_from[(path, bits)] if tiled is None else _FORCED_TILED_FROM[tiled], x.data_ptr(), rows, in_features,
+        path, _tiled_from[(path, bits)] if tiled is None else _FORCED_TILED_FROM[tiled], levels, x.data_ptr(), rows,
+        in_features,
         qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
         out_features, padded_in, bits, group_size // 32, zero, y.data_ptr(),
     )
@@ -188,15 +195,24 @@ def gemm(
     return y
 
 
+def _check_path(isa_override: int | None, levels: int) -> int:
+    path = _isa if isa_override is None else isa_override
+    if path not in _runnable:
+        raise ValueError(f"quantized-kernel path {path} is not one this CPU runs: {_runnable}")
+    if levels not in ACTIVATION_LEVELS.values():
+        raise ValueError(f"activation levels must be 1 or 2, got {levels!r}")
+    return path
+
+
 def bind_gemm(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-    bits: int, group_size: int, zero: int, padded_in: int,
+    bits: int, group_size: int, zero: int, padded_in: int, levels: int = 2,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`gemm` on one weight, its arguments converted once: ``f(x)`` takes a float32,
     contiguous ``[T, K]`` and returns ``[T, N]``. For the layers' forward passes, where the
     per-call cost of :func:`gemm`'s checks is a few percent of a batch-1 decode step."""
     assert available(), "bind_gemm needs the native kernels"
-    path, kernel = _isa, _library.quant_linear
+    path, kernel = _check_path(None, levels), _library.quant_linear
     tiled_from = _tiled_from[(path, bits)]
     out_features = qweight.shape[0]
     weight_args = (qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
@@ -206,7 +222,7 @@ def bind_gemm(
     def call(x: torch.Tensor) -> torch.Tensor:
         rows, in_features = x.shape
         y = torch.empty((rows, out_features), dtype=torch.float32)
-        if not kernel(path, tiled_from, x.data_ptr(), rows, in_features, *weight_args, y.data_ptr()):
+        if not kernel(path, tiled_from, levels, x.data_ptr(), rows, in_features, *weight_args, y.data_ptr()):
             raise MemoryError(f"quantized matmul scratch for {rows} rows x {padded_in} inputs")
         return y
 
@@ -231,21 +247,23 @@ def dequantize_rows(
 
 def quantize_activations(
     x: torch.Tensor,  # [T, K] float32, contiguous
-    padded_in: int, isa_override: int | None = None,
+    padded_in: int, isa_override: int | None = None, levels: int = 2,
 ) -> dict[str, torch.Tensor]:
-    """The kernels' int8 activations of ``x`` (what :func:`gemm` computes first), for tests:
-    ``xq`` [T, Kp] int8 and per 32-block the scale ``dx`` [T, Kp / 32] float32 and the code
-    sum ``xsum`` [T, Kp / 32] int32 (see quant_ops.c)."""
-    path = _isa if isa_override is None else isa_override
-    if path not in _runnable:
-        raise ValueError(f"quantized-kernel path {path} is not one this CPU runs: {_runnable}")
+    """The kernels' quantized activations of ``x`` (what :func:`gemm` computes first), for tests:
+    ``xq`` [T, Kp] int8 (with two levels also ``xq2`` [T, Kp] int8, the residual at a 256 times
+    finer scale) and per 32-block the scale ``dx`` [T, Kp / 32] float32 and the code sum
+    ``xsum`` [T, Kp / 32] int32 (two levels: 256 sum xq + sum xq2; see quant_ops.c)."""
+    path = _check_path(isa_override, levels)
     rows, in_features = x.shape
     blocks = padded_in // 32
     out = {
         "xq": torch.empty((rows, padded_in), dtype=torch.int8),
         "dx": torch.empty((rows, blocks)), "xsum": torch.empty((rows, blocks), dtype=torch.int32),
     }
+    if levels == 2:
+        out["xq2"] = torch.empty((rows, padded_in), dtype=torch.int8)
     _library.quantize_activations(
-        path, x.data_ptr(), rows, in_features, padded_in, *(out[name].data_ptr() for name in ("xq", "dx", "xsum")),
+        path, x.data_ptr(), rows, in_features, padded_in, out["xq"].data_ptr(),
+        out["xq2"].data_ptr() if levels == 2 else None, out["dx"].data_ptr(), out["xsum"].data_ptr(),
     )
     return out

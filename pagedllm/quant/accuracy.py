@@ -52,10 +52,10 @@ class GreedyComparison:
     reference_gap: float | None  # reference logit(reference token) - logit(quantized token) there
 
 
-def load(model: str | None, quantization: str, group_size: int = 32) -> LoadedModel:
+def load(model: str | None, quantization: str, group_size: int = 32, quant_activations: str = "int16") -> LoadedModel:
     return load_model(
         model, dtype=torch.float32, device=torch.device("cpu"), attn_backend=TorchAttentionBackend(),
-        quantization=quantization, quantization_group_size=group_size,
+        quantization=quantization, quantization_group_size=group_size, quant_activations=quant_activations,
     )
 
 
@@ -120,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--text", required=True, help="an English text file (the tests ship tests/data/english_text.txt)")
     parser.add_argument("--greedy-tokens", type=int, default=32)
+    parser.add_argument("--quant-activations", default="int16", choices=["int16", "int8"])
     args = parser.parse_args(argv)
     reference = load(args.model, "none")
-    quantized = load(args.model, args.quantization, args.group_size)
+    quantized = load(args.model, args.quantization, args.group_size, args.quant_activations)
     tokenizer = Tokenizer.load(reference.path)
     tokens = tokenizer.encode(open(args.text, encoding="utf-8").read())
     c = compare_logits(reference, quantized, tokens)
-    print(f"| {args.quantization} | {c.num_positions} | {c.max_abs_error:.3f} | {100 * c.top1_agreement:.1f}% "
+    print(f"| {args.quantization} ({args.quant_activations} activations) | {c.num_positions} | {c.max_abs_error:.3f} | {100 * c.top1_agreement:.1f}% "
           f"| {c.perplexity_reference:.3f} | {c.perplexity_quantized:.3f} |")
     for prompt in PROMPTS:
         g = compare_greedy(reference, quantized, tokenizer.encode(prompt), prompt, args.greedy_tokens)

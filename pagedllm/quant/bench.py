@@ -29,16 +29,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total + sum(w.nbytes for w in quantized_weights(model))
 
 
-def run_one(quantization: str, args: argparse.Namespace) -> dict:
+def run_one(setting: str, args: argparse.Namespace) -> dict:
+    """One row: ``setting`` is a quantization, optionally with the activations after a slash
+    (``gguf/int8``; the engine's default otherwise)."""
     from pagedllm.bench.latency import run_latency
     from pagedllm.bench.throughput import run_pagedllm
     from pagedllm.bench.workloads import load_workload
     from pagedllm.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=args.model, quantization=quantization, num_threads=args.num_threads)
+    quantization, _, activations = setting.partition("/")
+    config = EngineConfig(model=args.model, quantization=quantization, num_threads=args.num_threads,
+                          **({"quant_activations": activations} if activations else {}))
     latency = run_latency(config, args.input_len, args.output_len, args.runs)
     row = {
-        "quantization": quantization,
+        "quantization": setting,
         "decode_tok_s": latency["decode_tokens_per_s"]["median"],
         "ttft_ms": 1000 * latency["ttft_s"]["median"],
     }
@@ -55,7 +59,8 @@ def run_one(quantization: str, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--quantization", default="none,gguf", help="comma-separated settings, run in this order")
+    parser.add_argument("--quantization", default="none,gguf", help="comma-separated settings, run in this order; "
+                        "a quantization may name its activations after a slash: gguf/int8, gguf/int16")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)

@@ -12,8 +12,9 @@ high one); ``in`` is padded to a multiple of 64 and of ``G`` with groups whose
 scale and min are 0. Resident bytes equal the GGUF blocks' bytes for Q4_0,
 Q4_1 and Q8_0 (plus padding, none for widths that are multiples of 64).
 
-``apply(x)`` runs the native kernel (activations quantized per 32 to int8 on
-the fly); ``dequantize()`` is the float32 reference the tests compare with.
+``apply(x)`` runs the native kernel (activations quantized per 32 on the fly,
+to two int8 levels or one: ``activation_levels``); ``dequantize()`` is the
+float32 reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class QuantizedWeight:
     qweight: Tensor  # [N, Kp / 2] (4-bit) or [N, Kp] (8-bit) uint8
     scales: Tensor  # [N, Kp / G] float16
     mins: Tensor | None  # [N, Kp / G] float16
+    # int8 levels per activation the native kernel quantizes inputs to: 2 (16-bit fixed point
+    # per 32-block, the dequantized weights' accuracy) or 1 (int8, less integer work)
+    activation_levels: int = 2
 
     @property
     def out_features(self) -> int:
@@ -86,7 +90,7 @@ class QuantizedWeight:
     # ---- compute
 
     def apply(self, x: Tensor) -> Tensor:
-        """``x [T, in] -> [T, out]`` in x's dtype (activations quantized per 32 to int8)."""
+        """``x [T, in] -> [T, out]`` in x's dtype (activations quantized per 32 to ``activation_levels`` int8 levels)."""
         return self.matmul(x.device)(x)
 
     def matmul(self, device: torch.device) -> Callable[[Tensor], Tensor]:
@@ -95,7 +99,7 @@ class QuantizedWeight:
         dequantized matrix (made at each call: the reference, not a serving path)."""
         if device.type != "cpu" or not quant_ops.available():
             return lambda x: F.linear(x, self.dequantize().to(x.device, x.dtype))
-        native = quant_ops.bind_gemm(*self._kernel_args())
+        native = quant_ops.bind_gemm(*self._kernel_args(), levels=self.activation_levels)
 
         def apply(x: Tensor) -> Tensor:
             if x.dtype == torch.float32:
@@ -145,7 +149,7 @@ class QuantizedWeight:
         return QuantizedWeight(
             self.format_name, self.bits, self.zero, self.group_size, self.in_features,
             fn(self.qweight).contiguous(), fn(self.scales).contiguous(),
-            None if self.mins is None else fn(self.mins).contiguous(),
+            None if self.mins is None else fn(self.mins).contiguous(), self.activation_levels,
         )
 
     def rows(self, start: int, end: int) -> QuantizedWeight:
@@ -156,13 +160,13 @@ class QuantizedWeight:
     def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack matrices of one format by rows (``[q | k | v]``)."""
         first = parts[0]
-        layout = (first.format_name, first.group_size, first.in_features)
-        if any((p.format_name, p.group_size, p.in_features) != layout for p in parts):
-            raise ValueError("only matrices of one format, group size and width can be fused")
+        layout = (first.format_name, first.group_size, first.in_features, first.activation_levels)
+        if any((p.format_name, p.group_size, p.in_features, p.activation_levels) != layout for p in parts):
+            raise ValueError("only matrices of one format, group size, width and activation levels can be fused")
         return QuantizedWeight(
             first.format_name, first.bits, first.zero, first.group_size, first.in_features,
             torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-            None if first.mins is None else torch.cat([p.mins for p in parts]),
+            None if first.mins is None else torch.cat([p.mins for p in parts]), first.activation_levels,
         )
 
 

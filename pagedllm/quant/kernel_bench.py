@@ -7,7 +7,8 @@ layers' kernel: oneDNN on a packed weight where the probe finds it, ``F.linear``
 Q4 and Q8 kernels (g32) on each path of ``--paths`` (``avx512-vnni``,
 ``avx2``: the dispatch the layers use, tiled kernel from ``tiled_min_rows()``
 rows; ``avx512-vnni-rows``, ``avx2-rows``: the per-row kernel, ``-tiled``:
-the tiled kernel, at every row count; ``portable``), and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` /
+the tiled kernel, at every row count; ``portable``) with the activations of each of ``--activations``
+(``int16``: two int8 levels, ``int8``: one), and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` /
 ``_weight_int8pack_mm`` on bfloat16 activations (random codes: only the time
 is compared). Every figure of a row comes from the same process, one after
 the other.
@@ -68,23 +69,26 @@ def default_paths() -> str:
     return f"{best},{best}-rows" if quant_ops.isa() > 0 else best
 
 
-def header(paths: list[tuple[str, int, bool | None]]) -> str:
-    native = [f"native Q{bits} {name}" for name, _, _ in paths for bits in (4, 8)]
+def header(paths: list[tuple[str, int, bool | None]], activations: list[str] = ("int16",)) -> str:
+    native = [f"native Q{bits} {name} {act}" for act in activations for name, _, _ in paths for bits in (4, 8)]
     dense = "dense fp32 (oneDNN packed)" if onednn_linear_available(torch.float32) else "dense fp32 (F.linear)"
     cells = ["rows", "matrix", dense, *native,
              "torch `_weight_int4pack_mm_for_cpu`", "torch `_weight_int8pack_mm`"]
     return "| " + " | ".join(cells) + " |\n|" + "---|" * len(cells)
 
 
-def row(rows: int, out_features: int, in_features: int, paths: list[tuple[str, int, bool | None]]) -> str:
+def row(rows: int, out_features: int, in_features: int, paths: list[tuple[str, int, bool | None]],
+        activations: list[str] = ("int16",)) -> str:
     w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     dense = dense_matmul(w)  # oneDNN on a packed weight where it runs, F.linear otherwise
     times = [best_ms(lambda: dense(x, w, None))]
     q4, q8 = quantize_rtn(w, 4, 32), quantize_rtn(w, 8, 32)
-    for _, isa, tiled in paths:
-        for q in (q4, q8):
-            call = partial(quant_ops.gemm, x, *q._kernel_args(), isa_override=isa, tiled=tiled)
-            times.append(best_ms(call))
+    for act in activations:
+        for _, isa, tiled in paths:
+            for q in (q4, q8):
+                call = partial(quant_ops.gemm, x, *q._kernel_args(), isa_override=isa, tiled=tiled,
+                               levels=quant_ops.ACTIVATION_LEVELS[act])
+                times.append(best_ms(call))
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32)
     int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scale_zero = torch.randn(in_features // 32, out_features, 2).bfloat16()
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=None,
                         help="comma-separated native paths (default: the best this CPU runs and its "
                              "per-row kernel)")
+    parser.add_argument("--activations", default="int16",
+                        help="comma-separated activation modes of the native kernels: int16 (two int8 levels), int8")
     parser.add_argument("--shapes", default=None, help="comma-separated OUTxIN matrices (default: the model's)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this thread's CPU time, which a machine shared with "
@@ -117,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("the native quantized kernels are not available (no C compiler?)")
     torch.set_num_threads(args.threads)
     paths = parse_paths(args.paths or default_paths())
+    activations = [a.strip() for a in args.activations.split(",") if a.strip()]
+    if not activations or any(a not in quant_ops.ACTIVATION_LEVELS for a in activations):
+        raise ConfigError(f"--activations: use a comma-separated list of {', '.join(quant_ops.ACTIVATION_LEVELS)}")
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(header(paths), flush=True)
+    print(header(paths, activations), flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
         for out_features, in_features in shapes:
-            print(row(rows, out_features, in_features, paths), flush=True)
+            print(row(rows, out_features, in_features, paths, activations), flush=True)
     return 0
 
 

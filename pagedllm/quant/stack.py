@@ -35,7 +35,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Linear(ctypes.Structure):
     _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("Kp", _i64),
-                ("bits", _i64), ("r", _i64), ("zero", _i64), ("tiled_min_rows", _i64)]
+                ("bits", _i64), ("r", _i64), ("zero", _i64), ("tiled_min_rows", _i64), ("levels", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -65,6 +65,7 @@ def _linear(layer: nn.Module, weight: QuantizedWeight, isa: int) -> _Linear:
         weight.qweight.data_ptr(), weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
         None if bias is None else bias.data_ptr(), weight.out_features, weight.in_features, weight.padded_in,
         weight.bits, weight.group_size // 32, weight.zero, quant_ops.tiled_min_rows(weight.bits, isa) or 2**62,
+        weight.activation_levels,
     )
 
 

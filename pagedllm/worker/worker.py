@@ -139,6 +139,7 @@ class Worker:
             config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
             rope_scaling=config.rope_scaling, tp=self.tp,
             quantization=config.quantization or "none", quantization_group_size=config.quantization_group_size,
+            quant_activations=config.quant_activations,
         )
         self.model = loaded.model
         self.model_config = loaded.config
