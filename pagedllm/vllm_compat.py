@@ -105,8 +105,9 @@ ENGINE_NOTES = {
     "preemption_mode": SAME_NOTE + "vLLM 0.x's recompute | swap, plus auto",
     "tensor_parallel_size": "N worker processes over torch.distributed (gloo on CPU, NCCL on CUDA); "
                             "no async_scheduling, CUDA graphs or int8/int4 quantization with N > 1 yet (gguf works)",
-    "quantization": "None/none (dense weights), gguf (a GGUF's Q4_0/Q4_1/Q8_0 served packed), int8 | int4 "
-                    "(RTN weight-only, CPU); others raise ConfigError",
+    "quantization": "none (dense weights), gguf (a GGUF's Q4_0/Q4_1/Q8_0 served packed), int8 | int4 "
+                    "(RTN weight-only, CPU); others raise ConfigError. Unset (None): gguf for a GGUF file on the "
+                    "CPU in float32, none elsewhere (vLLM: the checkpoint's own scheme)",
     "kv_cache_dtype": "auto | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2; 8-bit codes carry a float16 scale "
                       "per token and KV head computed on write (no calibrated per-tensor scales)",
     "generation_config": SAME_NOTE + "auto | vllm | a folder, as vLLM; reads temperature, top_p, top_k, min_p, "

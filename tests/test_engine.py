@@ -28,6 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 def make_llm(**options) -> LLM:
     options.setdefault("kv_cache_memory", 192 * 2**20)
     options.setdefault("dtype", "float32")
+    options.setdefault("quantization", "none")  # HF transformers' dequantized weights are the oracle
     return LLM(**options)
 
 

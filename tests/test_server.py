@@ -274,8 +274,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
-            first = next(response.iter_lines())
-            assert first.startswith("data: ")
+            # keep the iterator: httpx closes the response (hangs up) once its line iterator is dropped
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
             assert server.metrics()["pagedllm:kv_cache_usage_perc"] > 0
     closed = time.monotonic()
     metrics = server.wait_idle(timeout=15)

@@ -18,6 +18,7 @@ BEAM_PROMPTS = ["The best way to learn a language is", "Once upon a time, in a s
 def make_llm(**options) -> LLM:
     options.setdefault("kv_cache_memory", 128 * 2**20)
     options.setdefault("dtype", "float32")
+    options.setdefault("quantization", "none")  # HF transformers' dequantized weights are the oracle
     return LLM(**options)
 
 

@@ -28,6 +28,7 @@ PROMPTS = [
 
 def _llm(tp: int, **options) -> LLM:
     options.setdefault("kv_cache_memory", 64 * 2**20)
+    options.setdefault("quantization", "none")  # dense shards; the packed ones have their own test below
     return LLM(dtype="float32", device="cpu", tensor_parallel_size=tp, **options)
 
 

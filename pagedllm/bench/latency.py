@@ -68,7 +68,9 @@ def run_latency(
         time_one_request(engine, f"warmup-{i}", prompt, WARMUP_OUTPUT_LEN)
     prompts = random_workload(num_runs, (input_len, input_len), output_len, seed=seed).prompt_token_ids
     runs = [time_one_request(engine, f"run-{i}", p, output_len) for i, p in enumerate(prompts)]
-    return summarize_runs("pagedllm", dtype_name(engine.dtype), input_len, output_len, runs)
+    # the weights as resolved (quantization=None picks per checkpoint and device)
+    weights = {"quantization": engine.config.quantization, "quant_activations": engine.config.quant_activations}
+    return {**summarize_runs("pagedllm", dtype_name(engine.dtype), input_len, output_len, runs), **weights}
 
 
 def run_latency_vllm(args: argparse.Namespace, python: str) -> dict:

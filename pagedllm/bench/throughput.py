@@ -121,6 +121,9 @@ def run_pagedllm(workload: Workload, config, warmup: bool = True) -> ThroughputR
             "peak_used_blocks": stats.peak_used_blocks,
             "num_preemptions": stats.num_preemptions,
             "tensor_parallel_size": config.tensor_parallel_size,
+            # the weights as resolved (quantization=None picks per checkpoint and device)
+            "quantization": engine.config.quantization,
+            "quant_activations": engine.config.quant_activations,
             "rank_times": ranks,
         },
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import enum
 import itertools
 import logging
@@ -24,6 +25,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
 from pagedllm.kv.tiers import DiskTier, block_layout, layout_nbytes, model_identity, tier_key
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
+from pagedllm.models.loader import default_quantization
 from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.outputs import RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -102,6 +104,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
         self.model_path = resolve_model_path(config.model)
+        if config.quantization is None:  # unset: what suits this checkpoint and device (loader.default_quantization)
+            config = self.config = dataclasses.replace(
+                config, quantization=default_quantization(self.model_path, config.device, config.dtype))
         self.model_name = model_display_name(self.model_path)
         self.tokenizer = Tokenizer.load(self.model_path)
         eos_token_ids = tuple(self.tokenizer.eos_token_ids)
