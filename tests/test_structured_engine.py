@@ -306,3 +306,25 @@ def test_bench_mask_clock_times_the_hooks_the_engine_really_calls(llm):
     steps = clock.num_steps
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, structured_outputs=_schema()), use_tqdm=False)
     assert clock.num_steps == steps  # uninstalled: nothing counts any more
+
+
+def test_top_logprobs_under_a_grammar_list_only_tokens_it_allows(llm):
+    """A masked token has logprob -inf: it is no alternative (and JSON could not carry it)."""
+    import math
+
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text in ("yes", "no") and completion.logprobs
+    entries = [entry for position in completion.logprobs for entry in position.values()]
+    assert entries and all(math.isfinite(entry.logprob) for entry in entries)
+    assert len(completion.logprobs[0]) < 6  # fewer than 5 tokens start "yes" or "no" here: the rest are gone
+
+
+def test_a_regex_that_matches_nothing_is_refused_before_any_step(llm):
+    with pytest.raises(RequestError) as info:
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs={"regex": r"[^\s\S]"}), use_tqdm=False)
+    assert info.value.param == "structured_outputs.regex" and "matches no output" in str(info.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+    _assert_all_free(llm)

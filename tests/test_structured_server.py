@@ -231,9 +231,27 @@ def test_a_finished_grammar_ends_before_min_tokens(client):
         ({"extra_body": {"guided_grammar": "root ::= "}}, "guided_grammar"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"extra_body": {"structured_outputs": {"regex": r"[^\s\S]"}}}, "structured_outputs.regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format"),
+        ({"tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"}, "tools"),
     ],
 )
 def test_bad_constraints_are_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5, **body)
     assert info.value.status_code == 400 and info.value.body["param"] == param
+
+
+def test_top_logprobs_of_a_constrained_answer_are_finite(client):
+    """Tokens the grammar forbids are not listed as alternatives (they were -inf: a 500)."""
+    response = client.chat.completions.create(
+        model="default", messages=_chat("Tell me about Paris as JSON."), temperature=0, max_tokens=40,
+        logprobs=True, top_logprobs=5, response_format={"type": "json_schema", "json_schema": {
+            "name": "city", "schema": City.model_json_schema()}},
+    )
+    choice = response.choices[0]
+    assert len(choice.logprobs.content) == response.usage.completion_tokens
+    tops = [top for entry in choice.logprobs.content for top in entry.top_logprobs]
+    assert tops and all(top.logprob > -1e9 for top in tops)
+    assert any(len(entry.top_logprobs) < 5 for entry in choice.logprobs.content)  # forced tokens stand alone

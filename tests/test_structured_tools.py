@@ -129,6 +129,12 @@ def test_response_format_and_extra_body_become_structured_outputs():
         ({"structured_outputs": {}}, "structured_outputs"),
         ({"guided_choice": []}, "guided_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}],
+          "tool_choice": "required"}, "tools"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+         "response_format"),
     ],
 )
 def test_conflicting_or_malformed_constraints_name_the_field(body, param):

@@ -72,12 +72,15 @@ class GrammarCompiler:
                 self.num_cache_hits += 1
                 return cached
             compiler = self._compiler()
+        where = param or params.param
         try:
             handle = _compile_spec(compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its reason
-            where = param or params.param
             raise RequestError(f"{where}: cannot compile the {spec.kind.replace('_', ' ')}: {_reason(exc)}",
                                param=where) from None
+        if not _allows_a_first_token(handle):
+            # Decoding could not take a single step (a regex such as [^\s\S], an empty grammar).
+            raise RequestError(f"{where}: the {spec.kind.replace('_', ' ')} matches no output at all", param=where)
         compiled = CompiledGrammar(spec, handle)
         with self._lock:
             self._cache[spec] = compiled
@@ -89,6 +92,15 @@ class GrammarCompiler:
     @property
     def num_cached(self) -> int:
         return len(self._cache)
+
+
+def _allows_a_first_token(handle) -> bool:
+    """Whether a fresh matcher of the compiled grammar allows any token (a stop token included)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, handle.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(handle).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def _compile_spec(compiler, spec: GrammarSpec):
