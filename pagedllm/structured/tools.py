@@ -25,7 +25,8 @@ from pagedllm.structured.schema import prepare_schema
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: "omitting parameters defines a function with an empty parameter list".
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def parse_tools(raw_tools: list[dict] | None) -> list[ToolSpec]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise RequestError(f"tools[{i}].function.name: must be a non-empty string", param="tools")
-        parameters = function.get("parameters") or _ANY_OBJECT
+        parameters = function.get("parameters") or _NO_PARAMETERS
         if not isinstance(parameters, dict):
             raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema object", param="tools")
         if any(spec.name == name for spec in specs):
