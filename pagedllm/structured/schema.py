@@ -18,24 +18,34 @@ Rewritten:
   in strict mode, where an undeclared property is never written).
 - ``allOf`` with one subschema and nothing else to check: that subschema.
 
+Every schema is first checked against the JSON Schema metaschema
+(``check_json_schema``): ``{"type": "foo"}`` or ``"properties": 5`` is an
+error naming where it is, whether or not a grammar enforces the schema.
+
 Rejected: ``uniqueItems``, ``not``, ``if``/``then``/``else``, ``dependentRequired``,
-``dependentSchemas``, ``dependencies``, ``allOf`` with several subschemas,
+``dependentSchemas``, ``dependencies``, ``contains``/``minContains``/``maxContains``,
+``allOf`` with several subschemas,
 ``multipleOf`` on non-integers, ``$ref`` outside the schema, and validation
-keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``/``enum``/``const``.
+keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``/``enum``/``const``, and
+``minProperties`` above the number of properties an object may have (the
+compiler writes no property that ``properties`` does not declare unless
+``additionalProperties`` or ``patternProperties`` allows it).
 ``oneOf`` is enforced as ``anyOf``: a document matching several branches
 passes (disjoint branches, such as a discriminated union, are exact).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 from typing import Any
 
 from pagedllm.errors import RequestError
 
 # Keywords the compiler drops (their presence would leave the output unchecked).
 _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-               "$dynamicRef", "$recursiveRef")
+               "$dynamicRef", "$recursiveRef", "contains", "minContains", "maxContains")
 # Keywords that constrain a value (everything else is an annotation: title, description, default, ...).
 _VALIDATION = frozenset({
     "type", "enum", "const", "$ref", "allOf", "anyOf", "oneOf",
@@ -66,11 +76,38 @@ _JSON_TYPES = {
 }
 
 
+def check_json_schema(schema: Any, where: str, param: str | None = None) -> None:
+    """RequestError(``param``, default ``where``) unless ``schema`` is a valid JSON Schema: valid
+    against its ``$schema`` draft's metaschema, 2020-12 when it names none. The message starts with
+    ``where`` and says at which keyword the schema breaks the metaschema."""
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_metaschema_validator(schema.get("$schema") if isinstance(schema, dict) else None)
+                       .iter_errors(schema))
+    if error is None:
+        return
+    at = "#" + "".join(f"/{_escape(str(part))}" for part in error.absolute_path)
+    raise RequestError(f"{where}: not a valid JSON Schema: at {at}: {error.message}", param=param or where)
+
+
+@functools.lru_cache(maxsize=8)
+def _metaschema_validator(draft: Any):
+    from jsonschema import Draft202012Validator
+    from jsonschema.validators import validator_for
+
+    with warnings.catch_warnings():  # an unknown "$schema" is checked as 2020-12
+        warnings.simplefilter("ignore")
+        cls = validator_for({"$schema": draft} if isinstance(draft, str) else {}, default=Draft202012Validator)
+    return cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER)
+
+
 def prepare_schema(schema: Any, param: str) -> Any:
     """``schema`` (a JSON value) as the compiler should see it; RequestError(param) for what it cannot enforce.
 
     ``true`` is the empty schema; ``false`` (no value at all) is an error.
     """
+    if isinstance(schema, (dict, bool)):
+        check_json_schema(schema, param)
     if schema is True:
         return {}
     if schema is False:
@@ -111,6 +148,7 @@ class _Walker:
         node = self._typed_values(node, where)
         self._check_exclusive(node, where)
         node = self._declare_required(node, where)
+        self._check_min_properties(node, where)
         for key in _SCHEMA:
             if key in node:
                 node[key] = self.schema(node[key], f"{where}/{key}")
@@ -164,6 +202,23 @@ class _Walker:
                 where,
                 f"'{present[0]}' together with {', '.join(repr(k) for k in others)} is not supported "
                 f"(the compiler would check only '{present[0]}'); move the other keywords into its subschemas",
+            )
+
+    def _check_min_properties(self, node: dict, where: str) -> None:
+        """``minProperties`` above what the object may hold: the compiler refuses it, without saying where."""
+        minimum = node.get("minProperties")
+        if not isinstance(minimum, int) or isinstance(minimum, bool) or node.get("patternProperties"):
+            return
+        if node.get("additionalProperties", node.get("unevaluatedProperties", False)) is not False:
+            return
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if minimum > len(properties):
+            names = ", ".join(repr(name) for name in properties) or "none"
+            raise self.error(
+                where,
+                f"'minProperties' {minimum} cannot be met: the object may hold only the {len(properties)} "
+                f"properties declared in 'properties' ({names}); declare more, or allow others with "
+                "'additionalProperties'",
             )
 
     def _declare_required(self, node: dict, where: str) -> dict:

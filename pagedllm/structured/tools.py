@@ -20,7 +20,7 @@ from typing import Any
 
 from pagedllm.errors import RequestError
 from pagedllm.structured.params import StructuredOutputsParams
-from pagedllm.structured.schema import prepare_schema
+from pagedllm.structured.schema import check_json_schema, prepare_schema
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -130,6 +130,8 @@ def parse_tools(raw_tools: list[dict] | None) -> list[ToolSpec]:
         parameters = function.get("parameters") or _NO_PARAMETERS
         if not isinstance(parameters, dict):
             raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema object", param="tools")
+        # Whatever tool_choice is: auto and none enforce nothing, but a broken schema is still an error.
+        check_json_schema(parameters, f"tools[{i}].function.parameters (tool {name!r})", param="tools")
         if any(spec.name == name for spec in specs):
             raise RequestError(f"tools[{i}].function.name: {name!r} is the name of an earlier tool too", param="tools")
         specs.append(ToolSpec(name, parameters, function.get("description")))
