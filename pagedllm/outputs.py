@@ -27,6 +27,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    # With finish_reason "error" and no RequestOutput.error: this output's grammar reached a dead end
+    # (nothing may follow ``text``, which is not a complete match). Its siblings are not affected.
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -306,3 +306,110 @@ def test_bench_mask_clock_times_the_hooks_the_engine_really_calls(llm):
     steps = clock.num_steps
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, structured_outputs=_schema()), use_tqdm=False)
     assert clock.num_steps == steps  # uninstalled: nothing counts any more
+
+
+def test_top_logprobs_under_a_grammar_list_only_tokens_it_allows(llm):
+    """A masked token has logprob -inf: it is no alternative (and JSON could not carry it)."""
+    import math
+
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text in ("yes", "no") and completion.logprobs
+    entries = [entry for position in completion.logprobs for entry in position.values()]
+    assert entries and all(math.isfinite(entry.logprob) for entry in entries)
+    assert len(completion.logprobs[0]) < 6  # fewer than 5 tokens start "yes" or "no" here: the rest are gone
+
+
+def test_a_regex_that_matches_nothing_is_refused_before_any_step(llm):
+    with pytest.raises(RequestError) as info:
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs={"regex": r"[^\s\S]"}), use_tqdm=False)
+    assert info.value.param == "structured_outputs.regex" and "matches no output" in str(info.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+    _assert_all_free(llm)
+
+
+# A grammar with a dead end: after "a" nothing may follow and nothing is complete; "b+" is fine.
+DEAD_END_OR_BS = StructuredOutputsParams(regex=r"(a[^\s\S]|b+)")
+# Every output dead-ends, after 40 to 60 characters.
+ALWAYS_DEAD_LATER = StructuredOutputsParams(regex=r"[a-z ]{40,60}[^\s\S]")
+
+
+def _is_dead_end(completion) -> bool:
+    return completion.finish_reason == "error" and "dead end" in (completion.error or "")
+
+
+def test_a_grammar_that_dead_ends_mid_answer_ends_that_sequence_there(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": r"a[^\s\S]"})
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    (completion,) = out.outputs
+    assert out.finished and out.error is None
+    # The text so far, and no token drawn from the empty mask after it.
+    assert completion.text == "a" and llm.get_tokenizer().decode(completion.token_ids) == "a"
+    assert _is_dead_end(completion) and "'a'" in completion.error, completion
+    assert completion.cumulative_logprob == completion.cumulative_logprob  # not NaN
+    assert not llm.llm_engine.has_unfinished_requests()
+    _assert_all_free(llm)
+
+
+def test_a_dead_ended_sample_leaves_its_siblings_running(llm):
+    params = SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=6, structured_outputs=DEAD_END_OR_BS)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    dead = [c for c in out.outputs if _is_dead_end(c)]
+    alive = [c for c in out.outputs if not _is_dead_end(c)]
+    assert dead and alive and out.error is None, out.outputs  # seed 0 draws both kinds
+    assert all(c.text == "a" for c in dead)
+    assert all(re.fullmatch("b+", c.text) and c.finish_reason in ("stop", "length") for c in alive)
+    _assert_all_free(llm)
+
+
+def test_best_of_never_picks_a_dead_ended_sample(llm):
+    # The same draws as above: the dead-ended "a" samples are short, so their logprob is the highest.
+    params = SamplingParams(temperature=1.0, seed=0, n=1, best_of=4, max_tokens=6, structured_outputs=DEAD_END_OR_BS)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    (completion,) = out.outputs
+    assert re.fullmatch("b+", completion.text) and completion.error is None, completion
+    _assert_all_free(llm)
+
+
+def test_beam_search_drops_beams_whose_grammar_dead_ends(llm):
+    params = BeamSearchParams(beam_width=4, max_tokens=5, structured_outputs=StructuredOutputsParams(regex=r"(x[^\s\S]|[0-9]{1,3})"))
+    (out,) = llm.beam_search([{"prompt": PROMPT}], params)
+    assert out.outputs and all(re.fullmatch("[0-9]{1,3}", c.text) for c in out.outputs)
+    # Every beam dead-ends: no hypothesis is complete, so none is returned.
+    params = BeamSearchParams(beam_width=4, max_tokens=5, structured_outputs=StructuredOutputsParams(regex=r"x[^\s\S]"))
+    (out,) = llm.beam_search([{"prompt": PROMPT}], params)
+    assert out.finished and out.outputs == []
+    _assert_all_free(llm)
+
+
+@pytest.mark.slow  # two engines
+def test_dead_ends_under_overlapped_steps_and_preemption(tiny_model_dir):
+    """Dead ends several tokens in, beside unconstrained and valid constrained requests, with steps
+    run ahead (the dead-ended sequence may have a step in flight) and with too few KV blocks."""
+    prompts = [f"{PROMPT} {i} " + "word " * (20 + 7 * i) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=70, structured_outputs=ALWAYS_DEAD_LATER),
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=_schema()),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=70, structured_outputs=ALWAYS_DEAD_LATER),
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=70, structured_outputs=ALWAYS_DEAD_LATER),
+    ]
+    plain = _llm(tiny_model_dir, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    for index in (0, 3, 5):
+        completion = plain[index].outputs[0]
+        assert _is_dead_end(completion) and re.fullmatch("[a-z ]{40,60}", completion.text), completion
+    assert _valid(plain[2].outputs[0].text)
+    expected = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain]
+    for options in ({"async_scheduling": True}, {"kv_cache_memory": None, "num_kv_blocks": 18, "preemption_mode": "recompute"}):
+        engine = _llm(tiny_model_dir, **options)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == expected, options
+        if options.get("async_scheduling"):
+            assert engine.llm_engine.num_overlapped_steps > 0
+        else:
+            assert engine.llm_engine.get_stats().num_preemptions_total > 0
+        assert not engine.llm_engine.has_unfinished_requests()
+        _assert_all_free(engine)

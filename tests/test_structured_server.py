@@ -231,9 +231,128 @@ def test_a_finished_grammar_ends_before_min_tokens(client):
         ({"extra_body": {"guided_grammar": "root ::= "}}, "guided_grammar"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"extra_body": {"structured_outputs": {"regex": r"[^\s\S]"}}}, "structured_outputs.regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format"),
+        ({"tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"}, "tools"),
     ],
 )
 def test_bad_constraints_are_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5, **body)
     assert info.value.status_code == 400 and info.value.body["param"] == param
+
+
+def test_top_logprobs_of_a_constrained_answer_are_finite(client):
+    """Tokens the grammar forbids are not listed as alternatives (they were -inf: a 500)."""
+    response = client.chat.completions.create(
+        model="default", messages=_chat("Tell me about Paris as JSON."), temperature=0, max_tokens=40,
+        logprobs=True, top_logprobs=5, response_format={"type": "json_schema", "json_schema": {
+            "name": "city", "schema": City.model_json_schema()}},
+    )
+    choice = response.choices[0]
+    assert len(choice.logprobs.content) == response.usage.completion_tokens
+    tops = [top for entry in choice.logprobs.content for top in entry.top_logprobs]
+    assert tops and all(top.logprob > -1e9 for top in tops)
+    assert any(len(entry.top_logprobs) < 5 for entry in choice.logprobs.content)  # forced tokens stand alone
+
+
+DEAD_END = r"a[^\s\S]"  # "a", then nothing may follow, and "a" is no complete match
+
+
+def _assert_dead_end_error(error, param: str) -> None:
+    assert error.body["param"] == param and error.body["code"] == "grammar_dead_end", error.body
+    assert error.body["type"] == "invalid_request_error" and "dead end" in error.body["message"]
+    assert error.body["message"].startswith(f"{param}: ") and "'a'" in error.body["message"]
+
+
+def test_a_grammar_that_dead_ends_mid_answer_is_a_400_or_an_error_event(client, server):
+    """Never a 500: the answer so far cannot be finished, which is the grammar's fault."""
+    request = dict(model="default", prompt="Say a:", max_tokens=10, temperature=0,
+                   extra_body={"structured_outputs": {"regex": DEAD_END}})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**request)
+    _assert_dead_end_error(info.value, "structured_outputs.regex")
+    assert server.wait_idle()["pagedllm:kv_cache_usage_perc"] == 0
+    with pytest.raises(openai.APIError) as info:  # headers went out: the error comes as an event
+        list(client.completions.create(**request, stream=True))
+    _assert_dead_end_error(info.value, "structured_outputs.regex")
+    assert server.wait_idle()["pagedllm:kv_cache_usage_perc"] == 0
+    chat = dict(model="default", messages=_chat("Say a."), max_tokens=10, temperature=0,
+                extra_body={"guided_regex": DEAD_END})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**chat)
+    _assert_dead_end_error(info.value, "guided_regex")
+    with pytest.raises(openai.APIError) as info:
+        list(client.chat.completions.create(**chat, stream=True))
+    _assert_dead_end_error(info.value, "guided_regex")
+    metrics = server.wait_idle()
+    assert metrics["pagedllm:kv_cache_usage_perc"] == 0 and metrics["pagedllm:num_requests_running"] == 0
+
+
+def test_a_dead_end_in_one_of_n_choices_fails_the_request_and_frees_it(client, server):
+    request = dict(model="default", prompt="Say a:", max_tokens=50, temperature=1.0, n=3, seed=1,
+                   extra_body={"structured_outputs": {"regex": r"(a[^\s\S]|b+)"}})
+    # Whatever the draws: each choice is a run of b's, or the whole answer is the dead end's 400.
+    for stream in (False, True):
+        try:
+            if stream:
+                chunks = list(client.completions.create(**request, stream=True))
+                finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                assert len(finishes) == 3 and "error" not in finishes
+            else:
+                choices = client.completions.create(**request).choices
+                assert all(re.fullmatch("b+", c.text) for c in choices) and len(choices) == 3
+        except openai.APIError as error:
+            _assert_dead_end_error(error, "structured_outputs.regex")
+    request["extra_body"] = {"structured_outputs": {"regex": DEAD_END}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**request)
+    _assert_dead_end_error(info.value, "structured_outputs.regex")
+    metrics = server.wait_idle()
+    assert metrics["pagedllm:kv_cache_usage_perc"] == 0 and metrics["pagedllm:num_requests_running"] == 0
+
+
+def _tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "broken", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("parameters", [{"type": "foo"}, {"type": "object", "properties": 5}])
+@pytest.mark.parametrize("tool_choice", ["auto", "none", "required", {"type": "function", "function": {"name": "broken"}}])
+def test_a_tool_schema_that_is_no_json_schema_is_a_400_for_every_tool_choice(client, parameters, tool_choice):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5,
+                                       tools=[WEATHER_TOOL, _tool(parameters)], tool_choice=tool_choice)
+    body = info.value.body
+    assert body["param"] == "tools" and "tools[1]" in body["message"] and "'broken'" in body["message"], body
+    assert "not a valid JSON Schema" in body["message"]
+
+
+def test_auto_accepts_a_valid_tool_schema_the_grammar_could_not_enforce(client):
+    """auto does not constrain the call, so a keyword no grammar enforces is no reason to refuse."""
+    tool = _tool({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}})
+    response = client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5, temperature=0,
+                                              tools=[tool], tool_choice="auto")
+    assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": 5}}}}, "response_format", "at #/properties: 5 is not of type 'object'"),
+        ({"extra_body": {"structured_outputs": {"json": {"type": "foo"}}}}, "structured_outputs.json",
+         "at #/type: 'foo' is not valid"),
+        ({"extra_body": {"guided_json": {"type": "object", "properties": {"a": {"minLength": "3"}}}}}, "guided_json",
+         "at #/properties/a/minLength"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "minProperties": 2}}}}, "response_format", "at #: 'minProperties' 2 cannot be met"),
+        ({"extra_body": {"structured_outputs": {"json": {"type": "object", "properties": {"inner": {
+            "type": "object", "properties": {"k": {"type": "integer"}}, "minProperties": 2}}}}}},
+         "structured_outputs.json", "at #/properties/inner: 'minProperties' 2 cannot be met"),
+    ],
+)
+def test_schemas_are_checked_against_the_metaschema_and_errors_say_where(client, body, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5, **body)
+    assert info.value.body["param"] == param and words in info.value.body["message"], info.value.body

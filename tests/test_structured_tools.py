@@ -129,6 +129,12 @@ def test_response_format_and_extra_body_become_structured_outputs():
         ({"structured_outputs": {}}, "structured_outputs"),
         ({"guided_choice": []}, "guided_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}],
+          "tool_choice": "required"}, "tools"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+         "response_format"),
     ],
 )
 def test_conflicting_or_malformed_constraints_name_the_field(body, param):
@@ -148,3 +154,11 @@ def test_the_default_chat_template_receives_the_tools():
     assert "get_weather" not in plain
     assert with_tools.startswith("<|im_start|>system\nYou may call one or more functions")
     assert '"name": "get_weather"' in with_tools and with_tools.endswith("<|im_start|>assistant\n")
+
+
+def test_a_tool_without_parameters_is_called_with_an_empty_object():
+    """OpenAI: omitting parameters means an empty parameter list, so the named call is exactly {}."""
+    (ping,) = parse_tools([{"type": "function", "function": {"name": "ping"}}])
+    params = tool_constraint([ping], ToolChoice("named", "ping"))
+    schema = json.loads(params.spec().text)
+    assert schema["properties"] == {} and schema["additionalProperties"] is False

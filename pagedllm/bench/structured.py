@@ -44,7 +44,8 @@ def twenty_field_schema(nonce: str) -> dict:
 class MaskClock:
     """Host seconds in the grammar's bitmask work, and how many fills (steps with a mask) it timed.
 
-    ``fill_s``: the matchers' fill of a step's rows (engine side, one tensor);
+    ``fill_s``: the matchers' fills of the allowed next tokens (engine side, one
+    per row and position; ``num_steps``/``num_rows`` count the steps' masks);
     ``pack_s``: the worker joining the rows into the batch's mask; ``apply_s``:
     the one batched op on the logits; ``accept_s``: the matchers' advance past
     each sampled token.
@@ -64,16 +65,19 @@ class MaskClock:
         from pagedllm.structured.grammar import GrammarState
         from pagedllm.worker import worker  # the worker packs each step's rows into one mask
 
-        fill, pack = bitmask.fill_rows, worker._grammar_mask
+        rows_of_step, fill, pack = bitmask.fill_rows, GrammarState.fill_bitmask, worker._grammar_mask
         apply, accept = bitmask.GrammarMask.apply, GrammarState.accept
 
-        def timed_fill(states, vocab_size):
-            start = time.perf_counter()
-            rows = fill(states, vocab_size)
-            self.fill_s += time.perf_counter() - start
+        def counted_rows(states, vocab_size):
+            rows = rows_of_step(states, vocab_size)
             self.num_steps += 1
             self.num_rows += len(rows)
             return rows
+
+        def timed_fill(state, bitmask_, row):
+            start = time.perf_counter()
+            fill(state, bitmask_, row)
+            self.fill_s += time.perf_counter() - start
 
         def timed_pack(jobs, vocab_size):
             start = time.perf_counter()
@@ -93,11 +97,13 @@ class MaskClock:
             self.accept_s += time.perf_counter() - start
             return ok
 
-        bitmask.fill_rows = timed_fill
+        bitmask.fill_rows = counted_rows
+        GrammarState.fill_bitmask = timed_fill
         worker._grammar_mask = timed_pack
         bitmask.GrammarMask.apply = timed_apply
         GrammarState.accept = timed_accept
-        self._undo = [(bitmask, "fill_rows", fill), (worker, "_grammar_mask", pack),
+        self._undo = [(bitmask, "fill_rows", rows_of_step), (GrammarState, "fill_bitmask", fill),
+                      (worker, "_grammar_mask", pack),
                       (bitmask.GrammarMask, "apply", apply), (GrammarState, "accept", accept)]
 
     def uninstall(self) -> None:

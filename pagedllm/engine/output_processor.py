@@ -38,6 +38,9 @@ def can_sample_ahead(request: Request) -> bool:
     )
 
 
+_DEAD_END_TAIL_TOKENS = 16  # of an output whose grammar dead-ended, the end quoted in the error
+
+
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, steps: StepBuilder, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.scheduler = scheduler
@@ -208,12 +211,24 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.STOP  # the grammar took its stop token: nothing may follow
         elif request.ends_by_length(seq.num_tokens, self.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
+        elif seq.grammar is not None and seq.grammar.is_dead_end:
+            # No token may follow, not even a stop: end here rather than draw from an empty mask.
+            seq.finish_reason, seq.error = FinishReason.ERROR, self._dead_end_message(request, seq)
         else:
             return
         seq.grammar = None
         self.scheduler.finish_seq(request, seq)
         if request.is_finished:
             request.metrics.finished_time = time.monotonic()
+
+    def _dead_end_message(self, request: Request, seq: Sequence) -> str:
+        kind = request.params.structured_outputs.kind
+        kind = {"json": "JSON schema", "json_object": "JSON object grammar"}.get(kind, kind)
+        tail = self.tokenizer.decode(seq.output_token_ids[-_DEAD_END_TAIL_TOKENS:], skip_special_tokens=False)
+        more = "..." if seq.num_output_tokens > _DEAD_END_TAIL_TOKENS else ""
+        count = f"{seq.num_output_tokens} token{'s' if seq.num_output_tokens != 1 else ''}"
+        return (f"the {kind} reached a dead end after {count}: no token may follow "
+                f"{more}{tail!r}, and that output is not a complete match")
 
     def _record_prompt_logprobs(self, request: Request, entries: list[PromptLogprob]) -> None:
         """Logprobs of prompt tokens 1..; token 0 gets None. A recomputed chunk adds nothing twice."""
@@ -248,7 +263,8 @@ class OutputProcessor:
         if len(seqs) > 1:
             seqs = sorted(seqs, key=lambda s: s.sample_index)
         if finished and params.best_of and params.best_of > params.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+            # A sample whose grammar dead-ended is incomplete: it ranks below every sample that is not.
+            seqs = sorted(seqs, key=lambda s: (s.error is None, s.cumulative_logprob), reverse=True)[: params.n]
         outputs = [self._completion(seq, index, finished) for index, seq in enumerate(seqs)]
         if not outputs or (not finished and all(not o.token_ids for o in outputs)):
             if request.error is None:
@@ -270,4 +286,5 @@ class OutputProcessor:
             logprobs=seq.logprobs,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
+            error=seq.error,
         )

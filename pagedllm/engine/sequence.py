@@ -31,7 +31,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
-    ERROR = "error"
+    ERROR = "error"  # the request failed (Request.error), or one sequence's grammar reached a dead end (Sequence.error)
 
 
 @dataclass(eq=False)
@@ -55,6 +55,8 @@ class Sequence:
     # 1, and 0 between engine steps: only an overlapped step sets it).
     num_pending_tokens: int = 0
     grammar: object | None = None  # GrammarState when the request is constrained (pagedllm.structured)
+    # Why this sequence (alone) ended with FinishReason.ERROR: its grammar reached a dead end.
+    error: str | None = None
 
     @property
     def num_tokens(self) -> int:

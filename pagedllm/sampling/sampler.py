@@ -416,5 +416,8 @@ def _gather_logprobs(
         values_list, ids_list = values.tolist(), ids.tolist()
         for i, k in enumerate(wanted):
             if k:
-                top_lists[i] = list(zip(ids_list[i][:k], values_list[i][:k], strict=True))
+                # A token at -inf (a grammar forbids it) cannot be drawn: it is no alternative, and
+                # JSON has no -inf to report it with.
+                top_lists[i] = [(t, v) for t, v in zip(ids_list[i][:k], values_list[i][:k], strict=True)
+                                if v != float("-inf")]
     return SamplerOutput(token_ids.tolist(), chosen.squeeze(1).tolist(), top_lists, ranks.tolist())

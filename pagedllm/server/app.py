@@ -166,15 +166,17 @@ class OpenAIServer:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
-    async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+    async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> str | None:
         """Compiles the request's grammar off the event loop (the engine then finds it cached),
-        so a bad schema, regex or grammar is a 400 naming the field it came from."""
+        so a bad schema, regex or grammar is a 400 naming the field it came from; returns that
+        field (None without a grammar), which a grammar's dead end is reported against too."""
         constraint = req.constraint()
         if constraint is None:
-            return
+            return None
         params, field = constraint
-        await asyncio.to_thread(self.engine.grammar_compiler.compile, params,
-                                None if field == "structured_outputs" else field)
+        param = params.param if field == "structured_outputs" else field
+        await asyncio.to_thread(self.engine.grammar_compiler.compile, params, param)
+        return param
 
     async def submit(
         self,
@@ -206,13 +208,13 @@ class OpenAIServer:
         req.check_limits(self.request_limits, self.vocab_size)
         prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
-        await self.compile_constraint(req)
+        grammar_param = await self.compile_constraint(req)
         response_id = p.random_id("cmpl")
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
-            events = self._completion_events(req, response_id, prompts, streams)
+            events = self._completion_events(req, response_id, prompts, streams, grammar_param)
             return _sse_response(events, streams, self.limits)
-        finals = await _collect(streams, request, self.limits.request_timeout_s)
+        finals = await _collect(streams, request, self.limits.request_timeout_s, req.n, grammar_param)
         return JSONResponse(self._completion_response(req, response_id, prompts, finals).model_dump())
 
     def _completion_choice_logprobs(
@@ -252,14 +254,15 @@ class OpenAIServer:
         )
 
     async def _completion_events(
-        self, req: p.CompletionRequest, response_id: str, prompts: list[_Prompt], streams: list[RequestStream]
+        self, req: p.CompletionRequest, response_id: str, prompts: list[_Prompt], streams: list[RequestStream],
+        grammar_param: str | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         trackers: dict[int, p.DeltaTracker] = {}
         finished: set[int] = set()
         finals: dict[int, RequestOutput] = {}
         async for prompt_index, output in _merge(streams):
-            _raise_if_failed(output)
+            _raise_if_failed(output, req.n, grammar_param)
             finals[prompt_index] = output
             prompt = prompts[prompt_index]
             for completion in p.returned_completions(output, req.n):
@@ -316,14 +319,14 @@ class OpenAIServer:
         req.check_limits(self.request_limits, self.vocab_size)
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools())
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
-        await self.compile_constraint(req)
+        grammar_param = await self.compile_constraint(req)
         response_id = p.random_id("chatcmpl")
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
         if req.stream and req.resolved_tool_choice().mode != "none":
-            return _sse_response(self._chat_tool_events(req, response_id, streams[0]), streams, self.limits)
+            return _sse_response(self._chat_tool_events(req, response_id, streams[0], grammar_param), streams, self.limits)
         if req.stream:
-            return _sse_response(self._chat_events(req, response_id, streams[0]), streams, self.limits)
-        (final,) = await _collect(streams, request, self.limits.request_timeout_s)
+            return _sse_response(self._chat_events(req, response_id, streams[0], grammar_param), streams, self.limits)
+        (final,) = await _collect(streams, request, self.limits.request_timeout_s, req.n, grammar_param)
         return JSONResponse(self._chat_response(req, response_id, final).model_dump())
 
     def _chat_logprobs(self, req: p.ChatCompletionRequest, token_ids, logprobs) -> p.ChatLogprobs | None:
@@ -348,7 +351,7 @@ class OpenAIServer:
         )
 
     async def _chat_events(
-        self, req: p.ChatCompletionRequest, response_id: str, stream: RequestStream
+        self, req: p.ChatCompletionRequest, response_id: str, stream: RequestStream, grammar_param: str | None = None
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -361,7 +364,7 @@ class OpenAIServer:
         finished: set[int] = set()
         final: RequestOutput | None = None
         async for _, output in _merge([stream]):
-            _raise_if_failed(output)
+            _raise_if_failed(output, req.n, grammar_param)
             final = output
             for completion in p.returned_completions(output, req.n):
                 index = completion.index
@@ -393,7 +396,7 @@ class OpenAIServer:
             yield chunk([], usage=p.usage_for([final]))
 
     async def _chat_tool_events(
-        self, req: p.ChatCompletionRequest, response_id: str, stream: RequestStream
+        self, req: p.ChatCompletionRequest, response_id: str, stream: RequestStream, grammar_param: str | None = None
     ) -> AsyncIterator[str]:
         """Streamed chat when tools may be called: text that may be a call is held back until the
         end, then sent as one ``delta.tool_calls`` (or as content when it held no call)."""
@@ -408,7 +411,7 @@ class OpenAIServer:
         num_sent: dict[int, int] = {}  # choice index -> characters of content sent
         final: RequestOutput | None = None
         async for _, output in _merge([stream]):
-            _raise_if_failed(output)
+            _raise_if_failed(output, req.n, grammar_param)
             final = output
             for completion in p.returned_completions(output, req.n):
                 index, text = completion.index, completion.text
@@ -730,9 +733,17 @@ def _sse(model: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-def _raise_if_failed(output: RequestOutput) -> None:
+def _raise_if_failed(output: RequestOutput, n: int | None = None, grammar_param: str | None = None) -> None:
+    """An engine failure is a 500; a returned choice whose grammar reached a dead end (nothing may
+    follow its text, which is no complete match) is a 400 naming the field the grammar came from:
+    the grammar admits an output it cannot finish. Streamed, both are an error event."""
     if output.error is not None:
         raise APIError(500, f"the request failed in the engine: {output.error}", type="server_error", code="engine_error")
+    for completion in p.returned_completions(output, n) if n is not None else output.outputs:
+        if completion.error is not None:
+            param = grammar_param or "structured_outputs"
+            raise APIError(400, f"{param}: {completion.error}", type="invalid_request_error", param=param,
+                           code="grammar_dead_end")
 
 
 def _sse_response(events: AsyncIterator[str], streams: list[RequestStream], limits: ServerLimits) -> StreamingResponse:
@@ -858,7 +869,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def _collect(
-    streams: list[RequestStream], request: Request, timeout_s: float | None = None
+    streams: list[RequestStream], request: Request, timeout_s: float | None = None,
+    n: int | None = None, grammar_param: str | None = None,
 ) -> list[RequestOutput]:
     """Final output of every stream; aborts all of them if the client disconnects first
     or ``timeout_s`` passes."""
@@ -866,6 +878,7 @@ async def _collect(
 
     async def drain() -> None:
         async for index, output in _merge(streams):
+            _raise_if_failed(output, n, grammar_param)  # a dead end decides the answer: stop at once
             finals[index] = output
 
     collector = asyncio.create_task(drain())
@@ -884,7 +897,7 @@ async def _collect(
             stream.close()
     for output in finals:
         assert output is not None, "a stream ended without a finished output"
-        _raise_if_failed(output)
+        _raise_if_failed(output, n, grammar_param)
     return finals  # type: ignore[return-value]
 
 

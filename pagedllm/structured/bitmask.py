@@ -52,17 +52,18 @@ def num_words(vocab_size: int) -> int:
 
 
 def fill_rows(states: Sequence[GrammarState], vocab_size: int) -> list[bytes]:
-    """Each state's allowed next tokens as one bitmask row (bytes), filled into one tensor.
+    """Each state's allowed next tokens as one bitmask row (bytes).
 
-    One library call per row: on a 2-core machine that measured faster than
-    xgrammar's batched, multi-threaded fill (docs/benchmarks.md).
+    One library call per row (``GrammarState.next_row``; on a 2-core machine
+    that measured faster than xgrammar's batched, multi-threaded fill,
+    docs/benchmarks.md), and none for a row already filled at this position
+    (the engine fills it right after the token is accepted, to see whether the
+    sequence can go on).
     """
-    bitmask = torch.empty((len(states), num_words(vocab_size)), dtype=torch.int32)
-    for i, state in enumerate(states):
-        state.fill_bitmask(bitmask, i)
-    data = bitmask.numpy().tobytes()
-    size = 4 * bitmask.shape[1]
-    return [data[i * size : (i + 1) * size] for i in range(len(states))]
+    size = 4 * num_words(vocab_size)
+    rows = [state.next_row() for state in states]
+    assert all(len(row) == size for row in rows), "a grammar's vocabulary differs from the logits' width"
+    return rows
 
 
 def mask_from_rows(rows: Sequence[bytes | None], vocab_size: int) -> GrammarMask | None:

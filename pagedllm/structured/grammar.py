@@ -72,12 +72,15 @@ class GrammarCompiler:
                 self.num_cache_hits += 1
                 return cached
             compiler = self._compiler()
+        where = param or params.param
         try:
             handle = _compile_spec(compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its reason
-            where = param or params.param
             raise RequestError(f"{where}: cannot compile the {spec.kind.replace('_', ' ')}: {_reason(exc)}",
                                param=where) from None
+        if not _allows_a_first_token(handle):
+            # Decoding could not take a single step (a regex such as [^\s\S], an empty grammar).
+            raise RequestError(f"{where}: the {spec.kind.replace('_', ' ')} matches no output at all", param=where)
         compiled = CompiledGrammar(spec, handle)
         with self._lock:
             self._cache[spec] = compiled
@@ -89,6 +92,15 @@ class GrammarCompiler:
     @property
     def num_cached(self) -> int:
         return len(self._cache)
+
+
+def _allows_a_first_token(handle) -> bool:
+    """Whether a fresh matcher of the compiled grammar allows any token (a stop token included)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, handle.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(handle).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def _compile_spec(compiler, spec: GrammarSpec):
@@ -108,13 +120,17 @@ class GrammarState:
 
     Invariant: the matcher has accepted exactly the sequence's generated
     tokens, in order (the engine calls ``accept`` once per appended token).
+    The allowed next tokens are filled once per position (``next_row``) and
+    kept until the next ``accept``: the engine reads them to see whether the
+    sequence can go on, and the step's mask reuses them.
     """
 
-    __slots__ = ("grammar", "matcher")
+    __slots__ = ("grammar", "matcher", "_row")
 
-    def __init__(self, grammar: CompiledGrammar, matcher) -> None:
+    def __init__(self, grammar: CompiledGrammar, matcher, row: bytes | None = None) -> None:
         self.grammar = grammar
         self.matcher = matcher
+        self._row = row  # the allowed next tokens as one bitmask row (bytes), or None until filled
 
     @classmethod
     def start(cls, grammar: CompiledGrammar) -> GrammarState:
@@ -124,11 +140,32 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         """An independent copy at the same point (for a forked sequence or beam)."""
-        return GrammarState(self.grammar, self.matcher.fork())
+        return GrammarState(self.grammar, self.matcher.fork(), self._row)
 
     def accept(self, token_id: int) -> bool:
         """Advances past ``token_id``; False (and no change) when the grammar forbids it."""
-        return self.matcher.accept_token(token_id)
+        accepted = self.matcher.accept_token(token_id)
+        if accepted:
+            self._row = None
+        return accepted
+
+    def next_row(self) -> bytes:
+        """The allowed next tokens as one bitmask row (int32 words as bytes, see
+        pagedllm.structured.bitmask); filled on first use at each position."""
+        if self._row is None:
+            import xgrammar as xgr
+
+            bitmask = xgr.allocate_token_bitmask(1, self.grammar.handle.tokenizer_info.vocab_size)
+            self.fill_bitmask(bitmask, 0)
+            self._row = bitmask.numpy().tobytes()
+        return self._row
+
+    @property
+    def is_dead_end(self) -> bool:
+        """The grammar allows no next token, not even a stop, yet was not ended by one: the output
+        so far is a prefix no continuation completes (a defect of the grammar, such as the regex
+        ``a[^\\s\\S]`` after ``a``). Decoding cannot take another step."""
+        return not self.is_terminated and self.next_row().count(0) == len(self._row)
 
     @property
     def is_terminated(self) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.errors import RequestError
+from pagedllm.structured.schema import prepare_schema
 
 _FIELD = "structured_outputs"
 
@@ -27,7 +28,7 @@ class GrammarSpec:
 
 @dataclass
 class StructuredOutputsParams:
-    """One of: a JSON schema (dict or JSON text), a regex, a list of choices, an EBNF grammar,
+    """One of: a JSON schema (dict, boolean or JSON text), a regex, a list of choices, an EBNF grammar,
     or ``json_object=True`` (any JSON object).
 
     ``disable_any_whitespace`` makes JSON compact (no free whitespace between
@@ -39,7 +40,7 @@ class StructuredOutputsParams:
     lifts the ban for that row) and the sequence stops shorter, "stop".
     """
 
-    json: str | dict[str, Any] | None = None
+    json: str | dict[str, Any] | bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -47,7 +48,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in _KINDS if getattr(self, name) not in (None, False)]
+        given = [name for name in _KINDS if _is_set(name, getattr(self, name))]
         if len(given) != 1:
             raise RequestError(
                 f"{_FIELD}: give exactly one of json, regex, choice, grammar or json_object"
@@ -58,20 +59,24 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(name for name in _KINDS if getattr(self, name) not in (None, False))
+        return next(name for name in _KINDS if _is_set(name, getattr(self, name)))
 
     def _check_types(self, kind: str) -> None:
         value = getattr(self, kind)
         param = f"{_FIELD}.{kind}"
-        if kind == "json" and not isinstance(value, (str, dict)):
-            raise RequestError(f"{param}: must be a JSON schema (an object or its JSON text)", param=param)
-        if kind == "json" and isinstance(value, str):
-            try:
-                parsed = jsonlib.loads(value)
-            except ValueError as exc:
-                raise RequestError(f"{param}: the schema is not valid JSON: {exc}", param=param) from None
-            if not isinstance(parsed, (dict, bool)):
-                raise RequestError(f"{param}: a JSON schema is an object, got {type(parsed).__name__}", param=param)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise RequestError(f"{_FIELD}.disable_any_whitespace: must be true or false",
+                               param=f"{_FIELD}.disable_any_whitespace")
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = jsonlib.loads(value)
+                except ValueError as exc:
+                    raise RequestError(f"{param}: the schema is not valid JSON: {exc}", param=param) from None
+            elif not isinstance(value, (dict, bool)):
+                raise RequestError(f"{param}: must be a JSON schema (an object or its JSON text)", param=param)
+            # What the compiler enforces exactly; what it cannot is an error here, not a looser answer.
+            self._schema = prepare_schema(value, param)
         if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
             raise RequestError(f"{param}: must be a non-empty string", param=param)
         if kind == "choice" and (
@@ -86,9 +91,8 @@ class StructuredOutputsParams:
         kind = self.kind
         ws = not self.disable_any_whitespace
         if kind == "json":
-            schema = self.json if isinstance(self.json, dict) else jsonlib.loads(self.json)
             # Property order is kept: it is the order the output writes them in.
-            return GrammarSpec("json_schema", jsonlib.dumps(schema), ws)
+            return GrammarSpec("json_schema", jsonlib.dumps(self._schema), ws)
         if kind == "regex":
             return GrammarSpec("regex", self.regex, ws)
         if kind == "choice":
@@ -105,3 +109,8 @@ class StructuredOutputsParams:
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _is_set(kind: str, value: Any) -> bool:
+    """Whether a constraint field is given (json_object=False is not; json=False is the schema false)."""
+    return value is not None if kind == "json" else value is not None and value is not False

@@ -20,11 +20,13 @@ from typing import Any
 
 from pagedllm.errors import RequestError
 from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.schema import check_json_schema, prepare_schema
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: "omitting parameters defines a function with an empty parameter list".
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -90,21 +92,29 @@ def resolve_tool_choice(tools: list[ToolSpec], tool_choice: Any) -> ToolChoice:
 def tool_constraint(tools: list[ToolSpec], choice: ToolChoice) -> StructuredOutputsParams | None:
     """The grammar that enforces ``required`` / named choices; None for none and auto."""
     if choice.mode == "named":
-        tool = next(t for t in tools if t.name == choice.name)
-        return StructuredOutputsParams(json=tool.parameters)
+        index, tool = next((i, t) for i, t in enumerate(tools) if t.name == choice.name)
+        return StructuredOutputsParams(json=_enforced_parameters(index, tool))
     if choice.mode == "required":
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "properties": {"name": {"const": t.name}, "arguments": _enforced_parameters(i, t)},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for t in tools
+            for i, t in enumerate(tools)
         ]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return StructuredOutputsParams(json=schema)
     return None
+
+
+def _enforced_parameters(index: int, tool: ToolSpec) -> Any:
+    """The tool's parameter schema as the grammar enforces it; RequestError(param="tools") when it cannot."""
+    try:
+        return prepare_schema(tool.parameters, f"tools[{index}].function.parameters")
+    except RequestError as exc:
+        raise RequestError(str(exc), param="tools") from None
 
 
 def parse_tools(raw_tools: list[dict] | None) -> list[ToolSpec]:
@@ -117,9 +127,13 @@ def parse_tools(raw_tools: list[dict] | None) -> list[ToolSpec]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise RequestError(f"tools[{i}].function.name: must be a non-empty string", param="tools")
-        parameters = function.get("parameters") or _ANY_OBJECT
+        parameters = function.get("parameters") or _NO_PARAMETERS
         if not isinstance(parameters, dict):
             raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema object", param="tools")
+        # Whatever tool_choice is: auto and none enforce nothing, but a broken schema is still an error.
+        check_json_schema(parameters, f"tools[{i}].function.parameters (tool {name!r})", param="tools")
+        if any(spec.name == name for spec in specs):
+            raise RequestError(f"tools[{i}].function.name: {name!r} is the name of an earlier tool too", param="tools")
         specs.append(ToolSpec(name, parameters, function.get("description")))
     return specs
 
