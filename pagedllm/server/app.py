@@ -26,6 +26,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
@@ -153,17 +154,28 @@ class OpenAIServer:
     def tokenize_prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
-            return _Prompt(prompt, self.tokenizer.encode(prompt))
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
+                raise RequestError(f"prompt: {prompt[:40]!r} has no tokens for this model's tokenizer; "
+                                   "give some text", param="prompt")
+            return _Prompt(prompt, token_ids)
         if len(prompt) >= self.engine.max_model_len:  # refuse before decoding it
             p.check_context_length(len(prompt), 1, self.engine.max_model_len, prompt_param="prompt")
         check_token_ids(prompt, self.vocab_size, "prompt")
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> _Prompt:
+    def chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+        continue_final: bool = False,
+    ) -> _Prompt:
+        """The rendered conversation; with ``continue_final`` it ends inside the last (assistant)
+        message, right after its content, so the model carries on with that message."""
         extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
         if tools:
             extra["tools"] = tools
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        if continue_final:
+            text = _cut_after_final_message(text, messages[-1])
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
@@ -314,7 +326,8 @@ class OpenAIServer:
         req = self.with_default_sampling(await self.read_body(request, p.ChatCompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
-        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools())
+        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
+                                  continue_final=req.continue_final_message)
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
         await self.compile_constraint(req)
         response_id = p.random_id("chatcmpl")
@@ -527,6 +540,7 @@ def build_app(
     v1.add_api_route("/completions", _guarded(server.create_completion), methods=["POST"])
     v1.add_api_route("/chat/completions", _guarded(server.create_chat_completion), methods=["POST"])
     v1.add_api_route("/models", server.models, methods=["GET"], response_model=p.ModelList)
+    v1.add_api_route("/models", server.models, methods=["HEAD"], include_in_schema=False)
     app.include_router(v1)
 
     @app.get("/health")
@@ -543,6 +557,9 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    # HEAD wherever GET is served (load balancers probe with it); left out of the OpenAPI document.
+    for path, endpoint in (("/health", health), ("/version", version), ("/metrics", prometheus_metrics)):
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
     app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
     if dashboard:
@@ -553,6 +570,18 @@ def build_app(
             "invalid_request_error", code="invalid_api_key",
         ), registry=metrics.registry)
     return app
+
+
+def _cut_after_final_message(text: str, final: dict) -> str:
+    """``text`` (a rendered conversation) up to the end of the final message's content."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise RequestError("continue_final_message: the chat template does not show the final message's "
+                           "content, so there is nothing to continue", param="continue_final_message")
+    return text[: at + len(content)]
 
 
 def _tool_output(req: p.ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -644,6 +673,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 async def _read_body(request: Request, limits: ServerLimits) -> bytes:
     """The raw body; 413 as soon as it exceeds ``max_body_bytes`` (declared or sent), 408 if it is sent too slowly."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(
+            415, f"Content-Encoding {encoding!r} is not supported; send the request body uncompressed",
+            type="invalid_request_error", code="unsupported_content_encoding",
+        )
     limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -661,6 +696,9 @@ async def _read_body(request: Request, limits: ServerLimits) -> bytes:
 
     try:
         await asyncio.wait_for(read(), limits.body_read_timeout_s)
+    except ClientDisconnect:  # nobody is left to answer; nothing was started for the request
+        raise APIError(499, "the client closed the connection while sending the body",
+                       type="invalid_request_error", code="client_closed_request") from None
     except asyncio.TimeoutError:
         raise APIError(
             408, f"the request body was not received within {limits.body_read_timeout_s:g} s",
@@ -695,6 +733,8 @@ async def _read_json(request: Request, limits: ServerLimits):
     except RecursionError:
         raise RequestError(f"the request body nests deeper than {limits.max_json_depth} levels") from None
     except ValueError as exc:  # UnicodeDecodeError included
+        if "integer string conversion" in str(exc):
+            raise RequestError("the request body is not valid JSON: an integer has too many digits (over 4300)") from None
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     check_json_value(value, limits.max_json_depth)
     return value

@@ -9,12 +9,13 @@ tested without an engine.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from pagedllm.errors import RequestError
 from pagedllm.limits import (
@@ -24,6 +25,7 @@ from pagedllm.limits import (
     RequestLimits,
     check_at_most,
     check_token_ids,
+    parse_token_id_key,
 )
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -93,7 +95,19 @@ def validation_error_to_request_error(exc: ValidationError) -> RequestError:
         hint = _UNION_HINTS.get(field_loc[-1] if field_loc else "", "one of the documented types")
         return RequestError(f"{'.'.join(field_loc) or 'body'}: must be {hint}", param=param)
     where = ".".join(str(part) for part in loc) if loc else "body"
-    return RequestError(f"{where}: {first.get('msg', 'invalid value')}", param=param)
+    message = first.get("msg", "invalid value")
+    if first.get("type") != "missing" and "input" in first:
+        message += f", got {_shown(first['input'])}"
+    return RequestError(f"{where}: {message}", param=param)
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``value`` as the client wrote it (JSON), cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
@@ -125,9 +139,23 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 
 
 class _Body(BaseModel):
-    """A request body: unknown fields are ignored, as OpenAI and vLLM do; types are strict."""
+    """A request body: unknown fields are ignored, as OpenAI and vLLM do; types are strict.
+
+    ``null`` for an optional field means "not given" (OpenAI's schema makes them nullable),
+    so the field takes its default; a required field that is ``null`` is still an error.
+    """
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value for key, value in data.items()
+            if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()
+        }
 
 
 class StreamOptions(_Body):
@@ -265,12 +293,7 @@ class _SamplingRequest(_Body):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): float(bias) for token, bias in self.logit_bias.items()}
-        except ValueError:
-            raise RequestError(
-                "logit_bias: keys must be token ids (decimal integers as strings)", param="logit_bias"
-            ) from None
+        return {parse_token_id_key(token, "logit_bias"): float(bias) for token, bias in self.logit_bias.items()}
 
     def _build_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
@@ -415,6 +438,14 @@ class ChatCompletionRequest(_SamplingRequest):
     def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise RequestError("messages must be a non-empty list", param="messages")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise RequestError("continue_final_message: set add_generation_prompt to false with it "
+                                   "(the model continues the last message instead of starting a new one)",
+                                   param="continue_final_message")
+            if self.messages[-1].role != "assistant" or not self.messages[-1].content:
+                raise RequestError("continue_final_message: the last message must be an assistant message "
+                                   "with content to continue", param="continue_final_message")
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
     def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
