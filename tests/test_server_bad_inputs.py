@@ -143,6 +143,173 @@ def test_the_openai_client_gets_typed_errors(server):
     assert info.value.body["param"] == "prompt"
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"t5\"}"}}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def _with_call(**changes) -> dict:
+    return {**CALL, **changes}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "needle"),
+    [
+        ([{"role": "user"}], "messages[0].content", "required"),
+        ([{"role": "user", "content": None}], "messages[0].content", "null"),
+        ([{"role": "system", "content": None}, {"role": "user", "content": "t5"}], "messages[0].content", "null"),
+        ([{"role": "developer"}, {"role": "user", "content": "t5"}], "messages[0].content", "required"),
+        ([{"role": "user", "content": "t5"}, {"role": "assistant"}], "messages[1].content", "tool_calls"),
+        ([{"role": "user", "content": "t5"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+          {"role": "tool", "content": "t6"}], "messages[2].tool_call_id", "required"),
+        ([{"role": "user", "content": "t5"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+          {"role": "tool", "content": "t6", "tool_call_id": 1}], "messages[2].tool_call_id", "string"),
+        ([{"role": "user", "content": "t5"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "call_1"}], "messages[2].content", "required"),
+        ([{"role": "assistant", "content": None, "tool_calls": {"id": "x"}}], "messages[0].tool_calls", "list"),
+        ([{"role": "assistant", "content": None, "tool_calls": ["call_1"]}], "messages[0].tool_calls[0]", "object"),
+        ([{"role": "assistant", "tool_calls": [{k: v for k, v in CALL.items() if k != "id"}]}],
+         "messages[0].tool_calls[0].id", "required"),
+        ([{"role": "assistant", "tool_calls": [_with_call(id=7)]}], "messages[0].tool_calls[0].id", "string"),
+        ([{"role": "assistant", "tool_calls": [{k: v for k, v in CALL.items() if k != "type"}]}],
+         "messages[0].tool_calls[0].type", "required"),
+        ([{"role": "assistant", "tool_calls": [_with_call(type="code")]}], "messages[0].tool_calls[0].type",
+         "'function'"),
+        ([{"role": "assistant", "tool_calls": [_with_call(function=None)]}], "messages[0].tool_calls[0].function",
+         "required"),
+        ([{"role": "assistant", "tool_calls": [_with_call(function={"arguments": "{}"})]}],
+         "messages[0].tool_calls[0].function.name", "required"),
+        ([{"role": "assistant", "tool_calls": [_with_call(function={"name": "lookup"})]}],
+         "messages[0].tool_calls[0].function.arguments", "required"),
+        ([{"role": "assistant", "tool_calls": [_with_call(function={"name": "lookup", "arguments": {"q": 1}})]}],
+         "messages[0].tool_calls[0].function.arguments", "string"),
+        ([{"role": "user", "content": "t5", "tool_calls": [CALL]}], "messages[0].tool_calls", "assistant"),
+        ([{"role": "function", "content": "t5"}], "messages[0].name", "required"),
+    ],
+)
+def test_chat_messages_are_checked_by_role(server, messages, param, needle):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = post(server, path, {"messages": messages, "max_tokens": 2})
+        assert_4xx(r, 400, param, param + ":", needle)
+
+
+def test_tool_calls_and_their_answers_stay_accepted(server):
+    client, model = _client(server)
+    messages = [
+        {"role": "system", "content": "t3"},
+        {"role": "user", "content": [{"type": "text", "text": "t5"}]},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "t6 t7"},
+        {"role": "assistant", "content": "t8"},
+        {"role": "user", "content": ""},
+    ]
+    reply = client.chat.completions.create(model=model, messages=messages, tools=[TOOL], tool_choice="none",
+                                           max_tokens=2, extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=messages[:3] + [{"role": "tool", "content": "t6"}],
+                                       max_tokens=2)
+    assert info.value.body["param"] == "messages[3].tool_call_id"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=messages, tools=[TOOL, TOOL], max_tokens=2)
+    assert info.value.body["param"] == "tools" and "tools[1].function.name" in info.value.body["message"]
+    assert "unique" in info.value.body["message"]
+
+
+def _client(server) -> tuple[openai.OpenAI, str]:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    return client, client.models.list().data[0].id
+
+
+PROMPT = "t5 t9 t44 t3 t66 t9"
+PROMPT_IDS = [5, 9, 44, 3, 66, 9]
+
+
+def test_prompt_logprobs_come_back_in_vllms_format(server):
+    client, model = _client(server)
+    assert httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPT}).json()["tokens"] == PROMPT_IDS
+    first = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    (choice,) = first.choices
+    plp = choice.model_extra["prompt_logprobs"]
+    assert len(plp) == len(PROMPT_IDS) == first.usage.prompt_tokens and plp[0] is None
+    for token_id, position in zip(PROMPT_IDS[1:], plp[1:]):
+        chosen = position[str(token_id)]
+        assert chosen["decoded_token"] == f"t{token_id}" and chosen["logprob"] <= 0 and chosen["rank"] >= 1
+        by_rank = sorted(position.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in by_rank][:2] == [1, 2] and len(position) == (2 if chosen["rank"] <= 2 else 3)
+        assert by_rank[0]["logprob"] >= by_rank[1]["logprob"]
+        assert all(e["decoded_token"] == f"t{k}" for k, e in position.items())
+    # The same numbers as echo's logprobs, and again once the prompt is in the prefix cache.
+    echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, echo=True, logprobs=2)
+    token_logprobs = echo.choices[0].logprobs.token_logprobs[: len(PROMPT_IDS)]
+    assert token_logprobs[0] is None
+    assert token_logprobs[1:] == pytest.approx([p[str(t)]["logprob"] for t, p in zip(PROMPT_IDS[1:], plp[1:])],
+                                               abs=1e-5)
+    again = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    again_plp = again.choices[0].model_extra["prompt_logprobs"]
+    assert [sorted(p) if p else p for p in again_plp] == [sorted(p) if p else p for p in plp]
+    # 0: the prompt token alone; not asked for: no field.
+    zero = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert [list(p) if p else p for p in zero.choices[0].model_extra["prompt_logprobs"]] == \
+        [None] + [[str(t)] for t in PROMPT_IDS[1:]]
+    assert "prompt_logprobs" not in client.completions.create(model=model, prompt=PROMPT, max_tokens=1).choices[0].model_extra
+    # Chat: one list for the prompt, at the top of the response (as vLLM).
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 1})
+    chat_plp = chat.model_extra["prompt_logprobs"]
+    assert len(chat_plp) == chat.usage.prompt_tokens and chat_plp[0] is None and all(chat_plp[1:])
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [({"prompt_logprobs": 21}, "[0, 20]"), ({"prompt_logprobs": -1}, "whole vocabulary"),
+     ({"prompt_logprobs": -2}, "greater than or equal to -1"), ({"prompt_logprobs": "2"}, "valid integer"),
+     ({"prompt_logprobs": 1, "stream": True}, "stream"),
+     ({"prompt_logprobs": 1, "use_beam_search": True, "n": 2}, "beam")],
+)
+def test_prompt_logprobs_are_capped(server, fields, needle):
+    client, model = _client(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body=fields)
+    assert info.value.body["param"] == "prompt_logprobs" and needle in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "t5"}], max_tokens=1,
+                                       extra_body=fields)
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
+    client, model = _client(server)
+    greedy = {"model": model, "max_tokens": 4, "temperature": 0}
+
+    def extra(**fields) -> dict:
+        return {"extra_body": {"ignore_eos": True, **fields}}
+
+    cut = client.completions.create(prompt=PROMPT, echo=True, **greedy, **extra(truncate_prompt_tokens=2))
+    assert cut.usage.prompt_tokens == 2
+    tail = client.completions.create(prompt="t66 t9", echo=True, **greedy, **extra())
+    assert cut.choices[0].text == tail.choices[0].text and cut.choices[0].text.startswith("t66 t9")
+    ids = client.completions.create(prompt=PROMPT_IDS, **greedy, **extra(truncate_prompt_tokens=3))
+    assert ids.usage.prompt_tokens == 3
+    for keep in (6, 100, -1):  # no shorter than the prompt: all of it
+        whole = client.completions.create(prompt=PROMPT, **greedy, **extra(truncate_prompt_tokens=keep))
+        assert whole.usage.prompt_tokens == len(PROMPT_IDS)
+    with_logprobs = client.completions.create(prompt=PROMPT, **greedy,
+                                              **extra(truncate_prompt_tokens=4, prompt_logprobs=1))
+    assert len(with_logprobs.choices[0].model_extra["prompt_logprobs"]) == 4
+    messages = [{"role": "user", "content": PROMPT}]
+    full = client.chat.completions.create(messages=messages, **greedy, **extra()).usage.prompt_tokens
+    chat = client.chat.completions.create(messages=messages, **greedy, **extra(truncate_prompt_tokens=3))
+    assert full > 3 and chat.usage.prompt_tokens == 3
+    max_model_len = client.models.list().data[0].model_extra["max_model_len"]
+    for bad, needle in ((0, ">= 1"), (-2, "greater than or equal to -1"), (max_model_len + 1, str(max_model_len)),
+                        (2.0, "valid integer")):
+        for create, body in ((client.completions.create, {"prompt": PROMPT}),
+                             (client.chat.completions.create, {"messages": messages})):
+            with pytest.raises(openai.BadRequestError) as info:
+                create(**body, **greedy, **extra(truncate_prompt_tokens=bad))
+            assert info.value.body["param"] == "truncate_prompt_tokens" and needle in info.value.body["message"]
+
+
 def test_no_block_is_held_at_the_end(server):
     m = server.wait_idle(timeout=30)
     assert m["pagedllm:num_requests_running"] == 0 and m["pagedllm:kv_cache_usage_perc"] == 0

@@ -11,6 +11,7 @@ request is aborted and its KV blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import json
@@ -151,18 +152,29 @@ class OpenAIServer:
             return piece(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> _Prompt:
+    def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None) -> _Prompt:
+        """The prompt's text and token ids; with ``keep`` only its last ``keep`` tokens (whose text
+        is then what echo shows)."""
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise RequestError(f"prompt: {prompt[:40]!r} has no tokens for this model's tokenizer; "
                                    "give some text", param="prompt")
+            if keep is not None and len(token_ids) > keep:
+                return self.truncated(token_ids, keep)
             return _Prompt(prompt, token_ids)
+        if keep is not None:
+            prompt = prompt[-keep:]
         if len(prompt) >= self.engine.max_model_len:  # refuse before decoding it
             p.check_context_length(len(prompt), 1, self.engine.max_model_len, prompt_param="prompt")
         check_token_ids(prompt, self.vocab_size, "prompt")
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
+
+    def truncated(self, token_ids: list[int], keep: int) -> _Prompt:
+        """The last ``keep`` of ``token_ids``, with their text."""
+        kept = token_ids[-keep:]
+        return _Prompt(self.tokenizer.decode(kept, skip_special_tokens=False), kept)
 
     def chat_prompt(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
@@ -216,14 +228,15 @@ class OpenAIServer:
         req = self.with_default_sampling(await self.read_body(request, p.CompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
-        prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts(self.limits.max_prompts)]
+        keep = req.prompt_tokens_kept(self.engine.max_model_len)
+        prompts = [self.tokenize_prompt(prompt, keep) for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
         await self.compile_constraint(req)
         response_id = p.random_id("cmpl")
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
             events = self._completion_events(req, response_id, prompts, streams)
-            return _sse_response(events, streams, self.limits)
+            return _sse_response(events, streams, self.limits, response_id)
         finals = await _collect(streams, request, self.limits.request_timeout_s)
         return JSONResponse(self._completion_response(req, response_id, prompts, finals).model_dump())
 
@@ -257,6 +270,7 @@ class OpenAIServer:
                         logprobs=self._completion_choice_logprobs(req, prompt, final, completion, req.echo),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(req, prompt, final),
                     )
                 )
         return p.CompletionResponse(
@@ -328,16 +342,30 @@ class OpenAIServer:
         req.check_limits(self.request_limits, self.vocab_size)
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
                                   continue_final=req.continue_final_message)
+        keep = req.prompt_tokens_kept(self.engine.max_model_len)
+        if keep is not None and len(prompt.token_ids) > keep:
+            prompt = self.truncated(prompt.token_ids, keep)
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
         await self.compile_constraint(req)
         response_id = p.random_id("chatcmpl")
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
         if req.stream and req.resolved_tool_choice().mode != "none":
-            return _sse_response(self._chat_tool_events(req, response_id, streams[0]), streams, self.limits)
+            return _sse_response(self._chat_tool_events(req, response_id, streams[0]), streams, self.limits,
+                                 response_id)
         if req.stream:
-            return _sse_response(self._chat_events(req, response_id, streams[0]), streams, self.limits)
+            return _sse_response(self._chat_events(req, response_id, streams[0]), streams, self.limits, response_id)
         (final,) = await _collect(streams, request, self.limits.request_timeout_s)
-        return JSONResponse(self._chat_response(req, response_id, final).model_dump())
+        response = self._chat_response(req, response_id, final)
+        response.prompt_logprobs = self._prompt_logprobs(req, prompt, final)
+        return JSONResponse(response.model_dump())
+
+    @staticmethod
+    def _prompt_logprobs(
+        req: p.CompletionRequest | p.ChatCompletionRequest, prompt: _Prompt, final: RequestOutput
+    ) -> p.PromptLogprobs | None:
+        if req.prompt_logprobs is None:
+            return None
+        return p.prompt_logprobs_for(prompt.token_ids, final.prompt_logprobs, req.prompt_logprobs)
 
     def _chat_logprobs(self, req: p.ChatCompletionRequest, token_ids, logprobs) -> p.ChatLogprobs | None:
         if not req.logprobs:
@@ -467,6 +495,7 @@ class OpenAIServer:
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
+            p.check_messages(req.messages)
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             tokens = self.chat_prompt(messages, req.add_generation_prompt).token_ids
         else:
@@ -510,6 +539,7 @@ def build_app(
         default_sampling,
     )
 
+    _install_uvicorn_log_filter()
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.openapi = functools.partial(_openapi_with_request_bodies, app)
     app.state.server = server
@@ -775,10 +805,13 @@ def _raise_if_failed(output: RequestOutput) -> None:
         raise APIError(500, f"the request failed in the engine: {output.error}", type="server_error", code="engine_error")
 
 
-def _sse_response(events: AsyncIterator[str], streams: list[RequestStream], limits: ServerLimits) -> StreamingResponse:
+def _sse_response(
+    events: AsyncIterator[str], streams: list[RequestStream], limits: ServerLimits, response_id: str
+) -> StreamingResponse:
     return _EventStreamResponse(
         _sse_stream(events, streams, limits.request_timeout_s),
         stall_timeout_s=limits.stream_stall_timeout_s,
+        response_id=response_id,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -792,11 +825,27 @@ class _EventStreamResponse(StreamingResponse):
     runs on meanwhile (the request's stream keeps only its latest output). On a
     stall the event iterator is closed, which aborts the requests and frees their
     KV blocks, and the connection is dropped.
+
+    The stalled response cannot be completed (the final body message would wait for
+    the client too), and ASGI gives an application no way to close the connection
+    itself; uvicorn closes it when the application returns, logging "ASGI callable
+    returned without completing response" at ERROR. The server logs the abort
+    once, with the response id, at WARNING, and :class:`_DeliberateAbortFilter`
+    drops uvicorn's record for exactly these responses.
     """
 
-    def __init__(self, content: AsyncIterator[str], *, stall_timeout_s: float, **kwargs) -> None:
+    def __init__(self, content: AsyncIterator[str], *, stall_timeout_s: float, response_id: str, **kwargs) -> None:
         super().__init__(content, **kwargs)
         self.stall_timeout_s = stall_timeout_s
+        self.response_id = response_id
+        self.stalled = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        # Set in the task uvicorn runs the request in, so its log record after the
+        # application returns is made in this context (the streaming itself runs in a
+        # child task, which sees the same response object).
+        _current_stream.set(self)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send) -> None:
         async def send_or_stall(message) -> None:
@@ -808,11 +857,41 @@ class _EventStreamResponse(StreamingResponse):
         try:
             await super().stream_response(send_or_stall)
         except _ClientStalled:
+            self.stalled = True
             logger.warning(
-                "aborted a stream whose client took no data for %.1f s; its KV blocks are freed",
-                self.stall_timeout_s,
+                "aborted stream %s: its client took no data for %.1f s; its KV blocks are freed "
+                "and the connection is closed",
+                self.response_id, self.stall_timeout_s,
             )
             await _aclose(self.body_iterator)
+
+
+# The event stream being answered in this request's task, if any.
+_current_stream: contextvars.ContextVar[_EventStreamResponse | None] = contextvars.ContextVar(
+    "pagedllm_current_stream", default=None
+)
+# What uvicorn logs at ERROR when an application returns before the last body message.
+_UNCOMPLETED_RESPONSE = "ASGI callable returned without completing response."
+
+
+class _DeliberateAbortFilter(logging.Filter):
+    """Drops uvicorn's "returned without completing response" record for a stream the
+    server aborted on purpose (already logged with its id); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != _UNCOMPLETED_RESPONSE:
+            return True
+        stream = _current_stream.get()
+        return stream is None or not stream.stalled
+
+
+_DELIBERATE_ABORT_FILTER = _DeliberateAbortFilter()
+
+
+def _install_uvicorn_log_filter() -> None:
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    if _DELIBERATE_ABORT_FILTER not in uvicorn_errors.filters:
+        uvicorn_errors.addFilter(_DELIBERATE_ABORT_FILTER)
 
 
 class _ClientStalled(Exception):

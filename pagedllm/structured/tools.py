@@ -117,6 +117,10 @@ def parse_tools(raw_tools: list[dict] | None) -> list[ToolSpec]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise RequestError(f"tools[{i}].function.name: must be a non-empty string", param="tools")
+        earlier = next((j for j, spec in enumerate(specs) if spec.name == name), None)
+        if earlier is not None:
+            raise RequestError(f"tools[{i}].function.name: {name!r} is also the name of tools[{earlier}]; "
+                               "tool names must be unique", param="tools")
         parameters = function.get("parameters") or _ANY_OBJECT
         if not isinstance(parameters, dict):
             raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema object", param="tools")
