@@ -16,6 +16,7 @@ the limit, so a client knows what to change.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
@@ -26,6 +27,13 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 # OpenAI's range for a logit bias.
 MAX_ABS_LOGIT_BIAS = 100.0
+# Sampling parameters reach the sampler as float32: a value outside float32's normal
+# range would round to 0 or inf there (top_p 1e-300 would keep no token at all).
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+# The roles a chat message may have (OpenAI's; function is its deprecated spelling of tool).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_DECIMAL = re.compile(r"-?[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -123,3 +131,31 @@ def check_text(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         _fail(param, f"the text is not valid Unicode ({exc.reason} at character {exc.start})")
+
+
+def check_float32(value: float, param: str) -> None:
+    """``value`` is 0 or within float32's normal range, so the sampler sees the number asked for."""
+    if value != 0 and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+        _fail(param, f"must be 0 or between {FLOAT32_TINY:.3g} and {FLOAT32_MAX:.3g} in magnitude "
+                     f"(a 32-bit float), got {value!r}")
+
+
+def parse_token_id_key(key: object, param: str) -> int:
+    """A token id given as a mapping key: an int, or its decimal digits as a string (JSON keys).
+
+    Strict: ``" 1"``, ``"1_0"``, ``"+1"`` and non-ASCII digits, which ``int()`` accepts, are refused.
+    """
+    if is_int(key):
+        return key  # type: ignore[return-value]
+    if isinstance(key, str) and _DECIMAL.fullmatch(key):
+        return int(key)
+    _fail(param, f"keys must be token ids (integers, or their decimal digits as strings), got {key!r}")
+    raise AssertionError  # unreachable
+
+
+def check_bool(owner: object, names: Iterable[str]) -> None:
+    """Every named field is a bool (``"no"`` or ``None`` would be truthy or break deeper down)."""
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, bool):
+            _fail(name, f"must be true or false, got {value!r}")

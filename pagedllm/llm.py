@@ -60,7 +60,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order; without sampling_params, the
         model's defaults (:meth:`get_default_sampling_params`)."""
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompt_list = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
         return self._run(prompt_list, params, use_tqdm)
 
@@ -75,6 +75,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``, Jinja text) to one
         conversation or a list of them; ``chat_template_kwargs`` reach the template."""
+        if not isinstance(messages, (list, tuple)):
+            raise RequestError(
+                f"messages must be a list of messages or a list of conversations, got {type(messages).__name__}",
+                param="messages",
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
@@ -93,7 +98,7 @@ class LLM:
         self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[RequestOutput]:
         """Beam search per prompt; ``.outputs`` holds the beam_width best hypotheses, best first."""
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompt_list = _prompt_list(prompts)
         return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
 
     # ---- introspection ----------------------------------------------------
@@ -118,6 +123,12 @@ class LLM:
             return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             return [sampling_params] * count
+        if not isinstance(sampling_params, (list, tuple)):
+            raise RequestError(
+                "sampling_params must be SamplingParams or a list of them, one per prompt, "
+                f"got {type(sampling_params).__name__}",
+                param="sampling_params",
+            )
         params = list(sampling_params)
         if len(params) != count:
             raise RequestError(
@@ -153,3 +164,15 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _prompt_list(prompts: object) -> list:
+    """One prompt (text or a prompt dict) as a list of one; a list or tuple of prompts as is."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestError(
+            f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}",
+            param="prompts",
+        )
+    return list(prompts)

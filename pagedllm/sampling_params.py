@@ -17,7 +17,10 @@ from pagedllm.limits import (
     MAX_ABS_LOGIT_BIAS,
     RequestLimits,
     check_at_most,
+    check_bool,
+    check_float32,
     check_token_ids,
+    parse_token_id_key,
 )
 from pagedllm.structured.params import StructuredOutputsParams
 
@@ -34,11 +37,13 @@ def _is_int(value: object) -> bool:
 
 
 def _check_finite(owner: object, names: tuple[str, ...]) -> None:
-    """Every named field is a finite real number (NaN slips through range checks)."""
+    """Every named field is a finite real number (NaN slips through range checks) that
+    float32, the sampler's type, holds without rounding it to 0 or inf."""
     for name in names:
         value = getattr(owner, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             _fail(name, f"must be a finite number, got {value!r}")
+        check_float32(value, name)
 
 
 @dataclass
@@ -79,6 +84,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         _check_finite(self, _FLOAT_FIELDS)
+        check_bool(self, _BOOL_FIELDS)
         self._validate()
 
     def _validate(self) -> None:
@@ -159,6 +165,14 @@ class SamplingParams:
         return 0 if self.top_k in (0, -1) else self.top_k
 
 
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
+
 _FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
@@ -177,10 +191,10 @@ def _normalise_logit_bias(logit_bias: object) -> dict[int, float] | None:
         _fail("logit_bias", f"must map token ids to numbers, got {logit_bias!r}")
     normalised: dict[int, float] = {}
     for key, value in logit_bias.items():
-        try:
-            token, bias = int(key), float(value)
-        except (TypeError, ValueError):
-            _fail("logit_bias", f"entry {key!r}: {value!r} is not token id: number")
+        token = parse_token_id_key(key, "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail("logit_bias", f"entry {key!r}: the bias must be a number, got {value!r}")
+        bias = float(value)
         if token < 0 or not math.isfinite(bias) or abs(bias) > MAX_ABS_LOGIT_BIAS:
             _fail(
                 "logit_bias",
@@ -223,6 +237,7 @@ class BeamSearchParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         _check_finite(self, ("temperature", "length_penalty"))
+        check_bool(self, ("ignore_eos", "include_stop_str_in_output"))
         if self.temperature < 0.0:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
         if self.early_stopping not in (True, False, "never"):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedllm.errors import ModelLoadError, RequestError
+from pagedllm.limits import CHAT_ROLES
 from pagedllm.models.paths import cache_dir, content_digest
 
 logger = logging.getLogger(__name__)
@@ -228,6 +229,11 @@ def _normalise_messages(messages: list[dict]) -> list[dict]:
             raise RequestError(
                 f"messages[{i}] must be an object with a string 'role'", param="messages"
             )
+        if message["role"] not in CHAT_ROLES:
+            raise RequestError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}",
+                param="messages",
+            )
         content = message.get("content")
         if isinstance(content, list):
             content = _join_text_parts(content, i)
@@ -241,15 +247,16 @@ def _normalise_messages(messages: list[dict]) -> list[dict]:
 
 def _join_text_parts(parts: list, index: int) -> str:
     texts = []
-    for part in parts:
-        if (
-            not isinstance(part, dict)
-            or part.get("type") != "text"
-            or not isinstance(part.get("text"), str)
-        ):
+    for j, part in enumerate(parts):
+        where = f"messages[{index}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
             raise RequestError(
-                f"messages[{index}].content: only text parts are supported", param="messages"
+                f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, "
+                f"got type {kind!r}", param="messages",
             )
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}.text must be a string", param="messages")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -125,6 +125,12 @@ SERVE_NOTES = {
     "--kv-cache-memory-bytes": SAME_NOTE + "bytes, or a size with a unit (2GiB)",
     "--dtype": "auto is float32 on the CPU",
 }
+HTTP_NOTES = {
+    "prompt_logprobs": "vLLM's format (per choice on completions, one list on chat); capped by --max-logprobs, "
+                       "so -1 (the whole vocabulary) is a 400; with stream only 0, as vLLM",
+    "truncate_prompt_tokens": SAME_NOTE + "keeps the last k prompt tokens (-1: the context length); 0 or more "
+                              "than the context length is a 400",
+}
 SAMPLING_NOTES = {
     "top_k": SAME_NOTE + "0 or -1 disables",
     "seed": SAME_NOTE + "a per-request generator",
@@ -219,7 +225,7 @@ def http_rows() -> list[Row]:
     for name in VLLM_HTTP_EXTRAS:
         where = [route for route, fields in (("completions", completion), ("chat", chat)) if name in fields]
         if len(where) == 2:
-            rows.append(Row(name, SAME))
+            rows.append(_noted(name, HTTP_NOTES.get(name, "")))
         elif where:
             rows.append(Row(name, SAME, f"/v1/{where[0].replace('chat', 'chat/completions')} only"))
         else:

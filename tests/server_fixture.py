@@ -55,9 +55,11 @@ class ServerProcess:
         self.kill()
         raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.log()}")
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 6000) -> str:
+        """The server's output so far: its last ``tail`` characters, or all of it."""
         with open(self._log.name, errors="replace") as f:
-            return f.read()[-6000:]
+            text = f.read()
+        return text if tail is None else text[-tail:]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         """Sends ``sig`` and returns the exit code."""

@@ -310,7 +310,13 @@ class LLMEngine:
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):
+                    raise RequestError(
+                        f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}",
+                        param="prompt_token_ids",
+                    )
+                prompt = list(prompt)
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -319,7 +325,13 @@ class LLMEngine:
             if not prompt:
                 raise RequestError("the prompt is empty", param="prompt")
             check_text(prompt, "prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:  # e.g. only whitespace for a tokenizer that drops it
+                raise RequestError(
+                    f"the prompt {prompt[:40]!r} has no tokens for this model's tokenizer; give some text",
+                    param="prompt",
+                )
+            return prompt, token_ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise RequestError("the prompt must be a non-empty string or list of token ids", param="prompt")
         if len(prompt) >= self.max_model_len:  # before looking at each id

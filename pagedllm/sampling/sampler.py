@@ -284,6 +284,8 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow])
     penalty = on_device([r.params.repetition_penalty for r in rows], logits.device)
     penalty = penalty.unsqueeze(1).expand_as(logits)  # [rows, vocab]
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    # A small penalty can push a positive logit past float32's range; +inf would make softmax NaN.
+    penalised.clamp_(max=torch.finfo(logits.dtype).max)
     torch.where(seen, penalised, logits, out=logits)
 
 

@@ -11,6 +11,7 @@ request is aborted and its KV blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import json
@@ -26,6 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
@@ -150,20 +152,42 @@ class OpenAIServer:
             return piece(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> _Prompt:
+    def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None) -> _Prompt:
+        """The prompt's text and token ids; with ``keep`` only its last ``keep`` tokens (whose text
+        is then what echo shows)."""
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
-            return _Prompt(prompt, self.tokenizer.encode(prompt))
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
+                raise RequestError(f"prompt: {prompt[:40]!r} has no tokens for this model's tokenizer; "
+                                   "give some text", param="prompt")
+            if keep is not None and len(token_ids) > keep:
+                return self.truncated(token_ids, keep)
+            return _Prompt(prompt, token_ids)
+        if keep is not None:
+            prompt = prompt[-keep:]
         if len(prompt) >= self.engine.max_model_len:  # refuse before decoding it
             p.check_context_length(len(prompt), 1, self.engine.max_model_len, prompt_param="prompt")
         check_token_ids(prompt, self.vocab_size, "prompt")
         return _Prompt(self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt))
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> _Prompt:
+    def truncated(self, token_ids: list[int], keep: int) -> _Prompt:
+        """The last ``keep`` of ``token_ids``, with their text."""
+        kept = token_ids[-keep:]
+        return _Prompt(self.tokenizer.decode(kept, skip_special_tokens=False), kept)
+
+    def chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+        continue_final: bool = False,
+    ) -> _Prompt:
+        """The rendered conversation; with ``continue_final`` it ends inside the last (assistant)
+        message, right after its content, so the model carries on with that message."""
         extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
         if tools:
             extra["tools"] = tools
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        if continue_final:
+            text = _cut_after_final_message(text, messages[-1])
         return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> str | None:
@@ -206,14 +230,15 @@ class OpenAIServer:
         req = self.with_default_sampling(await self.read_body(request, p.CompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
-        prompts = [self.tokenize_prompt(prompt) for prompt in req.prompts(self.limits.max_prompts)]
+        keep = req.prompt_tokens_kept(self.engine.max_model_len)
+        prompts = [self.tokenize_prompt(prompt, keep) for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
         grammar_param = await self.compile_constraint(req)
         response_id = p.random_id("cmpl")
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
             events = self._completion_events(req, response_id, prompts, streams, grammar_param)
-            return _sse_response(events, streams, self.limits)
+            return _sse_response(events, streams, self.limits, response_id)
         finals = await _collect(streams, request, self.limits.request_timeout_s, req.n, grammar_param)
         return JSONResponse(self._completion_response(req, response_id, prompts, finals).model_dump())
 
@@ -247,6 +272,7 @@ class OpenAIServer:
                         logprobs=self._completion_choice_logprobs(req, prompt, final, completion, req.echo),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(req, prompt, final),
                     )
                 )
         return p.CompletionResponse(
@@ -317,17 +343,33 @@ class OpenAIServer:
         req = self.with_default_sampling(await self.read_body(request, p.ChatCompletionRequest))
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
-        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools())
+        prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
+                                  continue_final=req.continue_final_message)
+        keep = req.prompt_tokens_kept(self.engine.max_model_len)
+        if keep is not None and len(prompt.token_ids) > keep:
+            prompt = self.truncated(prompt.token_ids, keep)
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
         grammar_param = await self.compile_constraint(req)
         response_id = p.random_id("chatcmpl")
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
         if req.stream and req.resolved_tool_choice().mode != "none":
-            return _sse_response(self._chat_tool_events(req, response_id, streams[0], grammar_param), streams, self.limits)
+            return _sse_response(self._chat_tool_events(req, response_id, streams[0], grammar_param), streams,
+                                 self.limits, response_id)
         if req.stream:
-            return _sse_response(self._chat_events(req, response_id, streams[0], grammar_param), streams, self.limits)
+            return _sse_response(self._chat_events(req, response_id, streams[0], grammar_param), streams, self.limits,
+                                 response_id)
         (final,) = await _collect(streams, request, self.limits.request_timeout_s, req.n, grammar_param)
-        return JSONResponse(self._chat_response(req, response_id, final).model_dump())
+        response = self._chat_response(req, response_id, final)
+        response.prompt_logprobs = self._prompt_logprobs(req, prompt, final)
+        return JSONResponse(response.model_dump())
+
+    @staticmethod
+    def _prompt_logprobs(
+        req: p.CompletionRequest | p.ChatCompletionRequest, prompt: _Prompt, final: RequestOutput
+    ) -> p.PromptLogprobs | None:
+        if req.prompt_logprobs is None:
+            return None
+        return p.prompt_logprobs_for(prompt.token_ids, final.prompt_logprobs, req.prompt_logprobs)
 
     def _chat_logprobs(self, req: p.ChatCompletionRequest, token_ids, logprobs) -> p.ChatLogprobs | None:
         if not req.logprobs:
@@ -457,6 +499,7 @@ class OpenAIServer:
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
+            p.check_messages(req.messages)
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             tokens = self.chat_prompt(messages, req.add_generation_prompt).token_ids
         else:
@@ -500,6 +543,7 @@ def build_app(
         default_sampling,
     )
 
+    _install_uvicorn_log_filter()
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.openapi = functools.partial(_openapi_with_request_bodies, app)
     app.state.server = server
@@ -530,6 +574,7 @@ def build_app(
     v1.add_api_route("/completions", _guarded(server.create_completion), methods=["POST"])
     v1.add_api_route("/chat/completions", _guarded(server.create_chat_completion), methods=["POST"])
     v1.add_api_route("/models", server.models, methods=["GET"], response_model=p.ModelList)
+    v1.add_api_route("/models", server.models, methods=["HEAD"], include_in_schema=False)
     app.include_router(v1)
 
     @app.get("/health")
@@ -546,6 +591,9 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    # HEAD wherever GET is served (load balancers probe with it); left out of the OpenAPI document.
+    for path, endpoint in (("/health", health), ("/version", version), ("/metrics", prometheus_metrics)):
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
     app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
     if dashboard:
@@ -556,6 +604,18 @@ def build_app(
             "invalid_request_error", code="invalid_api_key",
         ), registry=metrics.registry)
     return app
+
+
+def _cut_after_final_message(text: str, final: dict) -> str:
+    """``text`` (a rendered conversation) up to the end of the final message's content."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise RequestError("continue_final_message: the chat template does not show the final message's "
+                           "content, so there is nothing to continue", param="continue_final_message")
+    return text[: at + len(content)]
 
 
 def _tool_output(req: p.ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -647,6 +707,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 async def _read_body(request: Request, limits: ServerLimits) -> bytes:
     """The raw body; 413 as soon as it exceeds ``max_body_bytes`` (declared or sent), 408 if it is sent too slowly."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(
+            415, f"Content-Encoding {encoding!r} is not supported; send the request body uncompressed",
+            type="invalid_request_error", code="unsupported_content_encoding",
+        )
     limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -664,6 +730,9 @@ async def _read_body(request: Request, limits: ServerLimits) -> bytes:
 
     try:
         await asyncio.wait_for(read(), limits.body_read_timeout_s)
+    except ClientDisconnect:  # nobody is left to answer; nothing was started for the request
+        raise APIError(499, "the client closed the connection while sending the body",
+                       type="invalid_request_error", code="client_closed_request") from None
     except asyncio.TimeoutError:
         raise APIError(
             408, f"the request body was not received within {limits.body_read_timeout_s:g} s",
@@ -698,6 +767,8 @@ async def _read_json(request: Request, limits: ServerLimits):
     except RecursionError:
         raise RequestError(f"the request body nests deeper than {limits.max_json_depth} levels") from None
     except ValueError as exc:  # UnicodeDecodeError included
+        if "integer string conversion" in str(exc):
+            raise RequestError("the request body is not valid JSON: an integer has too many digits (over 4300)") from None
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     check_json_value(value, limits.max_json_depth)
     return value
@@ -746,10 +817,13 @@ def _raise_if_failed(output: RequestOutput, n: int | None = None, grammar_param:
                            code="grammar_dead_end")
 
 
-def _sse_response(events: AsyncIterator[str], streams: list[RequestStream], limits: ServerLimits) -> StreamingResponse:
+def _sse_response(
+    events: AsyncIterator[str], streams: list[RequestStream], limits: ServerLimits, response_id: str
+) -> StreamingResponse:
     return _EventStreamResponse(
         _sse_stream(events, streams, limits.request_timeout_s),
         stall_timeout_s=limits.stream_stall_timeout_s,
+        response_id=response_id,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -763,11 +837,27 @@ class _EventStreamResponse(StreamingResponse):
     runs on meanwhile (the request's stream keeps only its latest output). On a
     stall the event iterator is closed, which aborts the requests and frees their
     KV blocks, and the connection is dropped.
+
+    The stalled response cannot be completed (the final body message would wait for
+    the client too), and ASGI gives an application no way to close the connection
+    itself; uvicorn closes it when the application returns, logging "ASGI callable
+    returned without completing response" at ERROR. The server logs the abort
+    once, with the response id, at WARNING, and :class:`_DeliberateAbortFilter`
+    drops uvicorn's record for exactly these responses.
     """
 
-    def __init__(self, content: AsyncIterator[str], *, stall_timeout_s: float, **kwargs) -> None:
+    def __init__(self, content: AsyncIterator[str], *, stall_timeout_s: float, response_id: str, **kwargs) -> None:
         super().__init__(content, **kwargs)
         self.stall_timeout_s = stall_timeout_s
+        self.response_id = response_id
+        self.stalled = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        # Set in the task uvicorn runs the request in, so its log record after the
+        # application returns is made in this context (the streaming itself runs in a
+        # child task, which sees the same response object).
+        _current_stream.set(self)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send) -> None:
         async def send_or_stall(message) -> None:
@@ -779,11 +869,41 @@ class _EventStreamResponse(StreamingResponse):
         try:
             await super().stream_response(send_or_stall)
         except _ClientStalled:
+            self.stalled = True
             logger.warning(
-                "aborted a stream whose client took no data for %.1f s; its KV blocks are freed",
-                self.stall_timeout_s,
+                "aborted stream %s: its client took no data for %.1f s; its KV blocks are freed "
+                "and the connection is closed",
+                self.response_id, self.stall_timeout_s,
             )
             await _aclose(self.body_iterator)
+
+
+# The event stream being answered in this request's task, if any.
+_current_stream: contextvars.ContextVar[_EventStreamResponse | None] = contextvars.ContextVar(
+    "pagedllm_current_stream", default=None
+)
+# What uvicorn logs at ERROR when an application returns before the last body message.
+_UNCOMPLETED_RESPONSE = "ASGI callable returned without completing response."
+
+
+class _DeliberateAbortFilter(logging.Filter):
+    """Drops uvicorn's "returned without completing response" record for a stream the
+    server aborted on purpose (already logged with its id); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != _UNCOMPLETED_RESPONSE:
+            return True
+        stream = _current_stream.get()
+        return stream is None or not stream.stalled
+
+
+_DELIBERATE_ABORT_FILTER = _DeliberateAbortFilter()
+
+
+def _install_uvicorn_log_filter() -> None:
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    if _DELIBERATE_ABORT_FILTER not in uvicorn_errors.filters:
+        uvicorn_errors.addFilter(_DELIBERATE_ABORT_FILTER)
 
 
 class _ClientStalled(Exception):

@@ -9,12 +9,20 @@ tested without an engine.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from pagedllm.errors import RequestError
 from pagedllm.limits import (
@@ -24,6 +32,7 @@ from pagedllm.limits import (
     RequestLimits,
     check_at_most,
     check_token_ids,
+    parse_token_id_key,
 )
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -93,7 +102,19 @@ def validation_error_to_request_error(exc: ValidationError) -> RequestError:
         hint = _UNION_HINTS.get(field_loc[-1] if field_loc else "", "one of the documented types")
         return RequestError(f"{'.'.join(field_loc) or 'body'}: must be {hint}", param=param)
     where = ".".join(str(part) for part in loc) if loc else "body"
-    return RequestError(f"{where}: {first.get('msg', 'invalid value')}", param=param)
+    message = first.get("msg", "invalid value")
+    if first.get("type") != "missing" and "input" in first:
+        message += f", got {_shown(first['input'])}"
+    return RequestError(f"{where}: {message}", param=param)
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``value`` as the client wrote it (JSON), cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
@@ -125,9 +146,23 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 
 
 class _Body(BaseModel):
-    """A request body: unknown fields are ignored, as OpenAI and vLLM do; types are strict."""
+    """A request body: unknown fields are ignored, as OpenAI and vLLM do; types are strict.
+
+    ``null`` for an optional field means "not given" (OpenAI's schema makes them nullable),
+    so the field takes its default; a required field that is ``null`` is still an error.
+    """
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value for key, value in data.items()
+            if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()
+        }
 
 
 class StreamOptions(_Body):
@@ -182,6 +217,10 @@ class _SamplingRequest(_Body):
     use_beam_search: bool = False
     length_penalty: Finite = 1.0
     cache_salt: str | None = None
+    # top-k logprobs of every prompt token (-1: the whole vocabulary, past any server's limit)
+    prompt_logprobs: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    # keep only the last k prompt tokens (-1: the model's context length)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -261,16 +300,45 @@ class _SamplingRequest(_Body):
         if self.logit_bias:
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
+        self._check_prompt_logprobs(limits)
+
+    def _check_prompt_logprobs(self, limits: RequestLimits) -> None:
+        """vLLM's rules (not with a stream unless 0, -1 is the whole vocabulary) and the server's cap."""
+        value = self.prompt_logprobs
+        if value is None:
+            return
+        if self.stream and value != 0:
+            raise RequestError("prompt_logprobs: not available when stream is true", param="prompt_logprobs")
+        if self.use_beam_search:
+            raise RequestError("prompt_logprobs: not available with use_beam_search", param="prompt_logprobs")
+        if value == -1 or value > limits.max_logprobs:
+            shown = "-1 (the whole vocabulary)" if value == -1 else str(value)
+            raise RequestError(
+                f"prompt_logprobs: must be in [0, {limits.max_logprobs}] (the server's limit on logprobs per "
+                f"position), got {shown}", param="prompt_logprobs",
+            )
+
+    def prompt_tokens_kept(self, max_model_len: int) -> int | None:
+        """How many prompt tokens truncate_prompt_tokens keeps (the last ones), or None to keep all.
+
+        vLLM's meaning: k >= 1 keeps the last k tokens, -1 the last ``max_model_len``."""
+        value = self.truncate_prompt_tokens
+        if value is None:
+            return None
+        if value == 0:
+            raise RequestError("truncate_prompt_tokens: must be -1 (the model's context length) or an integer "
+                               ">= 1 (the number of prompt tokens to keep), got 0", param="truncate_prompt_tokens")
+        if value > max_model_len:
+            raise RequestError(
+                f"truncate_prompt_tokens: must be <= {max_model_len} (this model's context length), got {value}",
+                param="truncate_prompt_tokens",
+            )
+        return max_model_len if value == -1 else value
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): float(bias) for token, bias in self.logit_bias.items()}
-        except ValueError:
-            raise RequestError(
-                "logit_bias: keys must be token ids (decimal integers as strings)", param="logit_bias"
-            ) from None
+        return {parse_token_id_key(token, "logit_bias"): float(bias) for token, bias in self.logit_bias.items()}
 
     def _build_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
@@ -366,18 +434,87 @@ class CompletionRequest(_SamplingRequest):
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         check_max_tokens(max_tokens)
         check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param="prompt")
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._build_params(max_tokens, self.logprobs, prompt_logprobs)
+        # echo shows the prompt's logprobs too; the engine computes the larger count once
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return self._build_params(max_tokens, self.logprobs, max(wanted) if wanted else None)
 
 
 class ChatMessageParam(BaseModel):
-    """One message; fields beyond these (tool calls, ...) are kept for the chat template."""
+    """One message; fields beyond these (tool calls, ...) are kept for the chat template.
+
+    :func:`check_messages` checks what each role requires, as OpenAI does.
+    """
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+
+def _message_error(field: str, message: str) -> RequestError:
+    return RequestError(f"{field}: {message}", param=field)
+
+
+def _check_tool_calls(tool_calls: object, where: str) -> None:
+    """An assistant message's ``tool_calls``: [{id, type: "function", function: {name, arguments}}]."""
+    if not isinstance(tool_calls, list):
+        raise _message_error(where, f"must be a list of tool calls, got {_shown(tool_calls)}")
+    for j, call in enumerate(tool_calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise _message_error(at, f"must be an object {{id, type, function}}, got {_shown(call)}")
+        for key in ("id", "type", "function"):
+            if call.get(key) is None:
+                raise _message_error(f"{at}.{key}", "is required")
+        if not isinstance(call["id"], str):
+            raise _message_error(f"{at}.id", f"must be a string, got {_shown(call['id'])}")
+        if call["type"] != "function":
+            raise _message_error(f"{at}.type", f"must be 'function', got {_shown(call['type'])}")
+        function = call["function"]
+        if not isinstance(function, dict):
+            raise _message_error(f"{at}.function", f"must be an object {{name, arguments}}, got {_shown(function)}")
+        for key in ("name", "arguments"):
+            if function.get(key) is None:
+                raise _message_error(f"{at}.function.{key}", "is required")
+            if not isinstance(function[key], str):
+                what = "a string (JSON text)" if key == "arguments" else "a string"
+                raise _message_error(f"{at}.function.{key}", f"must be {what}, got {_shown(function[key])}")
+
+
+def check_messages(messages: Sequence[ChatMessageParam]) -> None:
+    """What OpenAI requires of each role: content for system, developer, user and tool
+    messages, a string ``tool_call_id`` for tool messages, content or well-formed
+    ``tool_calls`` for assistant messages (whose content may then be null), a name
+    for function messages. The error names the field, e.g. ``messages[2].tool_call_id``."""
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        extra = message.model_extra or {}
+        tool_calls = extra.get("tool_calls")
+        if tool_calls is not None and message.role != "assistant":
+            raise _message_error(f"{where}.tool_calls", f"only assistant messages have tool_calls (this is a "
+                                                         f"{message.role} message)")
+        if message.role == "assistant":
+            if tool_calls is not None:
+                _check_tool_calls(tool_calls, f"{where}.tool_calls")
+            if message.content is None and not tool_calls and all(
+                extra.get(key) is None for key in ("function_call", "refusal")
+            ):
+                raise _message_error(f"{where}.content", "an assistant message needs content unless it has tool_calls")
+        elif message.role == "function":
+            if message.name is None:
+                raise _message_error(f"{where}.name", "is required for a function message")
+        elif message.content is None:
+            state = "must not be null" if "content" in message.model_fields_set else "is required"
+            raise _message_error(f"{where}.content", f"{state} for a {message.role} message "
+                                                     "(a string or a list of content parts)")
+        if message.role == "tool":
+            call_id = extra.get("tool_call_id")
+            if call_id is None:
+                raise _message_error(f"{where}.tool_call_id", "is required for a tool message (the id of the "
+                                                              "call it answers)")
+            if not isinstance(call_id, str):
+                raise _message_error(f"{where}.tool_call_id", f"must be a string, got {_shown(call_id)}")
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -415,6 +552,15 @@ class ChatCompletionRequest(_SamplingRequest):
     def message_dicts(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise RequestError("messages must be a non-empty list", param="messages")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise RequestError("continue_final_message: set add_generation_prompt to false with it "
+                                   "(the model continues the last message instead of starting a new one)",
+                                   param="continue_final_message")
+            if self.messages[-1].role != "assistant" or not self.messages[-1].content:
+                raise RequestError("continue_final_message: the last message must be an assistant message "
+                                   "with content to continue", param="continue_final_message")
+        check_messages(self.messages)
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
     def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
@@ -438,7 +584,7 @@ class ChatCompletionRequest(_SamplingRequest):
             check_max_tokens(max_tokens, param)
             check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param="messages", max_tokens_param=param)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._build_params(max_tokens, logprobs, None)
+        return self._build_params(max_tokens, logprobs, self.prompt_logprobs)
 
 
 class TokenizeRequest(_Body):
@@ -511,12 +657,36 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprobEntry(BaseModel):
+    """vLLM's Logprob as it serializes it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, the first None, then token id -> Logprob
+PromptLogprobs = list[dict[str, PromptLogprobEntry] | None]
+
+
+def _drop_if_none(data: dict, *keys: str) -> dict:
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only when asked for (vLLM's field)
+
+    @model_serializer(mode="wrap")
+    def _drop_no_prompt_logprobs(self, handler):
+        return _drop_if_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -587,6 +757,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only when asked for (vLLM's field, one list for the prompt)
+
+    @model_serializer(mode="wrap")
+    def _drop_no_prompt_logprobs(self, handler):
+        return _drop_if_none(handler(self), "prompt_logprobs")
 
 
 class DeltaMessage(BaseModel):
@@ -714,6 +889,27 @@ def completion_logprobs(
         for top_id, logprob in _top_entries(position, num_top):
             top.setdefault(token_text(top_id), logprob)
         result.top_logprobs.append(top)
+    return result
+
+
+def prompt_logprobs_for(
+    token_ids: Sequence[int], logprobs: Sequence[PositionLogprobs | None] | None, num_top: int
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the token itself and
+    the ``num_top`` most likely ones, as token id -> {logprob, rank, decoded_token}."""
+    result: PromptLogprobs = []
+    for i, token_id in enumerate(token_ids):
+        position = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+        if position is None:
+            result.append(None)
+            continue
+        result.append({
+            str(top_id): PromptLogprobEntry(
+                logprob=max(entry.logprob, _MISSING_LOGPROB), rank=entry.rank, decoded_token=entry.decoded_token
+            )
+            for top_id, entry in position.items()
+            if top_id == token_id or (entry.rank is not None and entry.rank <= num_top)
+        })
     return result
 
 

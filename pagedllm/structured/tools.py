@@ -127,13 +127,15 @@ def parse_tools(raw_tools: list[dict] | None) -> list[ToolSpec]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise RequestError(f"tools[{i}].function.name: must be a non-empty string", param="tools")
+        earlier = next((j for j, spec in enumerate(specs) if spec.name == name), None)
+        if earlier is not None:
+            raise RequestError(f"tools[{i}].function.name: {name!r} is also the name of tools[{earlier}]; "
+                               "tool names must be unique", param="tools")
         parameters = function.get("parameters") or _NO_PARAMETERS
         if not isinstance(parameters, dict):
             raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema object", param="tools")
         # Whatever tool_choice is: auto and none enforce nothing, but a broken schema is still an error.
         check_json_schema(parameters, f"tools[{i}].function.parameters (tool {name!r})", param="tools")
-        if any(spec.name == name for spec in specs):
-            raise RequestError(f"tools[{i}].function.name: {name!r} is the name of an earlier tool too", param="tools")
         specs.append(ToolSpec(name, parameters, function.get("description")))
     return specs
 
