@@ -175,12 +175,15 @@ def test_activation_quantization_is_the_same_bytes_on_every_path(isa, in_feature
     assert ((rebuilt - blocks).abs() <= portable["dx"][..., None] * 1.001).all()
 
 
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("isa", [i for i in quant_ops.runnable_isas() if i > 0] if quant_ops.available() else [])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_row_counts_above_reach_the_tiled_kernel_as_dispatched(isa, bits):
-    tiled = [r for r in ROWS if r >= quant_ops.tiled_min_rows(bits, isa)]
+def test_the_row_counts_above_reach_the_tiled_kernel_as_dispatched(isa, bits, levels):
+    tiled = [r for r in ROWS if r >= quant_ops.tiled_min_rows(bits, isa, levels)]
     assert 1 not in tiled and len(tiled) >= 3  # a tile and a partial one, as gemm dispatches them
-    assert quant_ops.tiled_min_rows(bits, 0) is None
+    assert quant_ops.tiled_min_rows(bits, 0, levels) is None
+    # twice the integer work per tile: two levels tile from no fewer rows than one
+    assert quant_ops.tiled_min_rows(bits, min(isa, 2), 2) >= quant_ops.tiled_min_rows(bits, min(isa, 2), 1)
 
 
 def test_a_path_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):

@@ -1119,16 +1119,24 @@ int quant_isa(void) {
 #define VNNI_TILED_MIN_ROWS 3
 #define AVX2_Q4_TILED_MIN_ROWS 4
 #define AVX2_Q8_TILED_MIN_ROWS 5
+/* With two activation levels a tile does twice the integer work on all its lanes, so the
+ * per-row kernels stay ahead for longer (AMD Zen 4, kernel_bench --activations int16). */
+#define VNNI_TILED_MIN_ROWS_TWO_LEVELS 8
+#define AVX2_Q4_TILED_MIN_ROWS_TWO_LEVELS 6
+#define AVX2_Q8_TILED_MIN_ROWS_TWO_LEVELS 7
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 4 /* path 3: the AMX kernel from here (faster than path 2 from 4 rows, by kernel_bench); below, path 2 */
 #endif
 
-/* isa 3, 2 or 1, codes of `bits` bits (for 3: the rows from which the AMX kernel runs);
- * 0 for the portable path, which has no tiled kernel. */
-int quant_tiled_min_rows(int isa, int bits) {
-    if (isa == 3) return AMX_MIN_ROWS;
-    if (isa == 2) return VNNI_TILED_MIN_ROWS;
-    if (isa == 1) return bits == 4 ? AVX2_Q4_TILED_MIN_ROWS : AVX2_Q8_TILED_MIN_ROWS;
+/* isa 3, 2 or 1, codes of `bits` bits, activations of `levels` levels (for 3 with one level:
+ * the rows from which the AMX kernel runs; with two, path 2's tiled kernel); 0 for the
+ * portable path, which has no tiled kernel. */
+int quant_tiled_min_rows(int isa, int bits, int levels) {
+    const int two = levels == 2;
+    if (isa == 3 && !two) return AMX_MIN_ROWS;
+    if (isa >= 2) return two ? VNNI_TILED_MIN_ROWS_TWO_LEVELS : VNNI_TILED_MIN_ROWS;
+    if (isa == 1 && bits == 4) return two ? AVX2_Q4_TILED_MIN_ROWS_TWO_LEVELS : AVX2_Q4_TILED_MIN_ROWS;
+    if (isa == 1) return two ? AVX2_Q8_TILED_MIN_ROWS_TWO_LEVELS : AVX2_Q8_TILED_MIN_ROWS;
     return 0;
 }
 
@@ -1155,7 +1163,9 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
     if (isa == 3) {
         if (!xq2 && rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
             return;
-        isa = 2, tiled_min_rows = VNNI_TILED_MIN_ROWS; /* few rows, two levels (or out of memory): path 2 */
+        /* few rows (or out of memory): path 2; two levels: path 2 from the rows the caller gives */
+        if (!xq2) tiled_min_rows = VNNI_TILED_MIN_ROWS;
+        isa = 2;
     }
     if (isa == 2) {
         if (rows >= tiled_min_rows &&

@@ -41,7 +41,7 @@ _library: ctypes.CDLL | None = None
 _tried = False
 _isa = 0
 _runnable: tuple[int, ...] = (0,)
-_tiled_from: dict[tuple[int, int], int] = {}  # (path, bits) -> rows from which it takes its tiled kernel (0: none)
+_tiled_from: dict[tuple[int, int, int], int] = {}  # (path, bits, levels) -> rows from which it tiles (0: never)
 _FORCED_TILED_FROM = {True: 1, False: 2**62}  # the same for gemm(tiled=True / False)
 # How the activations of a packed matmul are quantized, per 32-block: "int16" two int8 levels
 # (the residual of the first at a 256 times finer scale: 16-bit fixed point, the dequantized
@@ -76,11 +76,11 @@ def runnable_isas() -> tuple[int, ...]:
     return _runnable
 
 
-def tiled_min_rows(bits: int, path: int | None = None) -> int | None:
+def tiled_min_rows(bits: int, path: int | None = None, levels: int = 2) -> int | None:
     """Activation rows from which ``path`` (default :func:`isa`) takes its tiled kernel for
-    ``bits``-bit codes; None for the portable path, which has none."""
+    ``bits``-bit codes and ``levels``-level activations; None for the portable path, which has none."""
     assert available(), "call available() first"
-    return _tiled_from[(_isa if path is None else path, bits)] or None
+    return _tiled_from[(_isa if path is None else path, bits, levels)] or None
 
 
 def requested_isa(best: int) -> int:
@@ -110,7 +110,8 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("native quantized kernels unavailable (%s); quantized layers use their dequantized weight", exc)
         return None
     _runnable = tuple(range(library.quant_isa() + 1))
-    _tiled_from = {(path, bits): library.quant_tiled_min_rows(path, bits) for path in _runnable for bits in (4, 8)}
+    _tiled_from = {(path, bits, levels): library.quant_tiled_min_rows(path, bits, levels)
+                   for path in _runnable for bits in (4, 8) for levels in ACTIVATION_LEVELS.values()}
     _isa = requested_isa(_runnable[-1])  # a bad PAGEDLLM_QUANT_ISA is the user's to fix: raise
     logger.debug("native quantized kernels: %s path", ISA_NAMES[_isa])
     return library
@@ -125,7 +126,7 @@ def build_library() -> ctypes.CDLL:
     c_int = ctypes.c_int
     library.quant_isa.restype = library.quant_tiled_min_rows.restype = c_int
     library.quant_isa.argtypes = []
-    library.quant_tiled_min_rows.argtypes = [c_int, c_int]
+    library.quant_tiled_min_rows.argtypes = [c_int, c_int, c_int]
     library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, p, p, p, p]
     library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, i64, p]
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
@@ -185,7 +186,7 @@ def gemm(
     out_features = qweight.shape[0]
     y = torch.empty((rows, out_features), dtype=torch.float32)
     done = _library.quant_linear(
-        path, _tiled_from[(path, bits)] if tiled is None else _FORCED_TILED_FROM[tiled], levels, x.data_ptr(), rows,
+        path, _tiled_from[(path, bits, levels)] if tiled is None else _FORCED_TILED_FROM[tiled], levels, x.data_ptr(), rows,
         in_features,
         qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
         out_features, padded_in, bits, group_size // 32, zero, y.data_ptr(),
@@ -213,7 +214,7 @@ def bind_gemm(
     per-call cost of :func:`gemm`'s checks is a few percent of a batch-1 decode step."""
     assert available(), "bind_gemm needs the native kernels"
     path, kernel = _check_path(None, levels), _library.quant_linear
-    tiled_from = _tiled_from[(path, bits)]
+    tiled_from = _tiled_from[(path, bits, levels)]
     out_features = qweight.shape[0]
     weight_args = (qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
                    out_features, padded_in, bits, group_size // 32, zero)

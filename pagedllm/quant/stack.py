@@ -64,8 +64,8 @@ def _linear(layer: nn.Module, weight: QuantizedWeight, isa: int) -> _Linear:
     return _Linear(
         weight.qweight.data_ptr(), weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
         None if bias is None else bias.data_ptr(), weight.out_features, weight.in_features, weight.padded_in,
-        weight.bits, weight.group_size // 32, weight.zero, quant_ops.tiled_min_rows(weight.bits, isa) or 2**62,
-        weight.activation_levels,
+        weight.bits, weight.group_size // 32, weight.zero,
+        quant_ops.tiled_min_rows(weight.bits, isa, weight.activation_levels) or 2**62, weight.activation_levels,
     )
 
 
