@@ -21,9 +21,6 @@ probe start
 $P/python -m pagedllm.quant.kernel_bench --threads 1 --rows 1,4,16,64 --activations int16,int8 --clock cpu \
   > /tmp/z4/kernel.md 2>&1
 probe kernel
-$P/pagedllm bench latency --dtype float32 --peer-python $V --runs 5 --input-len 128 --output-len 128 \
-  --compare 'pagedllm,pagedllm[--quantization none],vllm' --json /tmp/z4/lat_fp32.json > /tmp/z4/lat_fp32.log 2>&1
-probe latency
 $P/pagedllm bench throughput --workload $W --dtype float32 --peer-python $V \
   --compare 'pagedllm,pagedllm[--quant-activations int8],pagedllm[--quantization none],vllm' \
   --json /tmp/z4/w64_fp32.json > /tmp/z4/w64_fp32.log 2>&1
@@ -34,3 +31,4 @@ probe w64_bf16
 $P/python /work/main/benchmarks/attention_kernel.py --json /tmp/z4/attention.json > /tmp/z4/attention.log 2>&1
 probe attention
 echo done > /tmp/z4/done
+bash /work/main/benchmarks/zen4_round/latency.sh  # bench latency --compare takes no variants: two invocations
