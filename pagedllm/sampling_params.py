@@ -71,6 +71,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # keep only the last k prompt tokens (-1: the model's context length); None keeps all
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
@@ -128,6 +130,7 @@ class SamplingParams:
             _fail("seed", f"must be an integer in [-2**63, 2**63 - 1] (64 bits), got {self.seed!r}")
         if not self.detokenize and self.stop:
             _fail("stop", "stop strings need detokenize=True")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
         """The counts within ``limits`` and every token id within the vocabulary."""
@@ -181,6 +184,35 @@ _FLOAT_FIELDS = (
     "top_p",
     "min_p",
 )
+
+
+def check_truncate_prompt_tokens(value: object) -> None:
+    """vLLM's range for truncate_prompt_tokens apart from the model's context length:
+    None, -1 or an integer >= 1 (that fits in 64 bits)."""
+    if value is None:
+        return
+    if not _is_int(value):
+        _fail("truncate_prompt_tokens", f"must be an integer, got {value!r}")
+    if value == 0 or value < -1:
+        _fail("truncate_prompt_tokens", "must be -1 (the model's context length) or an integer >= 1 "
+              f"(the number of prompt tokens to keep), got {value}")
+    if value > INT64_MAX:
+        _fail("truncate_prompt_tokens", f"must fit in 64 bits, got {value}")
+
+
+def prompt_tokens_kept(truncate_prompt_tokens: object, max_model_len: int) -> int | None:
+    """How many prompt tokens ``truncate_prompt_tokens`` keeps (the last ones), or None to keep
+    all; RequestError for a value outside its range or above ``max_model_len``.
+
+    vLLM's meaning: k >= 1 keeps the last k tokens, -1 the last ``max_model_len``. The server and
+    the engine (``LLM.generate`` / ``LLM.chat``) both resolve the field here."""
+    check_truncate_prompt_tokens(truncate_prompt_tokens)
+    if truncate_prompt_tokens is None:
+        return None
+    if truncate_prompt_tokens > max_model_len:
+        _fail("truncate_prompt_tokens",
+              f"must be <= {max_model_len} (this model's context length), got {truncate_prompt_tokens}")
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def _normalise_logit_bias(logit_bias: object) -> dict[int, float] | None:

@@ -20,8 +20,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagedllm.chat import normalise_messages
 from pagedllm.errors import ModelLoadError, RequestError
-from pagedllm.limits import CHAT_ROLES
 from pagedllm.models.paths import cache_dir, content_digest
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class Tokenizer:
             raise RequestError(
                 "this model has no chat template; send a plain prompt instead", param="messages"
             )
-        normalised = _normalise_messages(messages)
+        normalised = normalise_messages(messages)
         if tools:
             normalised, kwargs = _with_tools(template, normalised, tools, kwargs)
         try:
@@ -217,48 +217,6 @@ def _cached_gguf_tokenizer_dir(gguf_path: Path) -> Path:
             raise ModelLoadError(f"cannot write the tokenizer cache under {root}") from None
     logger.info("cached the tokenizer of %s in %s", gguf_path.name, target)
     return target
-
-
-def _normalise_messages(messages: list[dict]) -> list[dict]:
-    """Checks the message list and joins OpenAI text parts into one content string."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", param="messages")
-    normalised = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(
-                f"messages[{i}] must be an object with a string 'role'", param="messages"
-            )
-        if message["role"] not in CHAT_ROLES:
-            raise RequestError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}",
-                param="messages",
-            )
-        content = message.get("content")
-        if isinstance(content, list):
-            content = _join_text_parts(content, i)
-        elif content is not None and not isinstance(content, str):
-            raise RequestError(
-                f"messages[{i}].content must be a string or a list of parts", param="messages"
-            )
-        normalised.append({**message, "content": content if content is not None else ""})
-    return normalised
-
-
-def _join_text_parts(parts: list, index: int) -> str:
-    texts = []
-    for j, part in enumerate(parts):
-        where = f"messages[{index}].content[{j}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise RequestError(
-                f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, "
-                f"got type {kind!r}", param="messages",
-            )
-        if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.text must be a string", param="messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 class IncrementalDetokenizer:

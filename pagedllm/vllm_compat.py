@@ -134,6 +134,8 @@ HTTP_NOTES = {
 SAMPLING_NOTES = {
     "top_k": SAME_NOTE + "0 or -1 disables",
     "seed": SAME_NOTE + "a per-request generator",
+    "truncate_prompt_tokens": SAME_NOTE + "keeps the last k prompt tokens (-1: the context length); 0, below -1 "
+                              "or more than the context length raises RequestError",
 }
 
 

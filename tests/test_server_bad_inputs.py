@@ -151,9 +151,9 @@ def _with_call(**changes) -> dict:
     return {**CALL, **changes}
 
 
-@pytest.mark.parametrize(
-    ("messages", "param", "needle"),
-    [
+# Each message list with the field its error names and a word of the message; the server
+# and LLM.chat refuse them alike.
+BAD_MESSAGES = [
         ([{"role": "user"}], "messages[0].content", "required"),
         ([{"role": "user", "content": None}], "messages[0].content", "null"),
         ([{"role": "system", "content": None}, {"role": "user", "content": "t5"}], "messages[0].content", "null"),
@@ -184,8 +184,10 @@ def _with_call(**changes) -> dict:
          "messages[0].tool_calls[0].function.arguments", "string"),
         ([{"role": "user", "content": "t5", "tool_calls": [CALL]}], "messages[0].tool_calls", "assistant"),
         ([{"role": "function", "content": "t5"}], "messages[0].name", "required"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize(("messages", "param", "needle"), BAD_MESSAGES)
 def test_chat_messages_are_checked_by_role(server, messages, param, needle):
     for path in ("/v1/chat/completions", "/tokenize"):
         r = post(server, path, {"messages": messages, "max_tokens": 2})
@@ -378,4 +380,68 @@ def test_offline_api_raises_request_error(llm, call, param):
     with pytest.raises(RequestError) as info:
         call(llm)
     assert info.value.param == param
+    assert llm.kv_cache_stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize(("messages", "param", "needle"), BAD_MESSAGES)
+def test_offline_chat_checks_messages_by_role_as_the_server(llm, messages, param, needle):
+    with pytest.raises(RequestError) as info:
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert info.value.param == param
+    assert str(info.value).startswith(param + ":") and needle in str(info.value), str(info.value)
+    assert llm.kv_cache_stats().num_used_blocks == 0
+
+
+def test_offline_chat_takes_a_tool_call_and_its_answer(llm):
+    messages = [
+        {"role": "system", "content": "t3"},
+        {"role": "user", "content": [{"type": "text", "text": "t5"}]},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "t2 t6 t7"},
+        {"role": "assistant", "content": "t2 t8"},
+        {"role": "user", "content": ""},
+    ]
+    # (the template glues a role tag to the first word of each message, unknown to this tokenizer)
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 2
+    ids = out.prompt_token_ids
+    assert any(ids[i:i + 2] == [6, 7] for i in range(len(ids))) and 8 in ids, ids
+    with pytest.raises(RequestError) as info:
+        llm.chat(messages[:3] + [{"role": "tool", "content": "t6"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert info.value.param == "messages[3].tool_call_id"
+
+
+def test_offline_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    def greedy(**fields) -> SamplingParams:
+        return SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, **fields)
+
+    (cut,) = llm.generate(PROMPT, greedy(truncate_prompt_tokens=2), use_tqdm=False)
+    (tail,) = llm.generate("t66 t9", greedy(), use_tqdm=False)
+    assert cut.prompt_token_ids == PROMPT_IDS[-2:] == tail.prompt_token_ids
+    assert cut.prompt == "t66 t9"
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids and cut.outputs[0].text == tail.outputs[0].text
+    (ids,) = llm.generate({"prompt_token_ids": PROMPT_IDS}, greedy(truncate_prompt_tokens=3), use_tqdm=False)
+    assert ids.prompt_token_ids == PROMPT_IDS[-3:]
+    for keep in (6, 100, -1):  # no shorter than the prompt: all of it
+        (whole,) = llm.generate(PROMPT, greedy(truncate_prompt_tokens=keep), use_tqdm=False)
+        assert whole.prompt_token_ids == PROMPT_IDS and whole.prompt == PROMPT
+    messages = [{"role": "user", "content": PROMPT}]
+    (full,) = llm.chat(messages, greedy(), use_tqdm=False)
+    (chat,) = llm.chat(messages, greedy(truncate_prompt_tokens=3), use_tqdm=False)
+    assert len(full.prompt_token_ids) > 3 and chat.prompt_token_ids == full.prompt_token_ids[-3:]
+    assert llm.kv_cache_stats().num_used_blocks == 0
+
+
+def test_offline_truncate_prompt_tokens_refuses_bad_values(llm):
+    for bad, needle in ((0, ">= 1"), (-2, ">= 1"), (2.0, "integer"), (True, "integer"), (2**63, "64 bits")):
+        with pytest.raises(RequestError) as info:
+            SamplingParams(truncate_prompt_tokens=bad)
+        assert info.value.param == "truncate_prompt_tokens" and needle in str(info.value), str(info.value)
+    max_model_len = llm.llm_engine.max_model_len
+    too_many = SamplingParams(max_tokens=2, truncate_prompt_tokens=max_model_len + 1)
+    for call in (lambda: llm.generate(PROMPT, too_many, use_tqdm=False),
+                 lambda: llm.chat([{"role": "user", "content": "t5"}], too_many, use_tqdm=False)):
+        with pytest.raises(RequestError) as info:
+            call()
+        assert info.value.param == "truncate_prompt_tokens" and str(max_model_len) in str(info.value)
     assert llm.kv_cache_stats().num_used_blocks == 0

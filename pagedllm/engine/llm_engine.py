@@ -28,7 +28,7 @@ from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_id
 from pagedllm.models.loader import default_quantization
 from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.outputs import RequestMetrics, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, prompt_tokens_kept
 from pagedllm.step import StepResult
 from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
@@ -289,7 +289,9 @@ class LLMEngine:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise RequestError(f"params must be SamplingParams or BeamSearchParams, got {params!r}", param="params")
         params.check_limits(self.limits, self.vocab_size)
-        text, token_ids = self._tokenize_prompt(prompt)
+        keep = (prompt_tokens_kept(params.truncate_prompt_tokens, self.max_model_len)
+                if isinstance(params, SamplingParams) else None)
+        text, token_ids = self._tokenize_prompt(prompt, keep)
         self._check_lengths(token_ids, params)
         self._check_kv_demand(len(token_ids), params)
         grammar = self.grammar_compiler.compile(params.structured_outputs) if params.structured_outputs else None
@@ -307,7 +309,9 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self.num_prompt_tokens_total += len(token_ids)
 
-    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def _tokenize_prompt(self, prompt: str | list[int] | dict, keep: int | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids; with ``keep`` only its last
+        ``keep`` tokens (truncate_prompt_tokens), whose text is then the decoded tokens kept."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -331,9 +335,14 @@ class LLMEngine:
                     f"the prompt {prompt[:40]!r} has no tokens for this model's tokenizer; give some text",
                     param="prompt",
                 )
+            if keep is not None and len(token_ids) > keep:
+                token_ids = token_ids[-keep:]
+                return self.tokenizer.decode(token_ids, skip_special_tokens=False), token_ids
             return prompt, token_ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise RequestError("the prompt must be a non-empty string or list of token ids", param="prompt")
+        if keep is not None:
+            prompt = prompt[-keep:]
         if len(prompt) >= self.max_model_len:  # before looking at each id
             self._check_lengths(prompt, None)
         check_token_ids(prompt, self.vocab_size, "prompt")

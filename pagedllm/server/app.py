@@ -499,8 +499,7 @@ class OpenAIServer:
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            p.check_messages(req.messages)
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            messages = p.message_dicts(req.messages)
             tokens = self.chat_prompt(messages, req.add_generation_prompt).token_ids
         else:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)

@@ -9,7 +9,6 @@ tested without an engine.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -24,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from pagedllm.chat import check_messages
+from pagedllm.chat import shown as _shown
 from pagedllm.errors import RequestError
 from pagedllm.limits import (
     INT64_MAX,
@@ -35,7 +36,7 @@ from pagedllm.limits import (
     parse_token_id_key,
 )
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, prompt_tokens_kept
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.tools import (
     ToolChoice,
@@ -106,15 +107,6 @@ def validation_error_to_request_error(exc: ValidationError) -> RequestError:
     if first.get("type") != "missing" and "input" in first:
         message += f", got {_shown(first['input'])}"
     return RequestError(f"{where}: {message}", param=param)
-
-
-def _shown(value: object, limit: int = 60) -> str:
-    """``value`` as the client wrote it (JSON), cut to ``limit`` characters."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
@@ -319,21 +311,8 @@ class _SamplingRequest(_Body):
             )
 
     def prompt_tokens_kept(self, max_model_len: int) -> int | None:
-        """How many prompt tokens truncate_prompt_tokens keeps (the last ones), or None to keep all.
-
-        vLLM's meaning: k >= 1 keeps the last k tokens, -1 the last ``max_model_len``."""
-        value = self.truncate_prompt_tokens
-        if value is None:
-            return None
-        if value == 0:
-            raise RequestError("truncate_prompt_tokens: must be -1 (the model's context length) or an integer "
-                               ">= 1 (the number of prompt tokens to keep), got 0", param="truncate_prompt_tokens")
-        if value > max_model_len:
-            raise RequestError(
-                f"truncate_prompt_tokens: must be <= {max_model_len} (this model's context length), got {value}",
-                param="truncate_prompt_tokens",
-            )
-        return max_model_len if value == -1 else value
+        """How many prompt tokens truncate_prompt_tokens keeps (the last ones), or None to keep all."""
+        return prompt_tokens_kept(self.truncate_prompt_tokens, max_model_len)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -442,7 +421,7 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessageParam(BaseModel):
     """One message; fields beyond these (tool calls, ...) are kept for the chat template.
 
-    :func:`check_messages` checks what each role requires, as OpenAI does.
+    :func:`pagedllm.chat.check_messages` checks what each role requires, as OpenAI does.
     """
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -452,69 +431,12 @@ class ChatMessageParam(BaseModel):
     name: str | None = None
 
 
-def _message_error(field: str, message: str) -> RequestError:
-    return RequestError(f"{field}: {message}", param=field)
-
-
-def _check_tool_calls(tool_calls: object, where: str) -> None:
-    """An assistant message's ``tool_calls``: [{id, type: "function", function: {name, arguments}}]."""
-    if not isinstance(tool_calls, list):
-        raise _message_error(where, f"must be a list of tool calls, got {_shown(tool_calls)}")
-    for j, call in enumerate(tool_calls):
-        at = f"{where}[{j}]"
-        if not isinstance(call, dict):
-            raise _message_error(at, f"must be an object {{id, type, function}}, got {_shown(call)}")
-        for key in ("id", "type", "function"):
-            if call.get(key) is None:
-                raise _message_error(f"{at}.{key}", "is required")
-        if not isinstance(call["id"], str):
-            raise _message_error(f"{at}.id", f"must be a string, got {_shown(call['id'])}")
-        if call["type"] != "function":
-            raise _message_error(f"{at}.type", f"must be 'function', got {_shown(call['type'])}")
-        function = call["function"]
-        if not isinstance(function, dict):
-            raise _message_error(f"{at}.function", f"must be an object {{name, arguments}}, got {_shown(function)}")
-        for key in ("name", "arguments"):
-            if function.get(key) is None:
-                raise _message_error(f"{at}.function.{key}", "is required")
-            if not isinstance(function[key], str):
-                what = "a string (JSON text)" if key == "arguments" else "a string"
-                raise _message_error(f"{at}.function.{key}", f"must be {what}, got {_shown(function[key])}")
-
-
-def check_messages(messages: Sequence[ChatMessageParam]) -> None:
-    """What OpenAI requires of each role: content for system, developer, user and tool
-    messages, a string ``tool_call_id`` for tool messages, content or well-formed
-    ``tool_calls`` for assistant messages (whose content may then be null), a name
-    for function messages. The error names the field, e.g. ``messages[2].tool_call_id``."""
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        extra = message.model_extra or {}
-        tool_calls = extra.get("tool_calls")
-        if tool_calls is not None and message.role != "assistant":
-            raise _message_error(f"{where}.tool_calls", f"only assistant messages have tool_calls (this is a "
-                                                         f"{message.role} message)")
-        if message.role == "assistant":
-            if tool_calls is not None:
-                _check_tool_calls(tool_calls, f"{where}.tool_calls")
-            if message.content is None and not tool_calls and all(
-                extra.get(key) is None for key in ("function_call", "refusal")
-            ):
-                raise _message_error(f"{where}.content", "an assistant message needs content unless it has tool_calls")
-        elif message.role == "function":
-            if message.name is None:
-                raise _message_error(f"{where}.name", "is required for a function message")
-        elif message.content is None:
-            state = "must not be null" if "content" in message.model_fields_set else "is required"
-            raise _message_error(f"{where}.content", f"{state} for a {message.role} message "
-                                                     "(a string or a list of content parts)")
-        if message.role == "tool":
-            call_id = extra.get("tool_call_id")
-            if call_id is None:
-                raise _message_error(f"{where}.tool_call_id", "is required for a tool message (the id of the "
-                                                              "call it answers)")
-            if not isinstance(call_id, str):
-                raise _message_error(f"{where}.tool_call_id", f"must be a string, got {_shown(call_id)}")
+def message_dicts(messages: Sequence[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The messages as the client sent them (an explicit null kept, so the check can tell it
+    from a missing field), checked by role with :func:`pagedllm.chat.check_messages`."""
+    dicts = [m.model_dump(exclude_unset=True) for m in messages]
+    check_messages(dicts)
+    return dicts
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -560,8 +482,7 @@ class ChatCompletionRequest(_SamplingRequest):
             if self.messages[-1].role != "assistant" or not self.messages[-1].content:
                 raise RequestError("continue_final_message: the last message must be an assistant message "
                                    "with content to continue", param="continue_final_message")
-        check_messages(self.messages)
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        return message_dicts(self.messages)
 
     def to_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams | BeamSearchParams:
         if self.top_logprobs is not None:
