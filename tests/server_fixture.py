@@ -3,6 +3,7 @@ fake engine with the LLMEngine interface for fast in-process tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -29,6 +31,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[ServerProcess]:
+    """A ready ``ServerProcess(*args)``; stopped afterwards, which must exit 0."""
+    proc = ServerProcess(*args)
+    try:
+        yield proc.wait_ready()
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.log()
 
 
 class ServerProcess:

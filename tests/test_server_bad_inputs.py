@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_fixture import ServerProcess
+from server_fixture import serving
 from test_server_fuzz import make_tiny_llama
 
 from pagedllm.errors import RequestError
@@ -24,13 +24,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    proc = ServerProcess("--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu",
-                         "--num-kv-blocks", "128", "--block-size", "8", "--max-num-seqs", "8")
-    try:
-        yield proc.wait_ready()
-    finally:
-        code = proc.stop()
-    assert code == 0, proc.log()
+    with serving("--model", str(tiny_dir), "--dtype", "float32", "--device", "cpu",
+                 "--num-kv-blocks", "128", "--block-size", "8", "--max-num-seqs", "8") as proc:
+        yield proc
 
 
 def post(server, path: str, body=None, **kwargs) -> httpx.Response:

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_fixture import ServerProcess
+from server_fixture import serving
 from test_server_fuzz import make_tiny_llama
 
 NUM_REQUESTS = 200
@@ -58,13 +58,9 @@ BAD = [
 def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-burst")
     make_tiny_llama(directory)
-    proc = ServerProcess("--model", str(directory), "--dtype", "float32", "--device", "cpu",
-                         "--num-kv-blocks", "256", "--block-size", "8", "--max-num-seqs", "16")
-    try:
-        yield proc.wait_ready()
-    finally:
-        code = proc.stop()
-    assert code == 0, proc.log()
+    with serving("--model", str(directory), "--dtype", "float32", "--device", "cpu",
+                 "--num-kv-blocks", "256", "--block-size", "8", "--max-num-seqs", "16") as proc:
+        yield proc
 
 
 async def _send(client: httpx.AsyncClient, path: str, body) -> tuple[int, list[str] | dict]:

@@ -71,22 +71,13 @@ def load_model(
     started = time.perf_counter()
     path = resolve_model_path(model)
     device = torch.device(device)
-    if quant_activations not in ACTIVATION_LEVELS:
-        raise ConfigError(f"quant_activations={quant_activations!r} is not supported; choose one of "
-                          f"{list(ACTIVATION_LEVELS)}")
-    if quantization == "gguf" and path.suffix != ".gguf":
-        raise ConfigError(f"quantization='gguf' needs a .gguf model, got {path}; use int8 or int4 for other checkpoints")
-    if quantization != "none" and device.type != "cpu":
-        raise ConfigError(f"quantization={quantization!r} runs on the CPU only; use quantization='none' on {device}")
-    if quantization in ("int8", "int4") and tp.size > 1:
-        raise ConfigError(f"quantization={quantization!r} with tensor parallelism is not supported yet; "
-                          "use a GGUF file with quantization='gguf', or TP=1")
+    levels = _activation_levels(quantization, quant_activations, path, device, tp)
     if path.suffix == ".gguf":
         from pagedllm.models.gguf_loader import load_gguf_checkpoint
 
         checkpoint = load_gguf_checkpoint(path, keep_quantized=quantization == "gguf")
         hf_config, weights, generation_config = checkpoint.hf_config, checkpoint.weights, {}
-        weights = _with_activation_levels(weights, ACTIVATION_LEVELS[quant_activations])
+        weights = _with_activation_levels(weights, levels)
     else:
         hf_config = _read_json(path / "config.json", required=True)
         generation_config = _read_json(path / "generation_config.json", required=False)
@@ -97,7 +88,7 @@ def load_model(
     module.load_weights(weights)
     if quantization in ("int8", "int4"):
         quantize_model(module, bits=8 if quantization == "int8" else 4, group_size=quantization_group_size,
-                       activation_levels=ACTIVATION_LEVELS[quant_activations])
+                       activation_levels=levels)
     module.eval()
     logger.info(
         "loaded %s (%s, %s, %s weights, %s) in %.2f s",
@@ -109,6 +100,22 @@ def load_model(
         time.perf_counter() - started,
     )
     return LoadedModel(module, config, path, hf_config, generation_config)
+
+
+def _activation_levels(quantization: str, quant_activations: str, path: Path, device: torch.device,
+                       tp: TensorParallelGroup) -> int:
+    """The packed matmuls' activation levels; ConfigError for a quantization that does not apply here."""
+    if quant_activations not in ACTIVATION_LEVELS:
+        raise ConfigError(f"quant_activations={quant_activations!r} is not supported; choose one of "
+                          f"{list(ACTIVATION_LEVELS)}")
+    if quantization == "gguf" and path.suffix != ".gguf":
+        raise ConfigError(f"quantization='gguf' needs a .gguf model, got {path}; use int8 or int4 for other checkpoints")
+    if quantization != "none" and device.type != "cpu":
+        raise ConfigError(f"quantization={quantization!r} runs on the CPU only; use quantization='none' on {device}")
+    if quantization in ("int8", "int4") and tp.size > 1:
+        raise ConfigError(f"quantization={quantization!r} with tensor parallelism is not supported yet; "
+                          "use a GGUF file with quantization='gguf', or TP=1")
+    return ACTIVATION_LEVELS[quant_activations]
 
 
 def default_quantization(path: Path, device: str, dtype: str) -> str:
