@@ -218,6 +218,30 @@ def test_a_rows_attention_is_the_same_bits_in_any_tile(library, dtype, block_siz
         assert torch.equal(attend(position, 1)[0], whole[position]), position
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 8, 32), (6, 1, 48)])
+def test_decode_heads_together_or_one_by_one_give_the_same_bits(library, dtype, num_heads, num_kv_heads, head_dim):
+    """A decode tile takes its KV heads together, block by block (one work item per tile),
+    or one KV head per work item (split_heads): every row sees the same chunks in the
+    same order either way, so the outputs are equal bit for bit, and match the oracle."""
+    if head_dim % library.vector_width():
+        pytest.skip("head_dim not a multiple of this path's vector width (cpu_ops.supports refuses it)")
+    specs = [(context, 1) for context in (333, 64, 1, 17, 130, 95, 240, 3, 48, 200)]
+    batch = make_paged_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, dtype=dtype, seed=head_dim)
+    md = batch.metadata
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, 1)
+    together, one_by_one = (
+        cpu_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, tiles, batch.scale,
+                                library=library, split_heads=split)
+        for split in (False, True)
+    )
+    assert torch.equal(together, one_by_one)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (together.double() - naive_attention(batch.query.double(), batch)).abs().max().item() <= tolerance
+
+
 # ---------------------------------------------------------------- dispatch
 
 

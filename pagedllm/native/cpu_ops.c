@@ -450,6 +450,11 @@ static inline vf vexp_any(vf x) { /* exp for any x: overflow gives inf, underflo
 #define QK_ROWS 2
 #endif
 #define P_STRIDE (SUB * VW) /* floats per row of P */
+/* The next chunks' K/V rows are prefetched into L2, not L1: a group of chunks ahead
+   is up to 32 KB per head for K and V, as much as L1 holds, so lines prefetched
+   into L1 were evicted before use; into L2 the hardware brings them the last step
+   (decode 64 x 340, fp32, AMD Zen 4: 13-14 -> 16-18 GB/s). */
+#define PF_HINT _MM_HINT_T1
 
 /* acc[r] = acc[r] * corr[r] + sum_t P[r][t] V[t] for NR rows from row r0, the
    tokens t of SUB chunks (ns[c] of them from vbs[c]; ns[c] = 0 past the last).
@@ -474,7 +479,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             const T *vrow = vb + t * tok_stride;                                                  \
             if (t < prefetch_rows[sub])                                                           \
                 for (int64_t byte = 0; byte < row_bytes; byte += 64)                              \
-                    _mm_prefetch(pf[sub] + t * stride_bytes + byte, _MM_HINT_T0);                 \
+                    _mm_prefetch(pf[sub] + t * stride_bytes + byte, PF_HINT);                 \
             vf p[4];                                                                              \
             for (int j = 0; j < NR; ++j) p[j] = vset1(P[(r0 + j) * P_STRIDE + sub * VW + t]);     \
             for (int c = 0; c < CH; ++c) {                                                        \
@@ -563,20 +568,20 @@ static inline int64_t key_chunk(const int32_t *table, int64_t pos, int64_t max_l
 static inline __attribute__((always_inline)) void NAME(                                           \
     const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale,   \
     const uint16_t *v_scale, const int32_t *table,                                                \
-    const tile_t tile, int64_t h, int64_t num_heads, int64_t num_kv_heads, const int CH,          \
-    const int NSUB, int64_t block_size, float scale, int64_t next_head, TQ *out) {               \
+    const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads, int64_t num_kv_heads,           \
+    const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head, TQ *out) { \
     const int64_t D = VW * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
     const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
     const int64_t stride_bytes = tok_stride * (int64_t)sizeof(T), row_bytes = D * (int64_t)sizeof(T); \
-    float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [R][D], pre-scaled */             \
-    float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [R][D] */                         \
+    float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [nh][R][D], pre-scaled */         \
+    float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [nh][R][D] */                     \
     float KT[SUB * MAX_HEAD_DIM * VW] __attribute__((aligned(64))); /* [SUB][D][VW] */           \
     float P[MAX_ROWS * P_STRIDE] __attribute__((aligned(64)));    /* [R][SUB * VW] */            \
-    float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[MAX_ROWS];                                   \
+    float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[MAX_ROWS]; /* [nh][R], [nh][R], [R] */      \
     float KS[SUB * VW] __attribute__((aligned(64))), VS[SUB * VW] __attribute__((aligned(64)));  \
     const vf vscale = vset1(scale);                                                               \
-    for (int64_t r = 0; r < R; ++r) {                                                             \
-        const TQ *src = q + (tile.q_row + r / G) * q_stride + (h * G + r % G) * D;                \
+    for (int64_t r = 0; r < nh * R; ++r) { /* row r: head h0 + r / R, its row r % R */           \
+        const TQ *src = q + (tile.q_row + r % R / G) * q_stride + ((h0 + r / R) * G + r % G) * D; \
         for (int c = 0; c < CH; ++c) {                                                            \
             vstore(Q + r * D + VW * c, vmul(LOADQ(src + VW * c), vscale));                        \
             vstore(acc + r * D + VW * c, vzero());                                                \
@@ -595,9 +600,36 @@ static inline __attribute__((always_inline)) void NAME(                         
             ns[sub] = n;                                                                          \
             offs[sub] = pos - start;                                                              \
             slots[sub] = slot;                                                                    \
-            kbs[sub] = k_cache + (slot * num_kv_heads + h) * D;                                   \
-            vbs[sub] = v_cache + (slot * num_kv_heads + h) * D;                                   \
             pos += n;                                                                             \
+        }                                                                                         \
+        /* the next chunks (or, after the last, the next KV head's first ones when this tile     \
+           has one head): their slots here, each head's rows prefetched with that head */        \
+        int64_t ahead[SUB], next_slots[SUB], next_h = -1;                                         \
+        {                                                                                         \
+            int64_t next = pos;                                                                   \
+            for (int sub = 0; sub < NSUB; ++sub) {                                                 \
+                ahead[sub] = 0;                                                                   \
+                next_slots[sub] = slots[0];                                                       \
+            }                                                                                     \
+            for (int sub = 0; sub < NSUB && next < max_len; ++sub) {                               \
+                ahead[sub] = key_chunk(table, next, max_len, block_size, &next_slots[sub]);       \
+                next += ahead[sub];                                                               \
+            }                                                                                     \
+            if (pos >= max_len && next_head >= 0) {                                               \
+                ahead[0] = max_len < VW ? max_len : VW;                                           \
+                if (ahead[0] > block_size) ahead[0] = block_size;                                 \
+                next_slots[0] = (int64_t)table[0] * block_size;                                   \
+                next_h = next_head;                                                               \
+            }                                                                                     \
+        }                                                                                         \
+        /* heads in turn within the chunks: a block's rows of every head are read together */    \
+        for (int64_t hh = 0; hh < nh; ++hh) {                                                     \
+        const int64_t h = h0 + hh;                                                                \
+        float *const Qh = Q + hh * R * D, *const acch = acc + hh * R * D;                         \
+        float *const maxh = run_max + hh * R, *const sumh = run_sum + hh * R;                     \
+        for (int sub = 0; sub < NSUB; ++sub) {                                                     \
+            kbs[sub] = k_cache + (slots[sub] * num_kv_heads + h) * D;                             \
+            vbs[sub] = v_cache + (slots[sub] * num_kv_heads + h) * D;                             \
         }                                                                                         \
         if (QUANT) /* these chunks' scales; lanes past a chunk's end (masked below) are 0 */      \
             for (int sub = 0; sub < NSUB; ++sub)                                                   \
@@ -606,32 +638,11 @@ static inline __attribute__((always_inline)) void NAME(                         
                     KS[sub * VW + t] = t < ns[sub] ? f16_to_f32(k_scale[at]) * (UNIT) : 0.0f;     \
                     VS[sub * VW + t] = t < ns[sub] ? f16_to_f32(v_scale[at]) * (UNIT) : 0.0f;     \
                 }                                                                                 \
-        /* the next chunks' rows (or, after the last, the next KV head's first ones),             \
-           prefetched a few lines at a time inside the loops below */                            \
         const char *nk[SUB], *nv[SUB];                                                            \
-        int64_t ahead[SUB];                                                                       \
         for (int sub = 0; sub < NSUB; ++sub) {                                                     \
-            ahead[sub] = 0;                                                                       \
-            nk[sub] = (const char *)kbs[0];                                                       \
-            nv[sub] = (const char *)vbs[0];                                                       \
-        }                                                                                         \
-        {                                                                                         \
-            int64_t next = pos;                                                                   \
-            for (int sub = 0; sub < NSUB && next < max_len; ++sub) {                               \
-                int64_t slot;                                                                     \
-                const int64_t n = key_chunk(table, next, max_len, block_size, &slot);             \
-                ahead[sub] = n;                                                                   \
-                nk[sub] = (const char *)(k_cache + (slot * num_kv_heads + h) * D);                \
-                nv[sub] = (const char *)(v_cache + (slot * num_kv_heads + h) * D);                \
-                next += n;                                                                        \
-            }                                                                                     \
-            if (pos >= max_len && next_head >= 0) {                                               \
-                ahead[0] = max_len < VW ? max_len : VW;                                           \
-                if (ahead[0] > block_size) ahead[0] = block_size;                                 \
-                const int64_t at = ((int64_t)table[0] * block_size * num_kv_heads + next_head) * D; \
-                nk[0] = (const char *)(k_cache + at);                                             \
-                nv[0] = (const char *)(v_cache + at);                                             \
-            }                                                                                     \
+            const int64_t at = (next_slots[sub] * num_kv_heads + (next_h >= 0 ? next_h : h)) * D; \
+            nk[sub] = (const char *)(k_cache + at);                                               \
+            nv[sub] = (const char *)(v_cache + at);                                               \
         }                                                                                         \
         for (int sub = 0; sub < NSUB; ++sub) { /* keys -> KT[sub][d][token] */                     \
             float *kt = KT + sub * D * VW;                                                        \
@@ -650,7 +661,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                                               : vzero();                                          \
                     if (64 * cg < row_bytes)                                                      \
                         for (int64_t t = 0; t < ahead[sub]; ++t)                                  \
-                            _mm_prefetch(nk[sub] + t * stride_bytes + 64 * cg, _MM_HINT_T0);      \
+                            _mm_prefetch(nk[sub] + t * stride_bytes + 64 * cg, PF_HINT);      \
                     vtranspose(rows);                                                             \
                     for (int j = 0; j < VW; ++j) {                                                \
                         vf codes[4];                                                              \
@@ -668,7 +679,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                     rows[t] = t < ns[sub] ? LOADV(kbs[sub] + t * tok_stride + VW * c) : vzero();  \
                 if (64 * c < row_bytes)                                                           \
                     for (int64_t t = 0; t < ahead[sub]; ++t)                                      \
-                        _mm_prefetch(nk[sub] + t * stride_bytes + 64 * c, _MM_HINT_T0);           \
+                        _mm_prefetch(nk[sub] + t * stride_bytes + 64 * c, PF_HINT);           \
                 vtranspose(rows);                                                                 \
                 for (int j = 0; j < VW; ++j) vstore(kt + (VW * c + j) * VW, rows[j]);             \
             }                                                                                     \
@@ -679,10 +690,10 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t r_first = first * G, visible0 = tile.len0 - start;                          \
         for (int64_t r = r_first; r < R; r += QK_ROWS) {                                          \
             switch (R - r < QK_ROWS ? (int)(R - r) : QK_ROWS) {                                   \
-            case 4: score_rows(Q, KT, CH, NSUB, r, 4, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
-            case 3: score_rows(Q, KT, CH, NSUB, r, 3, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
-            case 2: score_rows(Q, KT, CH, NSUB, r, 2, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
-            default: score_rows(Q, KT, CH, NSUB, r, 1, G, visible0, ns, offs, QUANT, KS, VS, run_max, run_sum, corr, P); break; \
+            case 4: score_rows(Qh, KT, CH, NSUB, r, 4, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            case 3: score_rows(Qh, KT, CH, NSUB, r, 3, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            case 2: score_rows(Qh, KT, CH, NSUB, r, 2, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            default: score_rows(Qh, KT, CH, NSUB, r, 1, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
             }                                                                                     \
         }                                                                                         \
         /* acc = acc * corr + P @ V, PASS_ROWS(CH) rows per pass; the first pass also            \
@@ -692,16 +703,17 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t r = r_first; r < R; r += per_pass) {                                         \
             const int64_t *pf = r == r_first ? ahead : no_prefetch;                               \
             switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                 \
-            case 4: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 4, CH, nv, pf, stride_bytes, row_bytes); break; \
-            case 3: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 3, CH, nv, pf, stride_bytes, row_bytes); break; \
-            case 2: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 2, CH, nv, pf, stride_bytes, row_bytes); break; \
-            default: ACCUMULATE_V(acc, P, corr, vbs, ns, NSUB, tok_stride, r, 1, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 4: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 4, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 3: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 3, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 2: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 2, CH, nv, pf, stride_bytes, row_bytes); break; \
+            default: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 1, CH, nv, pf, stride_bytes, row_bytes); break; \
             }                                                                                     \
+        }                                                                                         \
         }                                                                                         \
         start = pos;                                                                              \
     }                                                                                             \
-    for (int64_t r = 0; r < R; ++r) {                                                             \
-        TQ *dst = out + ((tile.q_row + r / G) * num_heads + h * G + r % G) * D;                   \
+    for (int64_t r = 0; r < nh * R; ++r) {                                                        \
+        TQ *dst = out + ((tile.q_row + r % R / G) * num_heads + (h0 + r / R) * G + r % G) * D;    \
         const vf inv = vset1(1.0f / run_sum[r]);                                                  \
         for (int c = 0; c < CH; ++c) STOREQ(dst + VW * c, vmul(vload(acc + r * D + VW * c), inv)); \
     }                                                                                             \
@@ -719,15 +731,19 @@ DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m
 #define DISPATCH_NSUB(TILE_FN, CH_VALUE, NSUB_VALUE)                                               \
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
-            h, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, scale,                  \
-            h + 1 < first_head + heads_per_item ? h + 1 : -1, out)
+            h, nh, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, scale,              \
+            nh == 1 && h + 1 < first_head + heads_per_item ? h + 1 : -1, out)
 /* Every tile takes SUB chunks per softmax update, a decode token's too: a row's float
    operations are then the same whatever tile it is in (a decode step, a prefill chunk, a
    recompute after preemption), so the schedule never changes its bits. */
 #define DISPATCH_CH(TILE_FN, CH_VALUE) DISPATCH_NSUB(TILE_FN, CH_VALUE, SUB)
 
 /* One work item is a tile and either one KV head (split_heads: more items, for
-   small batches) or all of them in turn (each K/V block then streams whole).
+   small batches) or all of them. A tile whose rows of every head fit the row
+   buffers (a decode token's do) takes its heads together, chunk by chunk, so
+   each block's K/V rows of all heads are read at once and the reads are
+   contiguous; a bigger one (a prefill tile) takes them one after another.
+   Either way each row sees the same chunks in the same order: the same bits.
    k_scale / v_scale: NULL for float caches. */
 #define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
 void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
@@ -741,7 +757,9 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
     for (int64_t item = 0; item < items; ++item) {                                                \
         const tile_t tile = tiles[item * heads_per_item / num_kv_heads];                          \
         const int64_t first_head = item * heads_per_item % num_kv_heads;                          \
-        for (int64_t h = first_head; h < first_head + heads_per_item; ++h) {                      \
+        const int64_t rows = tile.rows * num_heads / num_kv_heads * heads_per_item;               \
+        const int64_t nh = rows <= MAX_ROWS && rows * head_dim <= MAX_ROW_FLOATS ? heads_per_item : 1; \
+        for (int64_t h = first_head; h < first_head + heads_per_item; h += nh) {                  \
             switch (head_dim) {                                                                   \
             case 64: DISPATCH_CH(TILE_FN, 64 / VW); break;                                        \
             case 128: DISPATCH_CH(TILE_FN, 128 / VW); break;                                      \
