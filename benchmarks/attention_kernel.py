@@ -7,7 +7,10 @@ Decode: a batch of 64 sequences of context 340, every layer its own cache
 (30 layers, 1.0 GB of fp32 K/V, more than the caches hold), so each call
 streams its K/V from memory as in a W64 decode step; the figure is the K/V
 bytes read per second, set against a measured read bandwidth (a
-float32 ``sum`` over 1 GiB on all threads). Prefill: one 300-token prompt, one
+float32 ``sum`` over 1 GiB on all threads) and against the rate at which the
+same K/V bytes are read in the kernel's order with nothing but a sum
+(``kv_read_ceiling.c``: scattered blocks, K and V side by side, the same L2
+prefetch), the ceiling for this access pattern. Prefill: one 300-token prompt, one
 layer, causal; the figure is GFLOP/s (4 * head_dim flops per query head per
 visible key), set against a float32 matmul's rate. ``torch`` is the
 PyTorch path of TorchAttentionBackend (SDPA for prefill, the gathered-context
@@ -17,9 +20,12 @@ decode) for comparison.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +60,41 @@ def matmul_gflops(dtype: torch.dtype, repeats: int) -> float:
     a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
     a @ b
     return 2 * 2048**3 / best_of(lambda: a @ b, repeats) / 1e9
+
+
+def build_read_ceiling() -> ctypes.CDLL | None:
+    """kv_read_ceiling.c, compiled for this machine (None without a compiler or AVX2)."""
+    out = Path(tempfile.mkdtemp()) / "kv_read_ceiling.so"
+    source = Path(__file__).with_name("kv_read_ceiling.c")
+    try:
+        subprocess.run(["gcc", "-O2", "-mavx2", "-fopenmp", "-fPIC", "-shared", str(source), "-o", str(out)],
+                       check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    library = ctypes.CDLL(str(out))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.read_kv_blocks.argtypes = [p, p, p, i64, p, i64, i64, i64, i64]
+    library.read_kv_blocks.restype = ctypes.c_float
+    return library
+
+
+def pattern_read_gbs(library: ctypes.CDLL, decode, kv_bytes: int, repeats: int) -> float:
+    """GB/s of reading every decode layer's K/V in the kernel's block order (a sum, no attention)."""
+    args = []
+    for b in decode:
+        md = b.metadata
+        tables = md.block_tables.to(torch.int32).contiguous()
+        lens = md.seq_lens.to(torch.int32).contiguous()
+        token_bytes = b.k_cache.shape[2] * b.k_cache.shape[3] * b.k_cache.element_size()
+        args.append((b, tables, lens, token_bytes))
+
+    def all_layers():
+        for b, tables, lens, token_bytes in args:
+            library.read_kv_blocks(b.k_cache.data_ptr(), b.v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                                   lens.data_ptr(), lens.numel(), b.k_cache.shape[1], token_bytes, 64 // BLOCK)
+
+    all_layers()
+    return kv_bytes / (best_of(all_layers, repeats) / len(decode)) / 1e9
 
 
 def decode_layers(dtype: torch.dtype, layers: int = 30, batch: int = 64, context: int = 340):
@@ -114,8 +155,12 @@ def main() -> None:
     }
     print(json.dumps(limits), flush=True)
     rows = []
+    ceiling = build_read_ceiling()
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         decode, kv_bytes = decode_layers(dtype)
+        pattern_gbs = pattern_read_gbs(ceiling, decode, kv_bytes, args.repeats) if ceiling else None
+        limits[f"pattern_read_gbs_{str(dtype).removeprefix('torch.')}"] = pattern_gbs
+        print(json.dumps({"dtype": str(dtype), "pattern_read_gbs": pattern_gbs}), flush=True)
         prefill = make_paged_batch([(0, 300)], block_size=BLOCK, num_heads=HEADS, num_kv_heads=KV_HEADS,
                                    head_dim=HEAD_DIM, dtype=dtype, seed=99)
         md = prefill.metadata
@@ -128,6 +173,8 @@ def main() -> None:
                 with cpu_ops.using_isa(path):
                     row = measure_path(path, dtype, args.repeats, decode, kv_bytes, prefill)
             row["decode_pct_of_read_bw"] = 100 * row["decode_gbs"] / limits["read_gbs"]
+            if pattern_gbs:
+                row["decode_pct_of_pattern_read"] = 100 * row["decode_gbs"] / pattern_gbs
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.json:  # after every row: a run cut short keeps what it measured
