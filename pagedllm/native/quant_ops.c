@@ -327,45 +327,49 @@ TARGET_VNNI static inline void block_sums_vnni(const uint8_t *const rows[VNNI_RO
     *s1 = _mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
-/* In place: v[r][c] -> v[c][r] for 16 rows of 16 floats. */
-TARGET_VNNI static inline void transpose16_vnni(__m512 v[16]) {
-    __m512 t[16], u[16];
-    for (int p = 0; p < 8; p++) {
-        t[2 * p] = _mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]);
-        t[2 * p + 1] = _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]);
+/* In place: r[i][j] -> r[j][i] for 16 rows of 16 16-bit values, in 256-bit registers
+ * (on AMD Zen 4 a 512-bit shuffle costs two of these). */
+TARGET_VNNI static inline void transpose16_epi16(__m256i r[16]) {
+    __m256i a[16], b[16];
+    for (int i = 0; i < 8; i++) { /* 128-bit lane L of a[2i] / a[2i + 1]: rows 2i, 2i + 1 of columns 8L + 0..3 / 8L + 4..7 */
+        a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
     }
-    for (int i = 0; i < 4; i++) { /* u[4i + k], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + k */
-        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    for (int q = 0; q < 4; q++) { /* rows 4q .. 4q + 3; b[4q + k]: columns 8L + 2k, 8L + 2k + 1 */
+        const __m256i *x = a + 4 * q;
+        b[4 * q] = _mm256_unpacklo_epi32(x[0], x[2]);
+        b[4 * q + 1] = _mm256_unpackhi_epi32(x[0], x[2]);
+        b[4 * q + 2] = _mm256_unpacklo_epi32(x[1], x[3]);
+        b[4 * q + 3] = _mm256_unpackhi_epi32(x[1], x[3]);
     }
-    for (int k = 0; k < 4; k++) {
-        const __m512 x = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), y = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
-        const __m512 x2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-        const __m512 y2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
-        v[k] = _mm512_shuffle_f32x4(x, x2, 0x88);
-        v[8 + k] = _mm512_shuffle_f32x4(x, x2, 0xdd);
-        v[4 + k] = _mm512_shuffle_f32x4(y, y2, 0x88);
-        v[12 + k] = _mm512_shuffle_f32x4(y, y2, 0xdd);
+    for (int h = 0; h < 2; h++) /* rows 8h .. 8h + 7; a[8h + c]: lane L holds them for column 8L + c */
+        for (int k = 0; k < 4; k++) {
+            a[8 * h + 2 * k] = _mm256_unpacklo_epi64(b[8 * h + k], b[8 * h + 4 + k]);
+            a[8 * h + 2 * k + 1] = _mm256_unpackhi_epi64(b[8 * h + k], b[8 * h + 4 + k]);
+        }
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm256_permute2x128_si256(a[c], a[8 + c], 0x20);
+        r[8 + c] = _mm256_permute2x128_si256(a[c], a[8 + c], 0x31);
     }
 }
 
 /* The per-block scales (or mins) of outputs [n0, n0 + count) as floats, transposed to
- * [blocks][16] so one block's values of the pass's outputs are one vector (zeros past count). */
+ * [blocks][16] so one block's values of the pass's outputs are one vector (zeros past count).
+ * The float16 values are transposed as they are and converted after, one vector per block. */
 TARGET_VNNI static void transpose_scales_vnni(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r,
                                               float *out) {
     const int64_t per_row = blocks / r;
     for (int64_t k0 = 0; k0 < per_row; k0 += 16) {
         const int64_t nk = per_row - k0 < 16 ? per_row - k0 : 16;
         const __mmask16 mask = (__mmask16)((1u << nk) - 1u);
-        __m512 v[16];
+        __m256i v[16];
         for (int j = 0; j < 16; j++)
-            v[j] = j < count ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s + (n0 + j) * per_row + k0))
-                             : _mm512_setzero_ps();
-        transpose16_vnni(v);
-        for (int64_t k = 0; k < nk; k++)
-            for (int rr = 0; rr < r; rr++) _mm512_storeu_ps(out + ((k0 + k) * r + rr) * 16, v[k]);
+            v[j] = j < count ? _mm256_maskz_loadu_epi16(mask, s + (n0 + j) * per_row + k0) : _mm256_setzero_si256();
+        transpose16_epi16(v);
+        for (int64_t k = 0; k < nk; k++) {
+            const __m512 f = _mm512_cvtph_ps(v[k]);
+            for (int rr = 0; rr < r; rr++) _mm512_storeu_ps(out + ((k0 + k) * r + rr) * 16, f);
+        }
     }
 }
 
