@@ -361,6 +361,24 @@ TARGET_VNNI static void transpose_scales_vnni(const uint16_t *s, int64_t n0, int
     const int64_t per_row = blocks / r;
     for (int64_t k0 = 0; k0 < per_row; k0 += 16) {
         const int64_t nk = per_row - k0 < 16 ? per_row - k0 : 16;
+        if (nk < 16 && per_row >= 2) { /* a tail: each row's values two at a time, gathered as dwords */
+            const __mmask16 live = (__mmask16)((1u << count) - 1u);
+            const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32((int32_t)per_row));
+            for (int64_t k = 0; k < nk; k += 2) {
+                /* the pair (k, k + 1), or for an odd last value (k - 1, k): never past the row's end */
+                const int64_t first = k + 1 < nk ? k : k - 1;
+                const __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at,
+                                                                  (const void *)(s + n0 * per_row + k0 + first), 2);
+                const __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs));
+                const __m512 hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
+                for (int64_t j = first; j < first + 2; j++) {
+                    if (j < k) continue;
+                    for (int rr = 0; rr < r; rr++) _mm512_storeu_ps(out + ((k0 + j) * r + rr) * 16, j == first ? lo : hi);
+                }
+            }
+            continue;
+        }
         const __mmask16 mask = (__mmask16)((1u << nk) - 1u);
         __m256i v[16];
         for (int j = 0; j < 16; j++)
