@@ -185,6 +185,29 @@ class _Server(uvicorn.Server):
             return {}
         return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
+    async def shutdown(self, sockets=None) -> None:
+        reaper = asyncio.create_task(self._abort_closed_tls_connections())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            reaper.cancel()
+
+    async def _abort_closed_tls_connections(self) -> None:
+        """Drop TLS connections that uvicorn has closed but asyncio still holds open.
+
+        Closing a TLS transport waits for the client's close_notify, up to 30 s
+        (asyncio's SSL shutdown timeout), and an idle keep-alive client never
+        sends one: one such client kept a stopping HTTPS server alive for 30 s.
+        Once uvicorn has closed a connection (idle, or its last response sent)
+        nothing more is owed on it, so its transport is aborted instead."""
+        while True:
+            await asyncio.sleep(0.1)
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if (transport is not None and transport.is_closing()
+                        and transport.get_extra_info("sslcontext") is not None):
+                    transport.abort()
+
     def _on_signal(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
