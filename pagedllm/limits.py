@@ -72,7 +72,9 @@ class ServerLimits:
     ``request_timeout_s``: the most a request may run, streamed or not
     (``None``: no limit). ``keep_alive_timeout_s``: an idle connection is closed
     after this long. ``body_read_timeout_s``: the most a client may take to send
-    its request body.
+    its request body. ``grammar_compile_timeout_s`` / ``grammar_compile_memory_bytes``:
+    the most time and memory compiling one new grammar (a JSON schema, regex or
+    EBNF of a request) may take; past them the request gets HTTP 400.
     """
 
     max_body_bytes: int = 4 * 2**20
@@ -83,6 +85,8 @@ class ServerLimits:
     request_timeout_s: float | None = None
     keep_alive_timeout_s: float = 5.0
     body_read_timeout_s: float = 30.0
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_memory_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:
         _all_positive(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import openai
@@ -241,6 +242,22 @@ def test_bad_constraints_are_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5, **body)
     assert info.value.status_code == 400 and info.value.body["param"] == param
+
+
+def test_a_schema_too_costly_to_compile_is_a_400_within_the_servers_limit(client, server):
+    # xgrammar would take minutes on this pattern; the server's limit (10 s by default) stops it.
+    costly = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^[a-z]{50000}$"}}}
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=_chat("hi"), max_tokens=5, response_format=costly)
+    assert time.monotonic() - start < 40
+    assert info.value.body["param"] == "response_format" and "too costly to compile" in info.value.body["message"]
+    # The server goes on: constrained and plain requests right after are answered.
+    response = client.chat.completions.create(model="default", messages=_chat("A fruit as JSON."), max_tokens=40,
+                                              temperature=0, response_format={"type": "json_object"})
+    assert response.choices[0].message.content.strip().startswith("{")
+    metrics = server.wait_idle()
+    assert metrics["pagedllm:kv_cache_usage_perc"] == 0 and metrics["pagedllm:num_requests_running"] == 0
 
 
 def test_top_logprobs_of_a_constrained_answer_are_finite(client):

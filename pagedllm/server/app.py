@@ -37,6 +37,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.server import protocol as p
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.structured.compile_guard import CompileLimits
 from pagedllm.structured.tools import ToolCall, held_back_len, parse_tool_calls
 from pagedllm.structured.tools import calls_from_constrained as _calls_from_constrained
 
@@ -114,6 +115,10 @@ class OpenAIServer:
         self.served_model_name = served_model_name
         self.metrics = metrics
         self.limits = limits
+        compiler = getattr(engine, "grammar_compiler", None)  # an engine without grammars has none
+        if compiler is not None:
+            compiler.set_compile_limits(
+                CompileLimits(limits.grammar_compile_timeout_s, limits.grammar_compile_memory_bytes))
         self.request_limits: RequestLimits = getattr(engine.engine, "limits", None) or RequestLimits()
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer

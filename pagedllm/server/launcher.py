@@ -118,6 +118,10 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open")
     g.add_argument("--body-read-timeout", type=_positive_float, default=s.body_read_timeout_s,
                    help="seconds a client may take to send its request body")
+    g.add_argument("--grammar-compile-timeout", type=_positive_float, default=s.grammar_compile_timeout_s,
+                   help="seconds compiling one new grammar (JSON schema, regex, EBNF) may take")
+    g.add_argument("--grammar-compile-memory", type=_size, default=s.grammar_compile_memory_bytes,
+                   help="memory compiling one new grammar may take, e.g. 2GiB")
 
 
 def limits_from_args(args: argparse.Namespace) -> tuple[RequestLimits, ServerLimits]:
@@ -130,7 +134,8 @@ def limits_from_args(args: argparse.Namespace) -> tuple[RequestLimits, ServerLim
         max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_json_depth=args.max_json_depth,
         max_connections=args.max_connections, stream_stall_timeout_s=args.stream_stall_timeout,
         request_timeout_s=args.request_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-        body_read_timeout_s=args.body_read_timeout,
+        body_read_timeout_s=args.body_read_timeout, grammar_compile_timeout_s=args.grammar_compile_timeout,
+        grammar_compile_memory_bytes=args.grammar_compile_memory,
     )
     return request, server
 

@@ -48,6 +48,10 @@ class GrammarCompiler:
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()  # LRU: oldest first
         self._lock = threading.Lock()
         self._xgr_compiler = None
+        self._limits = None  # compile_guard.CompileLimits, or None: compile unguarded
+        self._guard = None  # the CompileGuard of _limits, made with the first grammar
+        self._xgr_info = None
+        self._refused: OrderedDict[GrammarSpec, str] = OrderedDict()  # too costly: refused again at once
         self.num_compiled = 0
         self.num_cache_hits = 0
 
@@ -58,9 +62,26 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(
                 self._hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
             )
+            self._xgr_info = info
             # xgrammar's own cache is off: ours is bounded and keyed by the canonical text.
             self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return self._xgr_compiler
+
+    def set_compile_limits(self, limits) -> None:
+        """Compile every new grammar within ``limits`` (a compile_guard.CompileLimits; None: no
+        limits): a trial compile in a child process first, killed past them (the server's guard
+        against schemas that take minutes to compile). The child starts with the first grammar."""
+        with self._lock:
+            if self._guard is not None:
+                self._guard.close()
+            self._guard = None
+            self._limits = limits
+
+    def close(self) -> None:
+        """Stops the compile guard's process, if any."""
+        with self._lock:
+            if self._guard is not None:
+                self._guard.close()
 
     def compile(self, params: StructuredOutputsParams, param: str | None = None) -> CompiledGrammar:
         """The compiled grammar for ``params``; RequestError naming ``param`` when it does not compile."""
@@ -71,10 +92,32 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.num_cache_hits += 1
                 return cached
+            refused = self._refused.get(spec)
             compiler = self._compiler()
+            if self._limits is not None and self._guard is None:
+                from pagedllm.structured.compile_guard import CompileGuard
+
+                self._guard = CompileGuard(self._xgr_info.serialize_json(), self._limits)
+            guard = self._guard
         where = param or params.param
+        if guard is not None:
+            from pagedllm.structured.compile_guard import GrammarTooCostly
+
+            try:
+                if refused is not None:
+                    raise GrammarTooCostly(refused)
+                guard.check(spec.kind, spec.text, spec.any_whitespace)
+            except GrammarTooCostly as exc:
+                with self._lock:
+                    self._refused[spec] = str(exc)
+                    self._refused.move_to_end(spec)
+                    while len(self._refused) > self._max_cached:
+                        self._refused.popitem(last=False)
+                raise RequestError(f"{where}: the {spec.kind.replace('_', ' ')} is too costly to compile: {exc}; "
+                                   "simplify it (long repetition counts in patterns are the usual cause)",
+                                   param=where) from None
         try:
-            handle = _compile_spec(compiler, spec)
+            handle = compile_spec(compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its reason
             raise RequestError(f"{where}: cannot compile the {spec.kind.replace('_', ' ')}: {_reason(exc)}",
                                param=where) from None
@@ -103,7 +146,7 @@ def _allows_a_first_token(handle) -> bool:
     return bool(bitmask.any())
 
 
-def _compile_spec(compiler, spec: GrammarSpec):
+def compile_spec(compiler, spec: GrammarSpec):
     if spec.kind == "json_schema":
         return compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace, strict_mode=True)
     if spec.kind == "json_object":
