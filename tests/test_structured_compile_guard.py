@@ -56,6 +56,9 @@ def test_a_grammar_past_the_time_limit_is_refused_and_its_compile_stopped(tokeni
         plain = GrammarState.start(_compiler(tokenizer, None).compile(params))
         assert guarded.next_row() == plain.next_row()
         assert compiler.num_compiled == 2
+        # New limits judge afresh: the refusal made under the old ones is forgotten.
+        compiler.set_compile_limits(CompileLimits(timeout_s=5.0, memory_bytes=2 << 30))
+        assert not compiler._refused and compiler._guard is None
     finally:
         compiler.close()
 

@@ -76,6 +76,7 @@ class GrammarCompiler:
                 self._guard.close()
             self._guard = None
             self._limits = limits
+            self._refused.clear()  # judged under the old limits
 
     def close(self) -> None:
         """Stops the compile guard's process, if any."""
