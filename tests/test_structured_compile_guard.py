@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm.errors import RequestError
 from pagedllm.models.paths import default_model_path
-from pagedllm.structured import StructuredOutputsParams
+from pagedllm.structured import StructuredOutputsParams, compile_guard
 from pagedllm.structured.compile_guard import CompileLimits
 from pagedllm.structured.grammar import GrammarCompiler, GrammarState
 from pagedllm.tokenizer import Tokenizer
@@ -71,6 +71,25 @@ def test_a_grammar_past_the_memory_limit_is_refused(tokenizer):
             compiler.compile(StructuredOutputsParams(json=many), "response_format")
         assert info.value.param == "response_format"
         assert f"more than {1 << 20} bytes of memory" in str(info.value)
+    finally:
+        compiler.close()
+
+
+def test_an_idle_helper_is_stopped_and_the_next_grammar_starts_another(tokenizer, monkeypatch):
+    monkeypatch.setattr(compile_guard, "IDLE_STOP_S", 1.0)
+    compiler = _compiler(tokenizer, CompileLimits(timeout_s=30.0, memory_bytes=2 << 30))
+    try:
+        compiler.compile(StructuredOutputsParams(json=SMALL))
+        guard = compiler._guard
+        first = guard._process
+        assert first is not None and first.poll() is None
+        deadline = time.monotonic() + 30
+        while guard._process is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert guard._process is None and first.poll() is not None  # stopped, its memory freed
+        assert guard.num_killed == 0  # an idle stop is no runaway compile
+        compiler.compile(StructuredOutputsParams(json={"type": "integer"}))
+        assert guard._process is not None and guard._process.pid != first.pid
     finally:
         compiler.close()
 

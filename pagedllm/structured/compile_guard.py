@@ -14,7 +14,8 @@ serialized form grows much faster than the grammar, 35 MB for an object of
 300 properties). The trial doubles the compile time of a grammar the first
 time it is seen (cached grammars skip both), a few milliseconds for common
 schemas. The child starts on the first grammar (about 3 s and about 200 MB
-of private memory: xgrammar imports torch) and is restarted after a kill.
+of private memory: xgrammar imports torch), is restarted after a kill, and
+is stopped when no new grammar came for IDLE_STOP_S (its memory freed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # the child's imports, on a loaded machine
+IDLE_STOP_S = 300.0  # a child with no grammar to check this long is stopped (its memory freed)
 
 
 @dataclass(frozen=True)
@@ -49,42 +51,63 @@ class GrammarTooCostly(Exception):
 class CompileGuard:
     """Trial compiles in one child process, one at a time (thread-safe)."""
 
-    def __init__(self, tokenizer_info_json: str, limits: CompileLimits) -> None:
+    def __init__(self, tokenizer_info_json: str, limits: CompileLimits, idle_stop_s: float | None = None) -> None:
         self.limits = limits
+        self.idle_stop_s = IDLE_STOP_S if idle_stop_s is None else idle_stop_s
+        self._num_checks = 0  # the idle stop's timer checks no check came after it was set
+        self._idle_timer: threading.Timer | None = None
         self._info_json = tokenizer_info_json
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._send: Connection | None = None
         self._recv: Connection | None = None
-        self.num_killed = 0
+        self.num_killed = 0  # children killed past a limit (not those stopped when idle)
         self._unavailable = False  # the child could not start: not tried again
 
     def check(self, kind: str, text: str, any_whitespace: bool) -> None:
         """Returns when the grammar compiles within the limits, or fails to compile at all
         (the caller's own compile then reports why); GrammarTooCostly otherwise."""
         with self._lock:
-            for _ in range(2):  # a child that died since (its parent thread ended) is started again
-                if not self._start():
-                    return  # no child (logged): compile unguarded rather than refuse every grammar
-                try:
-                    self._send.send((kind, text, any_whitespace))
-                    break
-                except OSError:
-                    self._kill()
-            else:
-                return
-            if not self._recv.poll(self.limits.timeout_s):
-                self._kill()
-                raise GrammarTooCostly(f"it took longer than {self.limits.timeout_s:g} s to compile "
-                                       "(the server's --grammar-compile-timeout)")
+            self._num_checks += 1
             try:
-                status = self._recv.recv()
-            except (EOFError, OSError):
-                status = "died"
-            if status in ("memory", "died"):
+                self._check(kind, text, any_whitespace)
+            finally:
+                if self._idle_timer is not None:
+                    self._idle_timer.cancel()
+                self._idle_timer = None
+                if self._process is not None:
+                    self._idle_timer = threading.Timer(self.idle_stop_s, self._stop_if_idle, (self._num_checks,))
+                    self._idle_timer.daemon = True
+                    self._idle_timer.start()
+
+    def _stop_if_idle(self, num_checks: int) -> None:
+        with self._lock:
+            if self._num_checks == num_checks:  # no check since this timer was set
+                self._kill(runaway=False)
+
+    def _check(self, kind: str, text: str, any_whitespace: bool) -> None:
+        for _ in range(2):  # a child that died since (its parent thread ended) is started again
+            if not self._start():
+                return  # no child (logged): compile unguarded rather than refuse every grammar
+            try:
+                self._send.send((kind, text, any_whitespace))
+                break
+            except OSError:
                 self._kill()
-                raise GrammarTooCostly(f"compiling it needs more than {self.limits.memory_bytes} bytes of memory "
-                                       "(the server's --grammar-compile-memory)")
+        else:
+            return
+        if not self._recv.poll(self.limits.timeout_s):
+            self._kill()
+            raise GrammarTooCostly(f"it took longer than {self.limits.timeout_s:g} s to compile "
+                                   "(the server's --grammar-compile-timeout)")
+        try:
+            status = self._recv.recv()
+        except (EOFError, OSError):
+            status = "died"
+        if status in ("memory", "died"):
+            self._kill()
+            raise GrammarTooCostly(f"compiling it needs more than {self.limits.memory_bytes} bytes of memory "
+                                   "(the server's --grammar-compile-memory)")
 
     def _start(self) -> bool:
         if self._process is not None and self._process.poll() is None:
@@ -129,10 +152,10 @@ class CompileGuard:
         self._unavailable = False
         return True
 
-    def _kill(self) -> None:
+    def _kill(self, runaway: bool = True) -> None:
         if self._process is not None:
             if self._process.poll() is None:
-                self.num_killed += 1
+                self.num_killed += runaway
                 self._process.kill()
             self._process.wait(5)
             self._send.close()
@@ -141,7 +164,9 @@ class CompileGuard:
 
     def close(self) -> None:
         with self._lock:
-            self._kill()
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._kill(runaway=False)
 
 
 def _serve(receive: Connection, send: Connection, memory_bytes: int) -> None:
