@@ -561,6 +561,29 @@ def build_app(
             allow_credentials=cors.allow_credentials,
         )
 
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    v1.add_api_route("/completions", _guarded(server.create_completion), methods=["POST"])
+    v1.add_api_route("/chat/completions", _guarded(server.create_chat_completion), methods=["POST"])
+    v1.add_api_route("/models", server.models, methods=["GET"], response_model=p.ModelList)
+    v1.add_api_route("/models", server.models, methods=["HEAD"], include_in_schema=False)
+    app.include_router(v1)
+
+    _add_service_routes(app, engine, metrics)
+    app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
+    app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
+    if dashboard:
+        from pagedllm.server.dashboard import install_dashboard
+
+        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
+            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
+            "invalid_request_error", code="invalid_api_key",
+        ), registry=metrics.registry)
+    return app
+
+
+def _api_key_check(api_key: str | None):
+    """The dependency that refuses a request without ``Authorization: Bearer <api_key>`` (none: all pass)."""
+
     async def require_api_key(request: Request) -> None:
         if api_key is None:
             return
@@ -574,12 +597,11 @@ def build_app(
                 code="invalid_api_key",
             )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-    v1.add_api_route("/completions", _guarded(server.create_completion), methods=["POST"])
-    v1.add_api_route("/chat/completions", _guarded(server.create_chat_completion), methods=["POST"])
-    v1.add_api_route("/models", server.models, methods=["GET"], response_model=p.ModelList)
-    v1.add_api_route("/models", server.models, methods=["HEAD"], include_in_schema=False)
-    app.include_router(v1)
+    return require_api_key
+
+
+def _add_service_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
+    """/health, /version and /metrics (open without the API key), each with GET and HEAD."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -598,16 +620,6 @@ def build_app(
     # HEAD wherever GET is served (load balancers probe with it); left out of the OpenAPI document.
     for path, endpoint in (("/health", health), ("/version", version), ("/metrics", prometheus_metrics)):
         app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
-    app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
-    app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
-    if dashboard:
-        from pagedllm.server.dashboard import install_dashboard
-
-        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
-            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
-            "invalid_request_error", code="invalid_api_key",
-        ), registry=metrics.registry)
-    return app
 
 
 def _cut_after_final_message(text: str, final: dict) -> str:

@@ -93,30 +93,9 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.num_cache_hits += 1
                 return cached
-            refused = self._refused.get(spec)
             compiler = self._compiler()
-            if self._limits is not None and self._guard is None:
-                from pagedllm.structured.compile_guard import CompileGuard
-
-                self._guard = CompileGuard(self._xgr_info.serialize_json(), self._limits)
-            guard = self._guard
         where = param or params.param
-        if guard is not None:
-            from pagedllm.structured.compile_guard import GrammarTooCostly
-
-            try:
-                if refused is not None:
-                    raise GrammarTooCostly(refused)
-                guard.check(spec.kind, spec.text, spec.any_whitespace)
-            except GrammarTooCostly as exc:
-                with self._lock:
-                    self._refused[spec] = str(exc)
-                    self._refused.move_to_end(spec)
-                    while len(self._refused) > self._max_cached:
-                        self._refused.popitem(last=False)
-                raise RequestError(f"{where}: the {spec.kind.replace('_', ' ')} is too costly to compile: {exc}; "
-                                   "simplify it (long repetition counts in patterns are the usual cause)",
-                                   param=where) from None
+        self._check_cost(spec, where)
         try:
             handle = compile_spec(compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its reason
@@ -132,6 +111,31 @@ class GrammarCompiler:
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _check_cost(self, spec: GrammarSpec, where: str) -> None:
+        """RequestError naming ``where`` when ``spec``'s trial compile goes past the limits (or did
+        before: such a grammar is refused at once); nothing without limits."""
+        from pagedllm.structured.compile_guard import CompileGuard, GrammarTooCostly
+
+        with self._lock:
+            if self._limits is None:
+                return
+            reason = self._refused.get(spec)
+            if self._guard is None:
+                self._guard = CompileGuard(self._xgr_info.serialize_json(), self._limits)
+            guard = self._guard
+        if reason is None:
+            try:
+                guard.check(spec.kind, spec.text, spec.any_whitespace)
+                return
+            except GrammarTooCostly as exc:
+                reason = str(exc)
+            with self._lock:
+                self._refused[spec] = reason
+                while len(self._refused) > self._max_cached:
+                    self._refused.popitem(last=False)
+        raise RequestError(f"{where}: the {spec.kind.replace('_', ' ')} is too costly to compile: {reason}; "
+                           "simplify it (long repetition counts in patterns are the usual cause)", param=where)
 
     @property
     def num_cached(self) -> int:
