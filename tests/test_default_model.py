@@ -11,7 +11,6 @@ from pagedllm.attention.base import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.models.loader import load_model
-from pagedllm.models.paths import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -32,25 +31,17 @@ def _single_thread():
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    return default_model_path()
+def tokenizer(hf_reference):
+    """HF's tokenizer of the default model's GGUF (conftest's session-wide reference)."""
+    return hf_reference.tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(gguf_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(hf_reference):
+    """HF transformers' fp32 model of the default model's GGUF, in eval mode: the session-wide
+    reference that test_engine.py and test_sharing.py also compare against (loaded once)."""
+    assert not hf_reference.model.training and hf_reference.model.dtype == torch.float32
+    return hf_reference.model
 
 
 @pytest.fixture(scope="module")
