@@ -20,6 +20,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.engine.step_builder import StepBuilder
 from pagedllm.errors import ConfigError, RequestError
+from pagedllm.kv import kv_format
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import KVCacheStats
@@ -192,9 +193,12 @@ class LLMEngine:
             logger.warning("kv_cache_dir: the disk tier needs tensor_parallel_size 1 for now; serving without it")
             return None
         identity = model_identity(self.model_path)
+        (k_shape, k_dtype), encoding = layout[0], ""
+        if kv_format.stores_rotated(k_dtype, k_shape[-1]):
+            encoding = "|kv=hadamard"  # what the codes mean, beyond their dtype
         key = tier_key(
             model_identity=f"{identity}|weights={config.quantization or 'none'}/{config.quantization_group_size}"
-                           f"|rope={config.rope_scaling!r}",
+                           f"|rope={config.rope_scaling!r}{encoding}",
             dtype=str(self.dtype), layout=layout, block_size=config.block_size, tp_rank=0, tp_size=1,
         )
         # Prefetched copies wait in RAM until admission claims them: at most a device pool's worth, 1 GiB.

@@ -25,6 +25,7 @@ from pagedllm.distributed import (
     head_shard,
 )
 from pagedllm.errors import ModelLoadError
+from pagedllm.kv import kv_format
 from pagedllm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -108,10 +109,17 @@ class LlamaAttention(nn.Module):
             out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [T, H, D]
         else:  # 8-bit codes with their scales [num_blocks, block_size, KH] float16
             k_cache, v_cache, k_scale, v_scale = kv_cache
+            scale, dtype = self.scale, q.dtype
+            rotated = kv_format.stores_rotated(k_cache.dtype, self.head_dim)
+            if rotated:  # int8 holds H k and H v (kv_format): rotate q to match, and the output back
+                q, k, v = kv_format.rotate(q), kv_format.rotate(k), kv_format.rotate(v)
+                scale = kv_format.rotated_attention_scale(scale, self.head_dim)
             self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale)
             out = self.backend.forward(
-                q, k_cache, v_cache, metadata, self.scale, k_scale=k_scale, v_scale=v_scale
+                q, k_cache, v_cache, metadata, scale, k_scale=k_scale, v_scale=v_scale
             )  # [T, H, D]
+            if rotated:
+                out = kv_format.rotate(out, 1.0 / self.head_dim).to(dtype)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -1090,6 +1090,29 @@ DEFINE_WRITE_KV_Q(write_kv_bf16_e4m3, bf16_t, bf16_to_f32, encode_e4m3, 448.0f)
 DEFINE_WRITE_KV_Q(write_kv_f32_e5m2, float, f32_identity, encode_e5m2, 57344.0f)
 DEFINE_WRITE_KV_Q(write_kv_bf16_e5m2, bf16_t, bf16_to_f32, encode_e5m2, 57344.0f)
 
+/* In place: each head_dim-long vector (heads vectors per row, rows row_stride floats apart)
+   becomes its Walsh-Hadamard transform (the Sylvester matrix of +-1 entries, not normalised:
+   applying it twice multiplies by head_dim), times scale. head_dim is a power of two. The
+   butterflies run from the widest stride to 1, one rounding per add, so the result is bit for
+   bit that of kv_format.hadamard's PyTorch version. int8 KV caches store their vectors so
+   rotated (kv_format.py): the rotation spreads a head's few large channels over all of them. */
+void hadamard_f32(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, float scale) {
+    _Pragma("omp parallel for schedule(static) if(rows * heads * head_dim >= 262144)")
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+            float *v = x + r * row_stride + h * head_dim;
+            for (int64_t half = head_dim / 2; half >= 1; half /= 2)
+                for (int64_t base = 0; base < head_dim; base += 2 * half)
+                    for (int64_t j = base; j < base + half; ++j) {
+                        const float a = v[j], b = v[j + half];
+                        v[j] = a + b;
+                        v[j + half] = a - b;
+                    }
+            if (scale != 1.0f)
+                for (int64_t d = 0; d < head_dim; ++d) v[d] *= scale;
+        }
+}
+
 /* Which build this is, for cpu_ops.py: floats per vector register, and the ISA path's name. */
 int vector_width(void) { return VW; }
 const char *isa_name(void) { return ISA_NAME; }

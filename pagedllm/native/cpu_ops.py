@@ -325,6 +325,17 @@ def write_kv_quantized(
     )
 
 
+def hadamard_(x: torch.Tensor, scale: float = 1.0, library: ctypes.CDLL | None = None) -> None:
+    """Each ``head_dim`` vector of float32 ``x`` ``[rows, heads, head_dim]`` (rows may be strided;
+    heads and dims contiguous; ``head_dim`` a power of two) becomes, in place, its unnormalised
+    Walsh-Hadamard transform times ``scale``: bit for bit ``kv_format.hadamard``."""
+    library = library or _library
+    assert library is not None, "call available() first"
+    rows, heads, head_dim = x.shape
+    assert x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == head_dim
+    library.hadamard_f32(x.data_ptr(), rows, x.stride(0), heads, head_dim, scale)
+
+
 def argmax_logsumexp(
     logits: torch.Tensor, library: ctypes.CDLL | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,6 +509,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "rotary": [pointer, i64, i64, i64, i64, pointer, pointer, pointer],
         "write_kv": [pointer, i64, pointer, i64, pointer, i64, i64, pointer, pointer],
     }
+    library.hadamard_f32.argtypes = [pointer, i64, i64, i64, i64, f32]
+    library.hadamard_f32.restype = None
     library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer]
     library.row_argmax_logsumexp.restype = None
     for name, argtypes in signatures.items():

@@ -1249,6 +1249,8 @@ typedef void (*AttentionFn)(const float *q, int64_t q_stride, const void *k_cach
                             const int32_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, int32_t split_heads, float *out);
 typedef void (*SiluMulFn)(const float *gate_up, int64_t rows, int64_t n, float *out);
+typedef void (*HadamardFn)(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                           float scale);
 
 typedef struct {
     const uint8_t *q;
@@ -1268,6 +1270,8 @@ typedef struct {
     int64_t isa, num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, kv8;
     float eps, scale;
     const StackLayer *layers;
+    void *hadamard; /* cpu_ops' hadamard_f32 */
+    int64_t rotate; /* the cache holds Hadamard-rotated vectors (int8 KV, see kv_format.py) */
 } LayerStack;
 
 static int stack_linear(const LayerStack *s, const StackLinear *l, const float *x, int64_t rows, float *y) {
@@ -1303,6 +1307,8 @@ int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *
         ok = stack_linear(s, &L->qkv, x, rows, qkv);
         if (!ok) break;
         ((RotaryFn)s->rotary)(qkv, rows, qkv_width, H + KH, D, positions, cos_table, sin_table);
+        if (s->rotate) /* q, k and v rotated as the modules do: H + 2 KH heads per row */
+            ((HadamardFn)s->hadamard)(qkv, rows, qkv_width, H + 2 * KH, D, 1.0f);
         const float *k = qkv + H * D, *v = qkv + (H + KH) * D;
         if (s->kv8)
             ((WriteKv8Fn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH, D, L->k_cache, L->v_cache,
@@ -1310,9 +1316,10 @@ int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *
         else
             ((WriteKvFn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH * D, L->k_cache, L->v_cache);
         ((AttentionFn)s->attention)(qkv, qkv_width, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables,
-                                    table_stride, tiles, num_tiles, H, KH, D, s->block_size, s->scale,
-                                    split_heads, attn_out);
+                                    table_stride, tiles, num_tiles, H, KH, D, s->block_size,
+                                    s->rotate ? s->scale / (float)D : s->scale, split_heads, attn_out);
         if (num_rows < rows) memset(attn_out + num_rows * H * D, 0, (size_t)((rows - num_rows) * H * D) * sizeof(float));
+        if (s->rotate) ((HadamardFn)s->hadamard)(attn_out, rows, H * D, H, D, 1.0f / (float)D);
         ok = stack_linear(s, &L->o, attn_out, rows, attn);
         if (!ok) break;
         rms_norm(residual, attn, L->post_norm, s->eps, rows, hidden, x);

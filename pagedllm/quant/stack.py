@@ -22,6 +22,7 @@ import os
 import torch
 from torch import Tensor, nn
 
+from pagedllm.kv import kv_format
 from pagedllm.layers.dispatch import KernelPath
 from pagedllm.layers.rotary import check_positions
 from pagedllm.native import cpu_ops, quant_ops
@@ -47,7 +48,8 @@ class _Stack(ctypes.Structure):
     _fields_ = [("rms_norm", _p), ("rotary", _p), ("write_kv", _p), ("attention", _p), ("silu_mul", _p),
                 ("isa", _i64), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
-                ("kv8", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", _p)]
+                ("kv8", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", _p),
+                ("hadamard", _p), ("rotate", _i64)]
 
 
 def _address(fn) -> int:
@@ -126,7 +128,7 @@ class LayerStack:
             _address(self._library.rms_norm_f32), _address(self._library.rotary_f32), None, None,
             _address(self._library.silu_mul_f32), self.isa, len(layers), attn.o_proj.output_size, self.num_heads,
             self.num_kv_heads, self.head_dim, first.mlp.down_proj.input_size, 0, 0, self.eps, attn.scale,
-            ctypes.addressof(self._layers),
+            ctypes.addressof(self._layers), _address(self._library.hadamard_f32), 0,
         )
         self._cache_tensors: list[tuple[Tensor, ...]] | None = None  # the caches the layers point at now
         self._run = quant_ops._library.quant_run_layers
@@ -156,6 +158,8 @@ class LayerStack:
             self._stack.write_kv = _address(library.write_kv_f32)
             self._stack.attention = _address(library.paged_attention_f32)
         self._stack.kv8 = int(kv8)
+        # int8 caches hold Hadamard-rotated vectors (kv_format), as the modules write them
+        self._stack.rotate = int(kv8 and kv_format.stores_rotated(first[0].dtype, self.head_dim))
         self._stack.block_size = first[0].shape[1]
         for layer, tensors in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = tensors[0].data_ptr(), tensors[1].data_ptr()
