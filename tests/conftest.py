@@ -96,3 +96,35 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf_reference() -> HFReference:
     return HFReference()
+
+
+def make_tiny_default_tokenizer_llama(directory) -> None:
+    """A 2-layer random-weight Llama in HF format (safetensors) with the default model's own
+    tokenizer and chat template: fast to load and to run, while prompts, chat templating and
+    token counts are exactly those of the default model."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.models.paths import default_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(default_model_path())
+    for name in os.listdir(tokenizer.source):
+        shutil.copy(Path(tokenizer.source) / name, Path(directory) / name)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_default_tokenizer_model(tmp_path_factory):
+    """Directory of :func:`make_tiny_default_tokenizer_llama`'s model, made once per session."""
+    directory = tmp_path_factory.mktemp("tiny-llama-default-tokenizer")
+    make_tiny_default_tokenizer_llama(directory)
+    return directory
