@@ -53,7 +53,7 @@ def library(request):
     return cpu_ops.build_library(isa=request.param)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 128, 256])
 @pytest.mark.parametrize("scale", [1.0, 1 / 64])
 def test_native_hadamard_equals_the_reference_bit_for_bit(library, head_dim, scale):
     gen = torch.Generator().manual_seed(head_dim)

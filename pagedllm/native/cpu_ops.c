@@ -274,6 +274,21 @@ static inline void vtranspose(vf r[16]) {
     }
 }
 
+/* The Walsh-Hadamard butterflies of strides 8, 4, 2, 1 within one register: lane i gets
+   x[i] + x[i ^ h] where bit h of i is clear, x[i ^ h] - x[i] where it is set (each the
+   same single add or subtract as the scalar butterfly). */
+static inline vf vhadamard_lanes(vf x) {
+    static const int hs[4] = {8, 4, 2, 1};
+    static const __mmask16 high[4] = {0xff00, 0xf0f0, 0xcccc, 0xaaaa};
+    for (int s = 0; s < 4; ++s) {
+        const __m512i swap = _mm512_xor_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(hs[s]));
+        const vf partner = _mm512_permutexvar_ps(swap, x);
+        x = _mm512_mask_sub_ps(_mm512_add_ps(x, partner), high[s], partner, x);
+    }
+    return x;
+}
+
 /* Rows of the value accumulator a pass keeps in registers (32 of them). */
 #define PASS_ROWS(CH) ((CH) <= 4 ? 4 : 2)
 
@@ -405,6 +420,19 @@ static inline void vtranspose(vf r[8]) {
 
 /* Rows of the value accumulator a pass keeps in registers (16 of them). */
 #define PASS_ROWS(CH) ((CH) <= 2 ? 4 : (CH) <= 4 ? 2 : 1)
+
+/* As the AVX-512 version, strides 4, 2, 1. */
+static inline vf vhadamard_lanes(vf x) {
+    static const int hs[3] = {4, 2, 1};
+    for (int s = 0; s < 3; ++s) {
+        const __m256i swap = _mm256_xor_si256(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(hs[s]));
+        const vf partner = _mm256_permutevar8x32_ps(x, swap);
+        const vf sum = _mm256_add_ps(x, partner), diff = _mm256_sub_ps(partner, x);
+        x = s == 0 ? _mm256_blend_ps(sum, diff, 0xf0) : s == 1 ? _mm256_blend_ps(sum, diff, 0xcc)
+                                                               : _mm256_blend_ps(sum, diff, 0xaa);
+    }
+    return x;
+}
 
 #else
 #define VW 1
@@ -1101,6 +1129,23 @@ void hadamard_f32(float *x, int64_t rows, int64_t row_stride, int64_t heads, int
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
             float *v = x + r * row_stride + h * head_dim;
+#if VW > 1
+            if (head_dim >= VW) { /* strides of a register or more across registers, then the rest within */
+                for (int64_t half = head_dim / 2; half >= VW; half /= 2)
+                    for (int64_t base = 0; base < head_dim; base += 2 * half)
+                        for (int64_t j = base; j < base + half; j += VW) {
+                            const vf a = vloadu_f32(v + j), b = vloadu_f32(v + j + half);
+                            vstoreu_f32(v + j, vadd(a, b));
+                            vstoreu_f32(v + j + half, vsub(a, b));
+                        }
+                const vf vs = vset1(scale);
+                for (int64_t j = 0; j < head_dim; j += VW) {
+                    const vf y = vhadamard_lanes(vloadu_f32(v + j));
+                    vstoreu_f32(v + j, scale != 1.0f ? vmul(y, vs) : y);
+                }
+                continue;
+            }
+#endif
             for (int64_t half = head_dim / 2; half >= 1; half /= 2)
                 for (int64_t base = 0; base < head_dim; base += 2 * half)
                     for (int64_t j = base; j < base + half; ++j) {
