@@ -86,15 +86,17 @@ def test_tp2_greedy_equals_tp1_on_the_default_model():
 def test_tp2_with_packed_gguf_weights_equals_tp1_bit_for_bit():
     """Each rank serves its shard of the GGUF's packed matrices, and every output of every layer
     is computed whole on one rank in TP=1's float sequence (the row-parallel ones gather their
-    input), so TP=2 gives TP=1's tokens and logprobs exactly, not only where ties are far."""
+    input), so TP=2 gives TP=1's tokens and logprobs exactly, not only where ties are far.
+    With an int8 KV cache, so that each rank's Hadamard-rotated K/V of its own heads are
+    checked too (the dense test above keeps the float32 cache)."""
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
-    tp2 = _llm(2, quantization="gguf")
+    tp2 = _llm(2, quantization="gguf", kv_cache_dtype="int8")
     try:
         got = tp2.generate(PROMPTS, params, use_tqdm=False)
         times = tp2.llm_engine.executor.rank_times()
     finally:
         tp2.llm_engine.shutdown()
-    want = _llm(1, quantization="gguf").generate(PROMPTS, params, use_tqdm=False)
+    want = _llm(1, quantization="gguf", kv_cache_dtype="int8").generate(PROMPTS, params, use_tqdm=False)
     for g, w in zip(got, want, strict=True):
         assert list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids), g.prompt
         for mine, theirs in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
