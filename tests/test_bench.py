@@ -1,7 +1,10 @@
 """``pagedllm bench``: tiny runs of every benchmark, checking JSON shapes and arithmetic.
 
 No timing assertions: the figures depend on the machine; only counts, key
-sets and orderings that hold by construction are pinned.
+sets and orderings that hold by construction are pinned. The runs that load a
+model use conftest's 2-layer random Llama with the default model's tokenizer
+and chat template (every request is greedy or seeded and ``ignore_eos``, so
+token counts do not depend on the weights): the harness is what is under test.
 """
 
 from __future__ import annotations
@@ -137,9 +140,9 @@ def test_serve_parses_streams_and_counts_errors():
 # ---- on the default model ------------------------------------------------------
 
 
-def test_throughput_pagedllm_counts_tokens(tmp_path):
+def test_throughput_pagedllm_counts_tokens(tmp_path, tiny_default_tokenizer_model):
     data = _run_cli(
-        ["throughput", "--dataset", "random", "--num-prompts", "3", "--input-len-range", "8:24",
+        ["throughput", "--model", str(tiny_default_tokenizer_model), "--dataset", "random", "--num-prompts", "3", "--input-len-range", "8:24",
          "--output-len", "4", "--num-kv-blocks", "64", "--seed", "5", "--no-warmup"],
         tmp_path,
     )
@@ -157,9 +160,9 @@ def test_throughput_pagedllm_counts_tokens(tmp_path):
     assert rank["all_reduce"]["num_calls"] == 0
 
 
-def test_latency_reports_per_token_gaps(tmp_path):
+def test_latency_reports_per_token_gaps(tmp_path, tiny_default_tokenizer_model):
     data = _run_cli(
-        ["latency", "--input-len", "16", "--output-len", "4", "--runs", "2", "--num-kv-blocks", "32", "--no-warmup"], tmp_path
+        ["latency", "--model", str(tiny_default_tokenizer_model), "--input-len", "16", "--output-len", "4", "--runs", "2", "--num-kv-blocks", "32", "--no-warmup"], tmp_path
     )
     assert data["num_runs"] == 2 and len(data["runs"]) == 2
     for run in data["runs"]:
@@ -170,9 +173,9 @@ def test_latency_reports_per_token_gaps(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_audit_orders_the_policies(tmp_path):
+def test_memory_audit_orders_the_policies(tmp_path, tiny_default_tokenizer_model):
     data = _run_cli(
-        ["memory", "--dataset", "random", "--num-prompts", "3", "--input-len-range", "90:120",
+        ["memory", "--model", str(tiny_default_tokenizer_model), "--dataset", "random", "--num-prompts", "3", "--input-len-range", "90:120",
          "--output-len", "2", "--block-size", "8", "--kv-tokens", "2048", "--max-model-len", "512",
          "--no-sharing", "--no-warmup", "--plot", str(tmp_path / "mem.png")],
         tmp_path,
@@ -194,9 +197,9 @@ def test_memory_audit_orders_the_policies(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_sharing_saves_blocks(tmp_path):
+def test_memory_sharing_saves_blocks(tmp_path, tiny_default_tokenizer_model):
     data = _run_cli(
-        ["memory", "--dataset", "random", "--num-prompts", "2", "--input-len-range", "40:60",
+        ["memory", "--model", str(tiny_default_tokenizer_model), "--dataset", "random", "--num-prompts", "2", "--input-len-range", "40:60",
          "--output-len", "3", "--kv-tokens", "2048", "--max-model-len", "256", "--policies", "paged", "--no-warmup",
          "--sharing-n", "2,4", "--sharing-beam", "2", "--sharing-plot", str(tmp_path / "share.png")],
         tmp_path,
@@ -214,10 +217,10 @@ def test_memory_sharing_saves_blocks(tmp_path):
 
 
 @pytest.mark.slow
-def test_compare_pagedllm_with_hf(tmp_path):
+def test_compare_pagedllm_with_hf(tmp_path, tiny_default_tokenizer_model):
     random_workload(2, (12, 20), 3, seed=2).save(tmp_path / "w2.json")
     data = _run_cli(
-        ["throughput", "--workload", str(tmp_path / "w2.json"), "--compare", "pagedllm,hf",
+        ["throughput", "--model", str(tiny_default_tokenizer_model), "--workload", str(tmp_path / "w2.json"), "--compare", "pagedllm,hf",
          "--num-kv-blocks", "32", "--no-warmup", "--plot", str(tmp_path / "cmp.png")],
         tmp_path,
     )
@@ -244,10 +247,10 @@ def test_compare_entries_split_outside_brackets_and_parse_variants():
 
 
 @pytest.mark.slow
-def test_compare_variant_flags_reach_their_own_process(tmp_path):
+def test_compare_variant_flags_reach_their_own_process(tmp_path, tiny_default_tokenizer_model):
     random_workload(2, (12, 20), 3, seed=2).save(tmp_path / "w2.json")
     data = _run_cli(
-        ["throughput", "--workload", str(tmp_path / "w2.json"), "--no-warmup", "--num-kv-blocks", "32",
+        ["throughput", "--model", str(tiny_default_tokenizer_model), "--workload", str(tmp_path / "w2.json"), "--no-warmup", "--num-kv-blocks", "32",
          "--compare", "pagedllm,pagedllm[--num-kv-blocks 48 --block-size 8]"],
         tmp_path,
     )
@@ -266,13 +269,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def pagedllm_server():
+def pagedllm_server(tiny_default_tokenizer_model):
     import httpx
 
     port = _free_port()
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--kv-cache-memory", "256MiB"],
+        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--kv-cache-memory", "256MiB",
+         "--model", str(tiny_default_tokenizer_model)],
         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
     )
 
@@ -593,9 +597,9 @@ def _check_compare_rows(data: dict, servers: list[str], workload: Workload) -> N
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="checks for leftover processes in /proc")
-def test_serve_compare_starts_runs_and_stops_a_pagedllm_server(tmp_path):
+def test_serve_compare_starts_runs_and_stops_a_pagedllm_server(tmp_path, tiny_default_tokenizer_model):
     data = _run_cli(
-        ["serve", "--compare", "pagedllm", "--num-prompts", "3", "--input-len-range", "12:20", "--output-len", "4",
+        ["serve", "--model", str(tiny_default_tokenizer_model), "--compare", "pagedllm", "--num-prompts", "3", "--input-len-range", "12:20", "--output-len", "4",
          "--kv-cache-memory", "64MiB", "--no-warmup", "--markdown", str(tmp_path / "serve.md")],
         tmp_path,
     )
@@ -606,10 +610,11 @@ def test_serve_compare_starts_runs_and_stops_a_pagedllm_server(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_bench_stops_the_servers_it_started(tmp_path):
+def test_sigterm_to_the_bench_stops_the_servers_it_started(tmp_path, tiny_default_tokenizer_model):
     """`timeout` or `kill` ending a bench must not leave its pagedllm serve running."""
     bench = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "bench", "serve", "--compare", "pagedllm", "--num-prompts", "200",
+        [sys.executable, "-m", "pagedllm.cli", "bench", "serve", "--model", str(tiny_default_tokenizer_model),
+         "--compare", "pagedllm", "--num-prompts", "200",
          "--input-len-range", "12:20", "--output-len", "64", "--kv-cache-memory", "64MiB", "--no-warmup",
          "--server-log-dir", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
