@@ -136,9 +136,12 @@ def test_live_page_under_load_matches_the_engine(browser, server):
     assert _num(browser, "queue-running") == metrics["pagedllm:num_requests_running"] == 0
 
 
-def test_memory_audit_replay_page(browser, tmp_path):
+def test_memory_audit_replay_page(browser, tmp_path, tiny_default_tokenizer_model):
+    # The audit's KV pool, max_model_len and requests (random token ids, ignore_eos) do not depend
+    # on the weights: conftest's 2-layer random Llama with the default model's tokenizer runs them.
     html = tmp_path / "replay.html"
-    cmd = [sys.executable, "-m", "pagedllm.cli", "bench", "memory", "--num-prompts", "4", "--output-len", "8",
+    cmd = [sys.executable, "-m", "pagedllm.cli", "bench", "memory", "--model", str(tiny_default_tokenizer_model),
+           "--num-prompts", "4", "--output-len", "8",
            "--kv-tokens", "1024", "--policies", "paged,contiguous-max", "--no-sharing", "--no-warmup",
            "--html", str(html)]
     subprocess.run(cmd, cwd=REPO_ROOT, check=True, capture_output=True, timeout=900)
