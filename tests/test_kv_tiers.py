@@ -353,17 +353,43 @@ def test_a_directory_that_fails_while_serving_warns_and_serves(tiny_dir, referen
 
 
 @pytest.mark.slow
-def test_host_tier_under_tensor_parallelism(tiny_dir, reference, tmp_path, caplog):
-    """Each rank keeps its heads' share of an evicted block in its own host pool; the disk tier
-    is turned off with a warning (not yet under tensor parallelism)."""
-    with caplog.at_level(logging.WARNING, logger="pagedllm"):
-        llm = tiny_llm(tiny_dir, tensor_parallel_size=2, kv_host_cache_memory=64 * BLOCK_BYTES,
-                       kv_cache_dir=str(tmp_path))
+def test_host_tier_under_tensor_parallelism(tiny_dir, reference):
+    """Each rank keeps its heads' share of an evicted block in its own host pool."""
+    llm = tiny_llm(tiny_dir, tensor_parallel_size=2, kv_host_cache_memory=64 * BLOCK_BYTES)
     try:
-        assert any("tensor_parallel_size 1" in r.message for r in caplog.records)
         assert run_turns(llm) == reference
         stats = llm.kv_cache_stats()
         assert stats.tier("host").num_hit_tokens + stats.prefix_cache_hits == NUM_CONVERSATIONS * PREFIX_LEN
         assert stats.tier("host").num_hit_tokens > 0 and stats.tier("disk") is None
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_disk_tier_under_tensor_parallelism_and_a_restart(tiny_dir, reference, tmp_path):
+    """Rank 0 saves whole blocks (every KV head, gathered from both ranks) and scatters them
+    back on a hit: outputs equal the single-process engine's, before and after a restart."""
+    llm = tiny_llm(tiny_dir, tensor_parallel_size=2, kv_cache_dir=str(tmp_path))
+    try:
+        assert llm.llm_engine.kv_cache.block_tensors()[0].shape[2] == 1  # this rank's one KV head of 2
+        assert run_turns(llm) == reference
+        stats = llm.kv_cache_stats()
+        disk = stats.tier("disk")
+        assert disk.num_hit_tokens + stats.prefix_cache_hits == NUM_CONVERSATIONS * PREFIX_LEN
+        assert disk.num_hit_tokens >= (NUM_CONVERSATIONS - 2) * PREFIX_LEN
+        (directory,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+        manifest = json.loads((directory / MANIFEST).read_text())
+        assert manifest["tp_size"] == 2
+        assert [shape for shape, _ in manifest["layout"]] == [[BS, 2, 16]] * 4  # 2 layers x (K, V), both heads
+    finally:
+        llm.llm_engine.shutdown()  # every rank's part of what is still cached goes to disk
+    restarted = tiny_llm(tiny_dir, tensor_parallel_size=2, kv_cache_dir=str(tmp_path))
+    try:
+        for c in (0, NUM_CONVERSATIONS - 1):  # evicted long ago, and cached on the device at shutdown
+            prompt = conversation_prompts(1)[c]
+            (out,) = restarted.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+            assert list(out.outputs[0].token_ids) == reference[NUM_CONVERSATIONS + c]
+            assert out.num_cached_tokens == PREFIX_LEN
+        assert restarted.kv_cache_stats().tier("disk").num_hit_tokens == 2 * PREFIX_LEN
+        restarted.llm_engine.block_manager.check_invariants()
+    finally:
+        restarted.llm_engine.shutdown()

@@ -19,7 +19,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
 from pagedllm.engine.step_builder import StepBuilder
-from pagedllm.errors import ConfigError, RequestError
+from pagedllm.errors import ConfigError, EngineDeadError, RequestError
 from pagedllm.kv import kv_format
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache
@@ -189,9 +189,8 @@ class LLMEngine:
         config = self.config
         if config.kv_cache_dir is None or not config.enable_prefix_caching:
             return None
-        if config.tensor_parallel_size > 1:
-            logger.warning("kv_cache_dir: the disk tier needs tensor_parallel_size 1 for now; serving without it")
-            return None
+        if self.worker.block_shards is not None:  # tensor parallelism: files hold every rank's KV heads
+            layout = self.worker.block_shards.full_layout
         identity = model_identity(self.model_path)
         (k_shape, k_dtype), encoding = layout[0], ""
         if kv_format.stores_rotated(k_dtype, k_shape[-1]):
@@ -199,7 +198,8 @@ class LLMEngine:
         key = tier_key(
             model_identity=f"{identity}|weights={config.quantization or 'none'}/{config.quantization_group_size}"
                            f"|rope={config.rope_scaling!r}{encoding}",
-            dtype=str(self.dtype), layout=layout, block_size=config.block_size, tp_rank=0, tp_size=1,
+            dtype=str(self.dtype), layout=layout, block_size=config.block_size, tp_rank=0,
+            tp_size=config.tensor_parallel_size,
         )
         # Prefetched copies wait in RAM until admission claims them: at most a device pool's worth, 1 GiB.
         max_loaded = max(64, min(self.kv_cache.num_blocks, 2**30 // layout_nbytes(layout)))
@@ -218,7 +218,10 @@ class LLMEngine:
             return
         if disk.enabled:
             ops = self.block_manager.flush_to_disk()
-            apply_memory_ops(self.kv_cache, ops, disk, self.worker.tier_times)
+            try:
+                self.executor.apply_memory_ops(ops)  # every rank, under tensor parallelism
+            except EngineDeadError as error:
+                logger.warning("kv_cache_dir: blocks not saved at shutdown: %s", error)
         disk.close()
 
     def shutdown(self) -> None:

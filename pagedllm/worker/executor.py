@@ -54,6 +54,13 @@ class TimesRequest:
     reset: bool
 
 
+@dataclass(frozen=True)
+class MemoryOpsRequest:
+    """Control message: every rank applies these memory operations (outside a step)."""
+
+    ops: list
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,6 +96,9 @@ def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, e
                 break
             if isinstance(message, TimesRequest):
                 _gather_times(tp, message.reset)
+                continue
+            if isinstance(message, MemoryOpsRequest):
+                worker.apply_memory_ops(message.ops)
                 continue
             worker.execute(message)
     except (RuntimeError, ConnectionError) as error:  # rank 0 went away
@@ -229,6 +239,15 @@ class MultiprocExecutor:
         try:
             self.channel.send(TimesRequest(reset))
             return _gather_times(self.tp, reset)
+        except (RuntimeError, ConnectionError) as error:
+            self._fail(f"a tensor-parallel worker failed (a collective broke off): {error}")
+
+    def apply_memory_ops(self, ops: list) -> None:
+        """Memory operations outside a step (the disk tier's save at shutdown), on every rank."""
+        self._check_alive()
+        try:
+            self.channel.send(MemoryOpsRequest(ops))
+            self.worker.apply_memory_ops(ops)
         except (RuntimeError, ConnectionError) as error:
             self._fail(f"a tensor-parallel worker failed (a collective broke off): {error}")
 

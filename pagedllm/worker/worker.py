@@ -31,7 +31,7 @@ from pagedllm.errors import ConfigError
 from pagedllm.kv import kv_format, memory_budget
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import TierTimes
-from pagedllm.kv.tiers import DiskTier, read_blocks, write_blocks
+from pagedllm.kv.tiers import DiskTier, block_layout, read_blocks, write_blocks
 from pagedllm.models.loader import load_model
 from pagedllm.native import quant_ops
 from pagedllm.native.cpu_dtype import check_cpu_dtype
@@ -55,6 +55,7 @@ from pagedllm.step import (
     StepResult,
 )
 from pagedllm.structured.bitmask import GrammarMask, mask_from_rows
+from pagedllm.worker.block_shards import BlockShards
 from pagedllm.worker.input_batch import BatchChunk, InputBatch, SeqState
 
 logger = logging.getLogger("pagedllm")
@@ -149,7 +150,8 @@ class Worker:
         self.sampler = Sampler()
         self.batch = InputBatch()
         self.kv_cache: KVCache | None = None
-        self.disk_tier: DiskTier | None = None  # set by the engine when the disk tier is on (one rank)
+        self.disk_tier: DiskTier | None = None  # set by the engine when the disk tier is on (rank 0)
+        self.block_shards: BlockShards | None = None  # the disk tier under tensor parallelism
         self.tier_times = TierTimes()
         self.decode_graphs: DecodeGraphs | None = None
         self._generators: dict[int, torch.Generator | None] = {}
@@ -225,6 +227,14 @@ class Worker:
             num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks,
             prefault=self.config.kv_cache_prefault, **self._kv_shape(),
         )
+        if self.tp.size > 1 and self.config.kv_cache_dir is not None and self.config.enable_prefix_caching:
+            mc = self.model_config  # the disk tier: whole blocks through rank 0
+            self.block_shards = BlockShards(self.tp, block_layout(self.kv_cache.block_tensors()),
+                                            mc.num_heads, mc.num_kv_heads)
+
+    def apply_memory_ops(self, ops: list[MemoryOp]) -> None:
+        """Memory operations outside a step (the disk tier's save at shutdown): on every rank alike."""
+        apply_memory_ops(self.kv_cache, ops, self.disk_tier, self.tier_times, self.block_shards)
 
     def uses_cuda_graphs(self) -> bool:
         # The Triton decode kernel sizes its grid from host ints that stay valid
@@ -317,7 +327,7 @@ class Worker:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         self.batch.update(step)
-        apply_memory_ops(self.kv_cache, step.memory_ops, self.disk_tier, self.tier_times)
+        apply_memory_ops(self.kv_cache, step.memory_ops, self.disk_tier, self.tier_times, self.block_shards)
         chunks = self.batch.chunks(step)
         inputs = build_model_inputs(chunks, self.config.block_size, self.device)
         self._feed_device_tokens(chunks, inputs)
@@ -439,10 +449,14 @@ def _build_native_kernels(device: torch.device, quantization: str | None) -> Non
 
 
 def apply_memory_ops(
-    kv_cache: KVCache, ops: list[MemoryOp], disk_tier: DiskTier | None = None, times: TierTimes | None = None
+    kv_cache: KVCache, ops: list[MemoryOp], disk_tier: DiskTier | None = None, times: TierTimes | None = None,
+    shards: BlockShards | None = None,
 ) -> None:
     """Copies, swaps and tier moves in the order decided: a block freed by one op may be the
-    target of the next, and an evicted block's KV is copied out before anything overwrites it."""
+    target of the next, and an evicted block's KV is copied out before anything overwrites it.
+
+    ``shards``: under tensor parallelism with a disk tier, every rank's part of each block
+    saved or loaded goes through rank 0, which alone holds ``disk_tier`` (see block_shards.py)."""
     times = times if times is not None else TierTimes()
     apply = {
         MemoryOpKind.SWAP_OUT: kv_cache.swap_out,
@@ -455,12 +469,18 @@ def apply_memory_ops(
         start = time.perf_counter()
         if op.kind in (MemoryOpKind.DISK_TIER_OUT, MemoryOpKind.HOST_TIER_TO_DISK):
             source = kv_cache.block_tensors() if op.kind is MemoryOpKind.DISK_TIER_OUT else kv_cache.cpu_block_tensors()
-            _disk_tier_out(source, op.pairs, disk_tier)
+            _disk_tier_out(source, op.pairs, disk_tier, shards)
             times.disk_copy_seconds += time.perf_counter() - start
             continue
         if op.kind is MemoryOpKind.DISK_TIER_IN:
-            write_blocks(kv_cache.block_tensors(), [d for _, d in op.pairs],
-                         [disk_tier.take_claimed(ticket) for ticket, _ in op.pairs])
+            blocks = None
+            if shards is None or shards.tp.is_first:
+                if disk_tier is None:
+                    raise RuntimeError("a disk-tier op reached a worker without a disk tier")
+                blocks = [disk_tier.take_claimed(ticket) for ticket, _ in op.pairs]
+            if shards is not None:
+                blocks = shards.scatter(blocks, len(op.pairs))
+            write_blocks(kv_cache.block_tensors(), [d for _, d in op.pairs], blocks)
             continue  # its seconds are the reader thread's (the disk tier counts them)
         apply[op.kind](op.pairs)
         if op.kind is MemoryOpKind.HOST_TIER_OUT:
@@ -469,11 +489,18 @@ def apply_memory_ops(
             times.host_read_seconds += time.perf_counter() - start
 
 
-def _disk_tier_out(source: list[torch.Tensor], pairs: list[tuple[int, int]], disk_tier: DiskTier | None) -> None:
-    """Host copies of the blocks go to the disk writer (which writes them off the step path)."""
+def _disk_tier_out(
+    source: list[torch.Tensor], pairs: list[tuple[int, int]], disk_tier: DiskTier | None, shards: BlockShards | None
+) -> None:
+    """Host copies of the blocks go to the disk writer (which writes them off the step path);
+    under tensor parallelism, whole blocks gathered on rank 0."""
+    copies = read_blocks(source, [d for d, _ in pairs])
+    if shards is not None:
+        copies = shards.gather(copies)
+        if not shards.tp.is_first:
+            return
     if disk_tier is None:
         raise RuntimeError("a disk-tier op reached a worker without a disk tier")
-    copies = read_blocks(source, [d for d, _ in pairs])
     for (_, ticket), tensors in zip(pairs, copies, strict=True):
         disk_tier.submit_write(ticket, tensors)
 
