@@ -478,12 +478,14 @@ def _make_certificates(directory):
 
 
 @pytest.mark.slow
-def test_serve_https_with_the_official_client(tmp_path):
+def test_serve_https_with_the_official_client(tmp_path, tiny_default_tokenizer_model):
+    # TLS, CORS, --root-path, a --chat-template file and the positional model argument do not
+    # depend on the weights: conftest's 2-layer random Llama with the default model's tokenizer.
     certs = _make_certificates(tmp_path)
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:")
     server = ServerProcess(
-        str(default_model_path()), "--ssl-keyfile", str(certs["key"]), "--ssl-certfile", str(certs["cert"]),
+        str(tiny_default_tokenizer_model), "--ssl-keyfile", str(certs["key"]), "--ssl-certfile", str(certs["cert"]),
         "--num-kv-blocks", "256", "--max-num-seqs", "4", "--chat-template", str(template),
         "--allowed-origins", '["https://app.example"]', "--root-path", "/api", "--uvicorn-log-level", "warning",
     )
@@ -493,7 +495,7 @@ def test_serve_https_with_the_official_client(tmp_path):
         _wait_healthy(server, https, trusted)
         client = openai.OpenAI(base_url=f"{https}/v1", api_key="unused", max_retries=0, timeout=120,
                                http_client=httpx.Client(verify=trusted))
-        completion = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+        completion = client.completions.create(model=tiny_default_tokenizer_model.name, prompt="The capital of France is",
                                                max_tokens=4, temperature=0)
         assert completion.choices[0].text
         tokens = httpx.post(f"{https}/tokenize", verify=trusted,
