@@ -116,7 +116,7 @@ def make_tiny_default_tokenizer_llama(directory) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)

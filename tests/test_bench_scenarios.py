@@ -73,7 +73,7 @@ def test_beam_past_the_trained_context_gets_yarn_unless_told():
     assert beam.default_rope_scaling(given, 32768) == {"rope_type": "linear", "factor": 4}
 
 
-# ---- the scenarios, small, against the default model ----------------------------
+# ---- the scenarios, small: sessions on the default model, beam on a small random one ----
 
 
 @pytest.mark.slow
@@ -99,10 +99,12 @@ def test_sessions_against_a_real_server_leak_no_blocks():
 
 
 @pytest.mark.slow
-def test_beam_8_over_a_4k_prompt_shares_the_prompt_blocks():
+def test_beam_8_over_a_4k_prompt_shares_the_prompt_blocks(tiny_default_tokenizer_model):
+    # The prompt is random token ids and the beams ignore EOS, so the block counts do not depend
+    # on the weights: conftest's 2-layer random Llama (the default model's vocabulary and context).
     budget = beam.BeamBudget(block_size=16, prompt_len=4096, beam_width=8, max_tokens=4)
-    args = _parse(beam, ["--prompt-len", "4096", "--max-tokens", "4", "--kv-cache-memory", "1GiB",
-                         "--max-model-len", "4100"])
+    args = _parse(beam, ["--model", str(tiny_default_tokenizer_model), "--prompt-len", "4096", "--max-tokens", "4",
+                         "--kv-cache-memory", "1GiB", "--max-model-len", "4100"])
     from pagedllm.cli import engine_config_from_args
 
     result = beam.run_beam(engine_config_from_args(args), budget)
