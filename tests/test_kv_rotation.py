@@ -75,6 +75,15 @@ def test_rotate_is_the_same_bits_on_either_path():
     assert got.dtype == torch.float32 and torch.equal(got, kv_format.hadamard(bf16.float()))
 
 
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_the_matrix_form_used_off_the_cpu_is_the_same_transform(n):
+    gen = torch.Generator().manual_seed(n)
+    matrix = kv_format.hadamard_matrix(n, torch.device("cpu"))
+    assert torch.equal(matrix.double(), _sylvester(n))
+    x = torch.randn(7, 3, n, generator=gen)
+    torch.testing.assert_close(x @ matrix * 0.5, kv_format.hadamard(x, 0.5), rtol=1e-6, atol=1e-5)
+
+
 def test_only_int8_with_a_power_of_two_head_size_is_stored_rotated():
     assert kv_format.FORMATS["int8"].rotated
     assert kv_format.stores_rotated(torch.int8, 64) and kv_format.stores_rotated(torch.int8, 128)

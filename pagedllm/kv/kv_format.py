@@ -134,16 +134,30 @@ def hadamard(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``hadamard(x) * scale`` in float32 for ``x`` ``[rows, heads, head_dim]``: in place where
-    ``x`` is a float32 CPU tensor the native kernel takes (rows may be strided), else a new tensor
-    (the same bits either way)."""
+    """``hadamard(x) * scale`` in float32 for ``x`` ``[rows, heads, head_dim]``: on the CPU in
+    place where ``x`` is a float32 tensor the native kernel takes (rows may be strided), else a
+    new tensor, the same bits either way; on other devices a matmul with :func:`hadamard_matrix`."""
     from pagedllm.native import cpu_ops
 
     x = x.float()  # x itself when float32
-    if x.device.type == "cpu" and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cpu_ops.available():
+    if x.device.type != "cpu":  # one matmul, not six kernels of butterflies per call
+        return (x @ hadamard_matrix(x.shape[-1], x.device)) * scale
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cpu_ops.available():
         cpu_ops.hadamard_(x, scale)
         return x
     return hadamard(x, scale)
+
+
+_MATRICES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """The ``n x n`` Sylvester Hadamard matrix (+-1, symmetric) in float32 on ``device``, cached:
+    ``x @ hadamard_matrix(n)`` is ``hadamard(x)`` up to the order of the sums."""
+    key = (n, str(device))
+    if key not in _MATRICES:
+        _MATRICES[key] = hadamard(torch.eye(n, dtype=torch.float32)).to(device)
+    return _MATRICES[key]
 
 
 def rotated_attention_scale(scale: float, head_dim: int) -> float:
