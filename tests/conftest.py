@@ -128,37 +128,3 @@ def tiny_default_tokenizer_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-default-tokenizer")
     make_tiny_default_tokenizer_llama(directory)
     return directory
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _default_gguf_parsed_once():
-    """The default model's GGUF is package data that no test changes. gguf.GGUFReader takes
-    seconds to parse its metadata (about 100k tokenizer strings, each an array view), and every
-    engine on its packed weights (the default) parses it again; in this process it is parsed
-    once per session and the same reader (a read-only memory map) is handed out again.
-    Any other file, or another mode, gets a reader of its own as before; subprocesses
-    (servers, the CLI, tensor-parallel workers) read the file themselves."""
-    import gguf
-
-    from pagedllm.models.paths import default_model_path
-
-    original = gguf.GGUFReader
-    path = default_model_path().resolve()
-    stat = path.stat()
-    key = (str(path), stat.st_mtime_ns, stat.st_size)
-    readers: dict = {}
-
-    def reader(file, mode="r"):
-        resolved = os.path.realpath(file)
-        if mode != "r" or resolved != key[0]:
-            return original(file, mode)
-        current = os.stat(resolved)
-        if (resolved, current.st_mtime_ns, current.st_size) != key:
-            return original(file, mode)
-        if key not in readers:
-            readers[key] = original(file, mode)
-        return readers[key]
-
-    gguf.GGUFReader = reader
-    yield
-    gguf.GGUFReader = original

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from pagedllm.errors import ModelLoadError, UnsupportedModelError
+from pagedllm.models.gguf_file import GGUFFile
 from pagedllm.models.paths import cache_dir, content_digest
 
 logger = logging.getLogger("pagedllm")
@@ -138,12 +139,7 @@ def load_gguf_checkpoint(path: Path, *, use_cache: bool = True, keep_quantized: 
 def read_gguf(path: Path, *, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:
     """Parse a GGUF file into (HF config dict, HF-named tensors in HF row order);
     ``keep_quantized`` as in :func:`load_gguf_checkpoint`."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    reader = GGUFFile(path)  # a ModelLoadError when it is not a GGUF file
     tensor_names = {t.name for t in reader.tensors}
     hf_config = gguf_hf_config(reader, tensor_names)
     arch = hf_config["model_type"]
@@ -218,7 +214,7 @@ def gguf_hf_config(reader: Any, tensor_names: set[str]) -> dict:
     fields = reader.fields
 
     def get(key: str, default: Any = None) -> Any:
-        return _field_value(fields[key]) if key in fields else default
+        return fields.get(key, default)
 
     arch = get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -281,27 +277,11 @@ def _rope_frequency_factors(reader: Any, head_dim: int) -> list[float]:
 def _vocab_size(fields: Any, arch: str, get: Any) -> int:
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return len(tokens)
     size = get(f"{arch}.vocab_size")
     if size is None:
         raise ModelLoadError("GGUF file has neither a token list nor a vocab_size")
     return int(size)
-
-
-def _field_value(field: Any) -> Any:
-    """A reader field as a Python scalar, string or list."""
-    if hasattr(field, "contents"):
-        return field.contents()
-    from gguf import GGUFValueType
-
-    def one(part: Any, value_type: Any) -> Any:
-        if value_type == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        return [one(field.parts[i], field.types[-1]) for i in field.data]
-    return one(field.parts[field.data[0]], field.types[0])
 
 
 def _cache_file(path: Path) -> Path:
