@@ -64,63 +64,10 @@ def _from_folder(folder: Path, *, required: bool) -> dict:
 
 
 def _from_gguf(path: Path) -> dict:
-    values = read_gguf_scalars(path, set(GGUF_KEYS))
-    return _typed({name: values[key] for key, name in GGUF_KEYS.items() if key in values})
+    from pagedllm.models.gguf_file import GGUFFile
 
-
-# GGUF value types (the format's numbering): struct codes of the scalar ones; 8 string, 9 array.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_scalars(path: Path, keys: set[str]) -> dict:
-    """The scalar metadata values of ``keys`` that a GGUF file (version 2 or 3) sets.
-
-    Reads only the header's key/value section, skipping every other value (the
-    tokenizer's vocabulary included), where ``gguf.GGUFReader`` builds an array
-    view per token and per tensor: milliseconds instead of seconds on the default
-    model. Raises ModelLoadError on a file that is not such a GGUF file."""
-    import mmap
-    import struct
-
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            magic, version = struct.unpack_from("<4sI", data, 0)
-            if magic != b"GGUF" or version not in (2, 3):
-                raise ModelLoadError(f"{path} is not a GGUF file of version 2 or 3")
-            (num_kv,) = struct.unpack_from("<Q", data, 16)
-            at, found = 24, {}
-
-            def string(at: int) -> tuple[bytes, int]:
-                (n,) = struct.unpack_from("<Q", data, at)
-                return data[at + 8 : at + 8 + n], at + 8 + n
-
-            def skip(kind: int, at: int) -> int:
-                if kind in _GGUF_SCALARS:
-                    return at + struct.calcsize("<" + _GGUF_SCALARS[kind])
-                if kind == _GGUF_STRING:
-                    return string(at)[1]
-                if kind == _GGUF_ARRAY:
-                    item, count = struct.unpack_from("<IQ", data, at)
-                    at += 12
-                    if item in _GGUF_SCALARS:
-                        return at + count * struct.calcsize("<" + _GGUF_SCALARS[item])
-                    for _ in range(count):
-                        at = skip(item, at)
-                    return at
-                raise ModelLoadError(f"{path}: unknown GGUF value type {kind}")
-
-            for _ in range(num_kv):
-                raw_key, at = string(at)
-                (kind,) = struct.unpack_from("<I", data, at)
-                at += 4
-                key = raw_key.decode("utf-8", "replace")
-                if key in keys and kind in _GGUF_SCALARS:
-                    (found[key],) = struct.unpack_from("<" + _GGUF_SCALARS[kind], data, at)
-                at = skip(kind, at)
-            return found
-    except (OSError, ValueError, struct.error) as exc:
-        raise ModelLoadError(f"cannot read GGUF metadata of {path}: {exc}") from exc
+    fields = GGUFFile(path).fields  # the header only is parsed; tensors stay unread
+    return _typed({name: fields[key] for key, name in GGUF_KEYS.items() if key in fields})
 
 
 def _typed(values: dict) -> dict:

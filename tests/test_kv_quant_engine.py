@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama
 
 from pagedllm import LLM, SamplingParams
 
@@ -18,23 +19,8 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    directory = tmp_path_factory.mktemp("tiny-llama-kv8")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
-        directory
-    )
-    return directory
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-kv8"), vocab_size=VOCAB, hidden_size=256,
+                           intermediate_size=256)
 
 
 def _llm(directory, **options) -> LLM:

@@ -13,11 +13,12 @@ import json
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.base import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.kv import kv_format
+from pagedllm.kv.accuracy import prefill
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.tiers import MANIFEST
 from pagedllm.models.loader import load_model
@@ -93,24 +94,8 @@ def test_only_int8_with_a_power_of_two_head_size_is_stored_rotated():
 
 
 def _tiny_dir(tmp_path_factory, hidden: int, heads: int):
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    directory = tmp_path_factory.mktemp(f"tiny-llama-rot-{hidden}")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
-        directory
-    )
-    return directory
+    return save_tiny_llama(tmp_path_factory.mktemp(f"tiny-llama-rot-{hidden}"), vocab_size=VOCAB, hidden_size=hidden,
+                           intermediate_size=256, num_attention_heads=heads)
 
 
 @pytest.fixture(scope="module")
@@ -123,20 +108,6 @@ def tiny80_dir(tmp_path_factory):
     return _tiny_dir(tmp_path_factory, 320, 4)  # head_dim 80: not a power of two
 
 
-def _prefill(loaded, tokens: list[int], cache_dtype: torch.dtype) -> tuple[torch.Tensor, KVCache]:
-    """Logits of ``tokens`` as one prefill into a fresh cache of ``cache_dtype`` (slots 0..n-1), and the cache."""
-    n, block_size, cfg = len(tokens), 16, loaded.config
-    num_blocks = -(-n // block_size)
-    cache = KVCache(num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=block_size,
-                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cache_dtype, device="cpu")
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(n), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        seq_lens=torch.tensor([n], dtype=torch.int32), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        max_query_len=n, max_seq_len=n, seq_lens_host=[n], query_lens_host=[n],
-    )
-    with torch.inference_mode():
-        logits = loaded.model(torch.tensor(tokens), torch.arange(n), cache.layers, metadata)
-    return logits, cache
 
 
 def _stored(cache: KVCache, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +124,8 @@ def _stored(cache: KVCache, layer: int, n: int) -> tuple[torch.Tensor, torch.Ten
 def test_the_int8_cache_holds_rotated_vectors_that_rotate_back_to_the_float_ones(tiny_dir, dtype):
     loaded = load_model(str(tiny_dir), dtype=dtype, device=torch.device("cpu"), attn_backend=TorchAttentionBackend())
     tokens = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(5)).tolist()
-    want_logits, dense = _prefill(loaded, tokens, dtype)
-    got_logits, int8 = _prefill(loaded, tokens, torch.int8)
+    want_logits, dense = prefill(loaded, tokens, dtype)
+    got_logits, int8 = prefill(loaded, tokens, torch.int8)
     d = loaded.config.head_dim
     for layer in range(loaded.config.num_layers):
         for want, stored in zip(_stored(dense, layer, len(tokens)), _stored(int8, layer, len(tokens)), strict=True):
@@ -172,8 +143,8 @@ def test_a_head_size_that_is_not_a_power_of_two_is_stored_as_it_is(tiny80_dir):
                         attn_backend=TorchAttentionBackend())
     assert loaded.config.head_dim == 80
     tokens = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(6)).tolist()
-    want_logits, dense = _prefill(loaded, tokens, torch.float32)
-    got_logits, int8 = _prefill(loaded, tokens, torch.int8)
+    want_logits, dense = prefill(loaded, tokens, torch.float32)
+    got_logits, int8 = prefill(loaded, tokens, torch.int8)
     for want, stored in zip(_stored(dense, 0, 40), _stored(int8, 0, 40), strict=True):
         assert (stored - want).abs().max().item() < 0.02 * want.abs().amax().item()
     torch.testing.assert_close(got_logits, want_logits, atol=0.05, rtol=0)
@@ -202,10 +173,10 @@ def test_rotation_cuts_the_int8_cache_error_on_the_default_model(monkeypatch):
     loaded = load_model(None, dtype=torch.float32, device=torch.device("cpu"), attn_backend=TorchAttentionBackend())
     text = (Path(__file__).parent / "data" / "english_text.txt").read_text()
     tokens = Tokenizer.load(loaded.path).encode(text)[:256]
-    want = _prefill(loaded, tokens, torch.float32)[0].log_softmax(-1)
+    want = prefill(loaded, tokens, torch.float32)[0].log_softmax(-1)
 
     def kl() -> float:
-        got = _prefill(loaded, tokens, torch.int8)[0].log_softmax(-1)
+        got = prefill(loaded, tokens, torch.int8)[0].log_softmax(-1)
         return (want.exp() * (want - got)).sum(-1).mean().item()
 
     rotated = kl()

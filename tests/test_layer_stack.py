@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import save_tiny_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.native import cpu_ops, quant_ops
@@ -23,27 +24,8 @@ needs_kernels = pytest.mark.skipif(
 
 
 def _tiny_dir(directory, **overrides):
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=320, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, **overrides,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # random biases: the initialiser leaves them at zero
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(directory, safe_serialization=True)
-    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
-        directory
-    )
-    return directory
+    return save_tiny_llama(directory, random_biases=True, vocab_size=VOCAB, hidden_size=256, intermediate_size=320,
+                           num_hidden_layers=3, **overrides)
 
 
 @pytest.fixture(scope="module")

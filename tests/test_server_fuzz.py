@@ -18,10 +18,10 @@ import os
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixture import ServerProcess
+from tiny_models import save_tiny_llama
 
 NUM_CASES = int(os.environ.get("PAGEDLLM_FUZZ_CASES", "80"))
 NUM_SLOW_CASES = int(os.environ.get("PAGEDLLM_FUZZ_SLOW_CASES", "1500"))
@@ -36,21 +36,7 @@ CHAT_TEMPLATE = (
 
 def make_tiny_llama(directory) -> None:
     """A 2-layer random Llama with a word-level tokenizer of VOCAB words and a chat template."""
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
+    save_tiny_llama(directory, vocab_size=VOCAB, chat_template=CHAT_TEMPLATE)
 
 
 # ---------------------------------------------------------------------------

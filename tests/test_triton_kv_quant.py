@@ -27,6 +27,7 @@ skip_if_interpreter_too_old(triton)
 
 from attention_reference import make_paged_batch, naive_attention  # noqa: E402
 from kv_quant_reference import FORMATS, QMAX, QuantizedBatch, quantize  # noqa: E402
+from tiny_models import save_tiny_llama  # noqa: E402
 
 from pagedllm.attention.kernels.paged_decode import paged_decode  # noqa: E402
 from pagedllm.attention.kernels.write_kv import write_kv  # noqa: E402
@@ -263,23 +264,8 @@ def test_oracle_quantizer_equals_the_format_module():
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
     """A 2-layer random Llama (4 query / 2 KV heads, head_dim 64) with a word-level tokenizer."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    directory = tmp_path_factory.mktemp("tiny-llama-triton-kv8")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    words = RustTokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2"
-    ).save_pretrained(directory)
-    return directory
+    pytest.importorskip("transformers")
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-triton-kv8"), hidden_size=256, intermediate_size=256)
 
 
 @pytest.mark.slow

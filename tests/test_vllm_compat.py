@@ -256,43 +256,6 @@ def test_generation_config_from_gguf_metadata(tmp_path):
     assert default_sampling_fields(default_model_path(), "auto") == {}  # SmolLM2's GGUF sets none
 
 
-def test_the_gguf_header_scan_reads_what_the_gguf_package_reads(tmp_path):
-    """read_gguf_scalars skips every value it is not asked for, arrays of strings and of arrays
-    included: every scalar it returns equals gguf.GGUFReader's, on the default model and on a
-    file with every value type; a truncated file is a ModelLoadError."""
-    import gguf
-
-    from pagedllm.errors import ModelLoadError
-    from pagedllm.generation_config import read_gguf_scalars
-
-    path = tmp_path / "types.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_array("a.strings", ["x", "yz", ""])
-    writer.add_array("a.nested", [[1, 2], [3]])
-    for i, (add, value) in enumerate([
-        (writer.add_uint8, 7), (writer.add_int8, -7), (writer.add_uint16, 700), (writer.add_int16, -700),
-        (writer.add_uint32, 70000), (writer.add_int32, -70000), (writer.add_float32, 0.1), (writer.add_bool, True),
-        (writer.add_uint64, 2**40), (writer.add_int64, -(2**40)), (writer.add_float64, 0.1),
-    ]):
-        add(f"s.{i}", value)
-        writer.add_string(f"t.{i}", "text between scalars")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    for file in (path, default_model_path()):
-        fields = gguf.GGUFReader(str(file)).fields
-        scalars = {k: f.contents() for k, f in fields.items() if not k.startswith("GGUF.") and len(f.types) == 1
-                   and f.types[0] not in (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)}
-        assert len(scalars) >= 11
-        assert read_gguf_scalars(file, set(fields)) == scalars
-        assert read_gguf_scalars(file, {"no.such.key"}) == {}
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(path.read_bytes()[:60])
-    with pytest.raises(ModelLoadError, match="GGUF"):
-        read_gguf_scalars(cut, {"s.0"})
-
-
 # ---------------------------------------------------------------------------
 # The HTTP app over a fake engine: CORS, chat template, defaults, max_logprobs
 # ---------------------------------------------------------------------------

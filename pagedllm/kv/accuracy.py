@@ -123,6 +123,12 @@ class TextComparison:
 def text_logits(loaded, tokens: list[int], cache_dtype):
     """Logits ``[len(tokens), vocab]``: the text as one prefill into a cache of ``cache_dtype``,
     so every position's attention reads the (quantized) cache."""
+    return prefill(loaded, tokens, cache_dtype)[0]
+
+
+def prefill(loaded, tokens: list[int], cache_dtype):
+    """``tokens`` as one prefill of ``loaded.model`` into a fresh KV cache of ``cache_dtype``
+    (blocks of 16, slots ``0 .. len(tokens) - 1`` in order): (logits ``[len(tokens), vocab]``, the cache)."""
     import torch
 
     from pagedllm.attention.base import AttentionMetadata
@@ -138,7 +144,7 @@ def text_logits(loaded, tokens: list[int], cache_dtype):
         max_query_len=n, max_seq_len=n, seq_lens_host=[n], query_lens_host=[n],
     )
     with torch.inference_mode():
-        return loaded.model(torch.tensor(tokens), torch.arange(n), cache.layers, metadata)
+        return loaded.model(torch.tensor(tokens), torch.arange(n), cache.layers, metadata), cache
 
 
 def compare_text(model: str | None, text: str, formats: list[str], dtype: str = "float32",

@@ -69,10 +69,10 @@ def block_layout(block_tensors: list[torch.Tensor]) -> BlockLayout:
 
 def layout_nbytes(layout: BlockLayout) -> int:
     """Bytes of one block's KV over every tensor of the layout."""
-    return sum(_slice_nbytes(shape, dtype) for shape, dtype in layout)
+    return sum(slice_nbytes(shape, dtype) for shape, dtype in layout)
 
 
-def _slice_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def slice_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     count = 1
     for n in shape:
         count *= n
@@ -436,7 +436,7 @@ class DiskTier:
             os.utime(path)  # the file's mtime is its last use, for the LRU order after a restart
         except (OSError, ValueError, struct.error, KeyError, TypeError):
             return None
-        return _tensors_from_raw(raw, self.layout)
+        return tensors_from_raw(raw, self.layout)
 
     # -- LRU and failure -----------------------------------------------------------------------
 
@@ -518,7 +518,7 @@ def _content_json(content: BlockContent, layout: BlockLayout) -> bytes:
         "parent": None if content.parent_hash is None else content.parent_hash.hex(),
         "tokens": list(content.token_ids),
         "extra": list(content.extra_keys),
-        "slices": [_slice_nbytes(shape, dtype) for shape, dtype in layout],
+        "slices": [slice_nbytes(shape, dtype) for shape, dtype in layout],
     }).encode()
 
 
@@ -532,11 +532,11 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _tensors_from_raw(raw: torch.Tensor, layout: BlockLayout) -> list[torch.Tensor]:
+def tensors_from_raw(raw: torch.Tensor, layout: BlockLayout) -> list[torch.Tensor]:
     """Views of a block's bytes (uint8, the slices one after another) as its tensors."""
     tensors, offset = [], 0
     for shape, dtype in layout:
-        n = _slice_nbytes(shape, dtype)
+        n = slice_nbytes(shape, dtype)
         tensors.append(raw[offset : offset + n].view(dtype).reshape(shape))
         offset += n
     return tensors

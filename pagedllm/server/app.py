@@ -553,24 +553,10 @@ def build_app(
     app.state.server = server
     _install_error_handlers(app)
     if cors is not None:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(cors.allowed_origins),
-            allow_methods=list(cors.allowed_methods),
-            allow_headers=list(cors.allowed_headers),
-            allow_credentials=cors.allow_credentials,
-        )
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
-    v1.add_api_route("/completions", _guarded(server.create_completion), methods=["POST"])
-    v1.add_api_route("/chat/completions", _guarded(server.create_chat_completion), methods=["POST"])
-    v1.add_api_route("/models", server.models, methods=["GET"], response_model=p.ModelList)
-    v1.add_api_route("/models", server.models, methods=["HEAD"], include_in_schema=False)
-    app.include_router(v1)
-
+        _add_cors(app, cors)
+    _add_api_routes(app, server, api_key)
     _add_service_routes(app, engine, metrics)
-    app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
-    app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
+    _add_token_routes(app, server)
     if dashboard:
         from pagedllm.server.dashboard import install_dashboard
 
@@ -579,6 +565,32 @@ def build_app(
             "invalid_request_error", code="invalid_api_key",
         ), registry=metrics.registry)
     return app
+
+
+def _add_cors(app: FastAPI, cors: CorsSettings) -> None:
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(cors.allowed_origins),
+        allow_methods=list(cors.allowed_methods),
+        allow_headers=list(cors.allowed_headers),
+        allow_credentials=cors.allow_credentials,
+    )
+
+
+def _add_api_routes(app: FastAPI, server: OpenAIServer, api_key: str | None) -> None:
+    """/v1/completions, /v1/chat/completions and /v1/models, behind the API key."""
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    v1.add_api_route("/completions", _guarded(server.create_completion), methods=["POST"])
+    v1.add_api_route("/chat/completions", _guarded(server.create_chat_completion), methods=["POST"])
+    v1.add_api_route("/models", server.models, methods=["GET"], response_model=p.ModelList)
+    v1.add_api_route("/models", server.models, methods=["HEAD"], include_in_schema=False)
+    app.include_router(v1)
+
+
+def _add_token_routes(app: FastAPI, server: OpenAIServer) -> None:
+    """/tokenize and /detokenize (outside /v1: no API key)."""
+    app.add_api_route("/tokenize", _guarded(server.tokenize), methods=["POST"], response_model=p.TokenizeResponse)
+    app.add_api_route("/detokenize", _guarded(server.detokenize), methods=["POST"], response_model=p.DetokenizeResponse)
 
 
 def _api_key_check(api_key: str | None):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pagedllm.distributed import HeadShard, TensorParallelGroup, head_shard
 from pagedllm.kv.kv_format import as_bytes
-from pagedllm.kv.tiers import BlockLayout
+from pagedllm.kv.tiers import BlockLayout, layout_nbytes, tensors_from_raw
 
 KV_HEAD_DIM = 1  # slice [block] of every block tensor is [block_size, KV heads, ...]
 
@@ -38,7 +38,7 @@ class BlockShards:
         self.local_layout = local_layout
         self.layouts = [self._with_heads(local_layout, s.num_kv) for s in self.shards]  # per rank
         self.full_layout = self._with_heads(local_layout, num_kv_heads)
-        self._sizes = [sum(_nbytes(shape, dtype) for shape, dtype in layout) for layout in self.layouts]
+        self._sizes = [layout_nbytes(layout) for layout in self.layouts]
 
     @staticmethod
     def _with_heads(layout: BlockLayout, heads: int) -> BlockLayout:
@@ -83,13 +83,6 @@ class BlockShards:
         return out
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * torch.empty((), dtype=dtype).element_size()
-
-
 def _pack(blocks: list[list[torch.Tensor]]) -> torch.Tensor:
     """Every slice's bytes, block after block, in layout order: one flat uint8 tensor."""
     pieces = [as_bytes(t).contiguous().reshape(-1).view(torch.uint8) for block in blocks for t in block]
@@ -97,12 +90,6 @@ def _pack(blocks: list[list[torch.Tensor]]) -> torch.Tensor:
 
 
 def _unpack(buffer: torch.Tensor, layout: BlockLayout, num: int) -> list[list[torch.Tensor]]:
-    blocks, offset = [], 0
-    for _ in range(num):
-        slices = []
-        for shape, dtype in layout:
-            n = _nbytes(shape, dtype)
-            slices.append(buffer[offset : offset + n].clone().view(dtype).reshape(shape))
-            offset += n
-        blocks.append(slices)
-    return blocks
+    """Views of ``num`` packed blocks' slices in ``buffer`` (uint8), block after block."""
+    size = layout_nbytes(layout)
+    return [tensors_from_raw(buffer[i * size : (i + 1) * size], layout) for i in range(num)]
