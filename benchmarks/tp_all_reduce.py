@@ -34,7 +34,7 @@ def _rank_main(rank: int, port: int, iters: int, results) -> None:
     attach_shared_memory(tp, max(r * c for r, c in SHAPES) * 4, timeout_s=60)
     for shape in SHAPES:
         x = torch.randn(*shape)
-        calls = {"gloo": lambda: dist.all_reduce(x), "shm": lambda: tp.shared_memory.all_reduce(x)}
+        calls = {"gloo": lambda x=x: dist.all_reduce(x), "shm": lambda x=x: tp.shared_memory.all_reduce(x)}
         for name, call in calls.items():
             for _ in range(5):
                 call()

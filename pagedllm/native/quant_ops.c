@@ -455,19 +455,24 @@ typedef struct {
     int32_t *zc; /* [tiles][blocks][tile_rows] -zero * xsum: the zero-point correction */
 } RowTiles;
 
-static int row_tiles_init(RowTiles *t, int64_t tile_rows, const int8_t *xq, const int8_t *xq2, const float *dx,
-                          const int32_t *xsum, int64_t rows, int64_t Kp, int32_t zero) {
-    const int64_t blocks = Kp / 32, quads = Kp / 4, tiles = (rows + tile_rows - 1) / tile_rows;
+static int row_tiles_alloc(RowTiles *t, int64_t tile_rows, int have_x2, int64_t rows, int64_t Kp) {
+    const int64_t blocks = Kp / 32, tiles = (rows + tile_rows - 1) / tile_rows;
     t->tile_rows = tile_rows;
     t->num_tiles = tiles;
     t->num_blocks = blocks;
     t->x = calloc((size_t)(tiles * tile_rows * Kp), 1);
-    t->x2 = xq2 ? calloc((size_t)(tiles * tile_rows * Kp), 1) : 0;
+    t->x2 = have_x2 ? calloc((size_t)(tiles * tile_rows * Kp), 1) : 0;
     t->dx = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
     t->xs = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
     t->zc = calloc((size_t)(tiles * blocks * tile_rows), sizeof(int32_t));
-    if (!t->x || (xq2 && !t->x2) || !t->dx || !t->xs || !t->zc) return 0;
-    for (int64_t i = 0; i < rows; i++) {
+    return t->x && (!have_x2 || t->x2) && t->dx && t->xs && t->zc;
+}
+
+/* Rows [i0, i1) of the activations into t's order (row_tiles_alloc'ed). */
+static void row_tiles_fill(RowTiles *t, const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum,
+                           int64_t i0, int64_t i1, int64_t Kp, int32_t zero) {
+    const int64_t tile_rows = t->tile_rows, blocks = Kp / 32, quads = Kp / 4;
+    for (int64_t i = i0; i < i1; i++) {
         const int64_t tile = i / tile_rows, lane = i % tile_rows;
         const int64_t at = tile * tile_rows * Kp + lane * 4;
         for (int64_t l = 0; l < quads; l++) memcpy(t->x + at + l * tile_rows * 4, xq + i * Kp + 4 * l, 4);
@@ -480,7 +485,6 @@ static int row_tiles_init(RowTiles *t, int64_t tile_rows, const int8_t *xq, cons
             t->zc[at] = -zero * sum;
         }
     }
-    return 1;
 }
 
 static void row_tiles_free(RowTiles *t) {
@@ -553,8 +557,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void tile_vnni_levels(
     int two, float *out) {
     const int64_t blocks = rt->num_blocks;
     const int8_t *x = rt->x + t * VNNI_TILE_ROWS * Kp, *x2 = two ? rt->x2 + t * VNNI_TILE_ROWS * Kp : 0;
-    __m512 acc[VNNI_TILE_COLS];
-    for (int c = 0; c < VNNI_TILE_COLS; c++) acc[c] = _mm512_setzero_ps();
+    for (int c = 0; c < VNNI_TILE_COLS; c++) _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, _mm512_setzero_ps());
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = (t * blocks + b) * VNNI_TILE_ROWS;
         const __m512i init = zero ? _mm512_loadu_si512((const void *)(rt->zc + at)) : _mm512_setzero_si512();
@@ -563,31 +566,29 @@ TARGET_VNNI static inline __attribute__((always_inline)) void tile_vnni_levels(
             dot[c] = two ? _mm512_setzero_si512() : init;
             dot2[c] = init;
         }
+        const uint8_t *cb = codes + 32 * b;
+        _Pragma("GCC unroll 8")
         for (int s = 0; s < 8; s++) {
             const int64_t off = (8 * b + s) * VNNI_TILE_ROWS * 4;
             const __m512i xv = _mm512_loadu_si512((const void *)(x + off));
             const __m512i xv2 = two ? _mm512_loadu_si512((const void *)(x2 + off)) : _mm512_setzero_si512();
+            _Pragma("GCC unroll 8")
             for (int c = 0; c < VNNI_TILE_COLS; c++) {
-                int32_t w4;
-                memcpy(&w4, codes + c * Kp + 32 * b + 4 * s, 4);
-                const __m512i w = _mm512_set1_epi32(w4);
+                const __m512i w = _mm512_set1_epi32(*(const int32_t *)(cb + c * Kp + 4 * s));
                 dot[c] = _mm512_dpbusd_epi32(dot[c], w, xv);
                 if (two) dot2[c] = _mm512_dpbusd_epi32(dot2[c], w, xv2);
             }
         }
-        for (int c = 0; two && c < VNNI_TILE_COLS; c++) dot[c] = _mm512_add_epi32(_mm512_slli_epi32(dot[c], 8), dot2[c]);
         const __m512 dxv = _mm512_loadu_ps(rt->dx + at);
+        const __m512 xsv = mw ? _mm512_loadu_ps(rt->xs + at) : _mm512_setzero_ps();
         for (int c = 0; c < VNNI_TILE_COLS; c++) {
+            __m512i d = two ? _mm512_add_epi32(_mm512_slli_epi32(dot[c], 8), dot2[c]) : dot[c];
             __m512 scale = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[c * blocks + b]));
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, acc[c]);
-        }
-        if (mw) {
-            const __m512 xsv = _mm512_loadu_ps(rt->xs + at);
-            for (int c = 0; c < VNNI_TILE_COLS; c++)
-                acc[c] = _mm512_fmadd_ps(xsv, _mm512_set1_ps(mw[c * blocks + b]), acc[c]);
+            __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, _mm512_loadu_ps(out + c * VNNI_TILE_ROWS));
+            if (mw) acc = _mm512_fmadd_ps(xsv, _mm512_set1_ps(mw[c * blocks + b]), acc);
+            _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, acc);
         }
     }
-    for (int c = 0; c < VNNI_TILE_COLS; c++) _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, acc[c]);
 }
 
 TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
@@ -835,15 +836,77 @@ TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_
     else tile_avx2_q8_levels(rt, t, codes, dw, mw, Kp, 0, out);
 }
 
+/* A tile's outputs out[c * tile_rows + i] written to y[i * N + c] for rows i < num and
+ * outputs c < count: one transposition in registers and one store per row instead of a
+ * scalar store per value (16 x 8 of them for a VNNI tile, to rows far apart in y). */
+typedef void (*TileStore)(const float *out, int64_t num, int64_t count, float *y, int64_t N);
+
+TARGET_VNNI static inline __m256 upper_half_ps(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+TARGET_VNNI static void tile_store_vnni(const float *out, int64_t num, int64_t count, float *y, int64_t N) {
+    __m512 r[VNNI_TILE_COLS], u[VNNI_TILE_COLS], w[VNNI_TILE_COLS];
+    for (int c = 0; c < VNNI_TILE_COLS; c++) r[c] = _mm512_loadu_ps(out + c * VNNI_TILE_ROWS);
+    /* per 128-bit lane L (rows 4L .. 4L + 3): pairs of outputs, then quads */
+    for (int c = 0; c < VNNI_TILE_COLS; c += 2) {
+        u[c] = _mm512_unpacklo_ps(r[c], r[c + 1]);     /* r_c[4L], r_c+1[4L], r_c[4L+1], r_c+1[4L+1] */
+        u[c + 1] = _mm512_unpackhi_ps(r[c], r[c + 1]); /* the same for rows 4L + 2, 4L + 3 */
+    }
+    for (int h = 0; h < 2; h++) {  /* h: outputs 4h .. 4h + 3 */
+        const int c = 4 * h;
+        w[c] = _mm512_shuffle_ps(u[c], u[c + 2], 0x44);         /* row 4L */
+        w[c + 1] = _mm512_shuffle_ps(u[c], u[c + 2], 0xee);     /* row 4L + 1 */
+        w[c + 2] = _mm512_shuffle_ps(u[c + 1], u[c + 3], 0x44); /* row 4L + 2 */
+        w[c + 3] = _mm512_shuffle_ps(u[c + 1], u[c + 3], 0xee); /* row 4L + 3 */
+    }
+    /* row 4L + j = lane L of w[j] (outputs 0-3) then lane L of w[4 + j] (outputs 4-7) */
+    const __m512i lanes01 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i lanes23 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __mmask8 mask = (__mmask8)((1u << count) - 1u);
+    for (int j = 0; j < 4; j++) {
+        const __m512 a = _mm512_permutex2var_ps(w[j], lanes01, w[4 + j]); /* rows j, 4 + j */
+        const __m512 b = _mm512_permutex2var_ps(w[j], lanes23, w[4 + j]); /* rows 8 + j, 12 + j */
+        const __m256 rows[4] = {_mm512_castps512_ps256(a), upper_half_ps(a), _mm512_castps512_ps256(b),
+                                upper_half_ps(b)};
+        for (int k = 0; k < 4; k++) {
+            const int64_t i = 4 * k + j;
+            if (i < num) _mm256_mask_storeu_ps(y + i * N, mask, rows[k]);
+        }
+    }
+}
+
+TARGET_AVX2 static void tile_store_avx2(const float *out, int64_t num, int64_t count, float *y, int64_t N) {
+    /* 4 outputs x 8 rows: two 4 x 4 transpositions, one per half of the rows */
+    for (int h = 0; h < 2; h++) {
+        __m128 c0 = _mm_loadu_ps(out + 4 * h), c1 = _mm_loadu_ps(out + AVX2_TILE_ROWS + 4 * h),
+               c2 = _mm_loadu_ps(out + 2 * AVX2_TILE_ROWS + 4 * h), c3 = _mm_loadu_ps(out + 3 * AVX2_TILE_ROWS + 4 * h);
+        _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+        const __m128 rows[4] = {c0, c1, c2, c3};
+        for (int k = 0; k < 4; k++) {
+            const int64_t i = 4 * h + k;
+            if (i >= num) break;
+            if (count == AVX2_TILE_COLS) {
+                _mm_storeu_ps(y + i * N, rows[k]);
+            } else {
+                float v[4];
+                _mm_storeu_ps(v, rows[k]);
+                memcpy(y + i * N, v, (size_t)count * sizeof(float));
+            }
+        }
+    }
+}
+
 typedef struct {
     TileKernel kernel;
+    TileStore store;
     int64_t rows, cols; /* activation rows x outputs per call */
     int signed_codes;   /* 8-bit codes unpacked as q - 128 */
 } TileShape;
 
-static const TileShape VNNI_TILE = {tile_vnni, VNNI_TILE_ROWS, VNNI_TILE_COLS, 0};
-static const TileShape AVX2_Q4_TILE = {tile_avx2_q4, AVX2_TILE_ROWS, AVX2_TILE_COLS, 0};
-static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1};
+static const TileShape VNNI_TILE = {tile_vnni, tile_store_vnni, VNNI_TILE_ROWS, VNNI_TILE_COLS, 0};
+static const TileShape AVX2_Q4_TILE = {tile_avx2_q4, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 0};
+static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1};
 
 /* y [rows, N] through a tile kernel: groups of `cols` outputs are the parallel work items;
  * each unpacks its outputs once and runs every row tile on them. Returns 0 when out of
@@ -853,7 +916,7 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
                       const int32_t *xsum, int64_t rows, float *y) {
     const int64_t tile_rows = shape.rows, cols = shape.cols;
     RowTiles rt;
-    if (!row_tiles_init(&rt, tile_rows, xq, xq2, dx, xsum, rows, Kp, zero)) {
+    if (!row_tiles_alloc(&rt, tile_rows, xq2 != 0, rows, Kp)) {
         row_tiles_free(&rt);
         return 0;
     }
@@ -868,6 +931,11 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
             _Pragma("omp atomic write")
             failed = 1;
         }
+        _Pragma("omp for schedule(static)") /* the activations in tile order, both threads */
+        for (int64_t t = 0; t < rt.num_tiles; t++) {
+            const int64_t i1 = (t + 1) * tile_rows < rows ? (t + 1) * tile_rows : rows;
+            row_tiles_fill(&rt, xq, xq2, dx, xsum, t * tile_rows, i1, Kp, zero);
+        }
         _Pragma("omp for schedule(static)")
         for (int64_t g = 0; g < num_groups; g++) {
             if (!codes || !dw) continue;
@@ -878,8 +946,7 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
                 const int64_t t = g % 2 ? rt.num_tiles - 1 - step : step;
                 shape.kernel(&rt, t, codes, dw, mw, Kp, zero, out);
                 const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
-                for (int64_t i = 0; i < num; i++)
-                    for (int64_t c = 0; c < count; c++) y[(t * tile_rows + i) * N + n0 + c] = out[c * tile_rows + i];
+                shape.store(out, num, count, y + t * tile_rows * N + n0, N);
             }
         }
         free(codes);
