@@ -557,15 +557,19 @@ TARGET_VNNI static inline __attribute__((always_inline)) void tile_vnni_levels(
     int two, float *out) {
     const int64_t blocks = rt->num_blocks;
     const int8_t *x = rt->x + t * VNNI_TILE_ROWS * Kp, *x2 = two ? rt->x2 + t * VNNI_TILE_ROWS * Kp : 0;
-    for (int c = 0; c < VNNI_TILE_COLS; c++) _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, _mm512_setzero_ps());
+    __m512 acc[VNNI_TILE_COLS];
+    _Pragma("GCC unroll 8")
+    for (int c = 0; c < VNNI_TILE_COLS; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = (t * blocks + b) * VNNI_TILE_ROWS;
         const __m512i init = zero ? _mm512_loadu_si512((const void *)(rt->zc + at)) : _mm512_setzero_si512();
         __m512i dot[VNNI_TILE_COLS], dot2[VNNI_TILE_COLS];
+        _Pragma("GCC unroll 8")
         for (int c = 0; c < VNNI_TILE_COLS; c++) {
             dot[c] = two ? _mm512_setzero_si512() : init;
             dot2[c] = init;
         }
+        /* fully unrolled: with a loop, GCC moves the 16 integer sums between registers every step */
         const uint8_t *cb = codes + 32 * b;
         _Pragma("GCC unroll 8")
         for (int s = 0; s < 8; s++) {
@@ -574,21 +578,25 @@ TARGET_VNNI static inline __attribute__((always_inline)) void tile_vnni_levels(
             const __m512i xv2 = two ? _mm512_loadu_si512((const void *)(x2 + off)) : _mm512_setzero_si512();
             _Pragma("GCC unroll 8")
             for (int c = 0; c < VNNI_TILE_COLS; c++) {
-                const __m512i w = _mm512_set1_epi32(*(const int32_t *)(cb + c * Kp + 4 * s));
+                int32_t w4;
+                memcpy(&w4, cb + c * Kp + 4 * s, 4);
+                const __m512i w = _mm512_set1_epi32(w4);
                 dot[c] = _mm512_dpbusd_epi32(dot[c], w, xv);
                 if (two) dot2[c] = _mm512_dpbusd_epi32(dot2[c], w, xv2);
             }
         }
         const __m512 dxv = _mm512_loadu_ps(rt->dx + at);
         const __m512 xsv = mw ? _mm512_loadu_ps(rt->xs + at) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 8")
         for (int c = 0; c < VNNI_TILE_COLS; c++) {
-            __m512i d = two ? _mm512_add_epi32(_mm512_slli_epi32(dot[c], 8), dot2[c]) : dot[c];
-            __m512 scale = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[c * blocks + b]));
-            __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, _mm512_loadu_ps(out + c * VNNI_TILE_ROWS));
-            if (mw) acc = _mm512_fmadd_ps(xsv, _mm512_set1_ps(mw[c * blocks + b]), acc);
-            _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, acc);
+            const __m512i d = two ? _mm512_add_epi32(_mm512_slli_epi32(dot[c], 8), dot2[c]) : dot[c];
+            const __m512 scale = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[c * blocks + b]));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[c]);
+            if (mw) acc[c] = _mm512_fmadd_ps(xsv, _mm512_set1_ps(mw[c * blocks + b]), acc[c]);
         }
     }
+    _Pragma("GCC unroll 8")
+    for (int c = 0; c < VNNI_TILE_COLS; c++) _mm512_storeu_ps(out + c * VNNI_TILE_ROWS, acc[c]);
 }
 
 TARGET_VNNI static void tile_vnni(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
