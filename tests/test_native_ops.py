@@ -268,6 +268,28 @@ def test_env_var_forces_the_loaded_path(isa):
     assert done.stdout.split() == [isa, str(isa != "scalar")]
 
 
+@pytest.mark.parametrize("isa", ISA_PATHS)
+def test_a_forced_machine_class_forces_the_packed_matmuls_too(isa):
+    """pagedllm@ISA's environment (isa_environment): a CPU class without AVX-512 gets that
+    class's packed-matmul path as well, so the whole run is what such a CPU runs; the AVX-512
+    classes leave the matmuls their best path."""
+    from pagedllm.native import quant_ops
+
+    code = (
+        "from pagedllm.native import cpu_ops, quant_ops; assert cpu_ops.available(); "
+        "print(cpu_ops.selected_isa(), quant_ops.available() and quant_ops.ISA_NAMES[quant_ops.isa()])"
+    )
+    env = {key: value for key, value in os.environ.items() if key != quant_ops.ISA_ENV}
+    env.update(cpu_ops.isa_environment(isa))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    selected, matmuls = done.stdout.split()
+    assert selected == isa
+    if quant_ops.available():
+        best = quant_ops.ISA_NAMES[quant_ops.runnable_isas()[-1]]
+        assert matmuls == {"scalar": "portable", "avx2": "avx2"}.get(isa, best)
+
+
 def test_unknown_or_unsupported_path_is_a_config_error(monkeypatch):
     monkeypatch.setenv(cpu_ops.ISA_ENV, "sse9")
     with pytest.raises(ConfigError, match="not a kernel path.*scalar, avx2, avx512, avx512_bf16"):

@@ -196,10 +196,10 @@ def run_backend(args: argparse.Namespace, workload: Workload) -> ThroughputResul
 def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
     """Run each backend of ``--compare`` in a fresh process on the same workload file."""
     from pagedllm.bench.peers import find_llamacpp_python
-    from pagedllm.native.cpu_ops import ISA_ENV, ISA_PATHS
+    from pagedllm.native.cpu_ops import ISA_PATHS, isa_environment
 
     backends = split_compare(args.compare)
-    # pagedllm@ISA runs pagedllm with its native kernels forced to that path (PAGEDLLM_CPU_ISA);
+    # pagedllm@ISA runs pagedllm with its native kernels forced to that path (isa_environment);
     # pagedllm[FLAGS] runs it with extra engine flags, e.g. pagedllm[--kv-cache-dtype int8]
     specs = [_parse_spec(b) for b in backends]
     unknown = [b for b, (name, isa, extra) in zip(backends, specs)
@@ -231,7 +231,7 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
             if not args.warmup:
                 cmd.append("--no-warmup")
             cmd += engine_argv(args) + extra  # a variant's flags come last and win
-            env = {**os.environ, ISA_ENV: isa} if isa else None
+            env = {**os.environ, **isa_environment(isa)} if isa else None
             print(f"running {label} ...", file=sys.stderr, flush=True)
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode != 0 or not out.is_file():

@@ -373,6 +373,20 @@ _CPU_FLAGS_NEEDED = {
     "avx512_bf16": _AVX512_CPU | {"avx512_bf16"},
 }
 ISA_ENV = "PAGEDLLM_CPU_ISA"  # auto (default) or one of ISA_PATHS
+# The packed-weight matmuls' path (PAGEDLLM_QUANT_ISA) that a CPU of a class without AVX-512
+# runs: forcing "avx2" forces both kernel libraries, so a run stands for an AVX2 machine. The
+# AVX-512 paths leave the matmuls to pick their best (VNNI, AMX) as such a CPU would.
+_QUANT_PATH_OF_CLASS = {"scalar": "portable", "avx2": "avx2"}
+
+
+def isa_environment(isa: str) -> dict[str, str]:
+    """The environment that runs pagedllm as on a CPU whose best path is ``isa`` (one of ISA_PATHS)."""
+    from pagedllm.native.quant_ops import ISA_ENV as QUANT_ISA_ENV
+
+    env = {ISA_ENV: isa}
+    if isa in _QUANT_PATH_OF_CLASS:
+        env[QUANT_ISA_ENV] = _QUANT_PATH_OF_CLASS[isa]
+    return env
 
 
 def cpu_flags() -> frozenset[str]:
