@@ -932,6 +932,10 @@ static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, tile_store_avx2, AVX2_TILE_
 /* y [rows, N] through a tile kernel: groups of `cols` outputs are the parallel work items;
  * each unpacks its outputs once and runs every row tile on them. Returns 0 when out of
  * memory (y then incomplete: the caller recomputes it another way). */
+#ifndef TILE_BAND_BYTES
+#define TILE_BAND_BYTES (384 * 1024) /* activations per band of row tiles: half of a 768 KB-1 MB L2 */
+#endif
+
 static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
                       int64_t Kp, int bits, int r, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
                       const int32_t *xsum, int64_t rows, float *y) {
@@ -942,6 +946,8 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
         return 0;
     }
     const int64_t num_groups = (N + cols - 1) / cols, blocks = Kp / 32;
+    const int64_t tile_bytes = tile_rows * Kp * (xq2 ? 2 : 1);
+    const int64_t band = TILE_BAND_BYTES / tile_bytes > 4 ? TILE_BAND_BYTES / tile_bytes : 4;
     int failed = 0;
     _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
     {
@@ -957,17 +963,22 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
             const int64_t i1 = (t + 1) * tile_rows < rows ? (t + 1) * tile_rows : rows;
             row_tiles_fill(&rt, xq, xq2, dx, xsum, t * tile_rows, i1, Kp, zero);
         }
-        _Pragma("omp for schedule(static)")
-        for (int64_t g = 0; g < num_groups; g++) {
-            if (!codes || !dw) continue;
-            const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
-            unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, shape.signed_codes, codes, dw, mw);
-            for (int64_t step = 0; step < rt.num_tiles; step++) {
-                /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
-                const int64_t t = g % 2 ? rt.num_tiles - 1 - step : step;
-                shape.kernel(&rt, t, codes, dw, mw, Kp, zero, out);
-                const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
-                shape.store(out, num, count, y + t * tile_rows * N + n0, N);
+        /* Many rows (a prefill chunk) go in bands of row tiles whose activations stay in L2
+         * while every group of outputs passes over them; each band unpacks the codes again. */
+        for (int64_t t0 = 0; t0 < rt.num_tiles; t0 += band) {
+            const int64_t t1 = t0 + band < rt.num_tiles ? t0 + band : rt.num_tiles;
+            _Pragma("omp for schedule(static) nowait")
+            for (int64_t g = 0; g < num_groups; g++) {
+                if (!codes || !dw) continue;
+                const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
+                unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, shape.signed_codes, codes, dw, mw);
+                for (int64_t step = 0; step < t1 - t0; step++) {
+                    /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
+                    const int64_t t = g % 2 ? t1 - 1 - step : t0 + step;
+                    shape.kernel(&rt, t, codes, dw, mw, Kp, zero, out);
+                    const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
+                    shape.store(out, num, count, y + t * tile_rows * N + n0, N);
+                }
             }
         }
         free(codes);
