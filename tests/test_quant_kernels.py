@@ -108,6 +108,21 @@ def test_each_path_equals_the_portable_path_bit_for_bit(path, name, levels):
 
 
 @pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("isa", [isa for isa in quant_ops.runnable_isas() if isa > 0] if PATHS else [])
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_the_tiled_kernels_bands_of_rows_give_the_same_bits(isa, name, levels):
+    """Many rows of a long input go through the tiled kernel in bands of row tiles (each
+    band's activations sized to stay in L2, 384 KB): 213 rows of 2,048 inputs make two or
+    three bands, the last one partial, and the result equals the portable path's."""
+    weight = _exact_weight(name, 37, 2048, seed=7)
+    x = _exact_activations(213, 2048, seed=8)
+    portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0, levels=levels)
+    got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=isa, tiled=True, levels=levels)
+    assert torch.equal(got, portable)
+    assert torch.equal(portable, x @ weight.dequantize().T)
+
+
+@pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("path", PATHS, ids=_path_id)
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_each_path_matches_the_dequantized_reference(path, name, levels):
