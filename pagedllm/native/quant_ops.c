@@ -45,6 +45,12 @@
  * vpmaddubsw gives that output's partial sums for all those rows. So the
  * unpacked weights are reused by every row, and a block's scale costs one
  * multiply per (block, output, vector of rows) instead of per (block, output, row).
+ * A call with many rows (a prefill chunk) takes its row tiles in bands that fit
+ * in L2, and unpacks each output group's codes once per band.
+ * The tile kernels' inner loops are written for what GCC makes of them: fully
+ * unrolled with every running sum in a register (checked in the object code; a
+ * sum spilled or regrouped costs 1.3-1.4x, docs/benchmarks.md "Packed matmuls,
+ * many rows").
  * Parallel loops use the OpenMP runtime PyTorch has already loaded.
  */
 #include <math.h>
