@@ -10,27 +10,13 @@ median and best pass of each and checks that both builds give the same bits.
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 import sys
 import time
 
 import torch
+from quant_row_kernels_ab import SHAPES, load  # beside this script: same build and shapes
 
 from pagedllm.quant import quantize_rtn
-
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-ARGTYPES = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int32, ctypes.c_void_p]
-
-
-def load(source: str, index: int):
-    library = f"/tmp/quant_tile_ab_{index}.so"
-    subprocess.run(["gcc", "-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-o", library, source], check=True)
-    kernel = ctypes.CDLL(library).quant_linear  # (isa, tiled_min_rows, levels, x, rows, K, q, d, m, N, Kp, ...)
-    kernel.restype, kernel.argtypes = ctypes.c_int, ARGTYPES
-    return kernel
 
 
 def main() -> None:

@@ -8,14 +8,8 @@ export PYTHONPATH=/work/main
 P=/work/main/.venv/bin
 W=/work/shared/workloads/w64.json
 V=/work/peer-vllm/bin/python
-probe() {  # a 1 GiB float32 read on every thread, best of 5, and the load
-  $P/python -c "
-import torch, time
-x = torch.ones(256 * 1024 * 1024); x.sum()
-best = min((lambda t: (x.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
-print('$1 read_gbs %.2f' % (x.numel() * 4 / best / 1e9))" >> /tmp/z4/probe.txt
-  echo "$1 loadavg $(cat /proc/loadavg)" >> /tmp/z4/probe.txt
-}
+O=/tmp/z4
+. /work/main/benchmarks/round_lib.sh  # probe
 lscpu > /tmp/z4/lscpu.txt
 probe start
 $P/python -m pagedllm.quant.kernel_bench --threads 1 --rows 1,4,16,64 --activations int16,int8 --clock cpu \

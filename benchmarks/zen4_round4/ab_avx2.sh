@@ -4,16 +4,10 @@
 set -u
 O=${O:-/tmp/z4f}
 BEFORE=${BEFORE:-/tmp/exp/before2}
+P=/work/main/.venv/bin
 mkdir -p $O
 cd /tmp
-P=/work/main/.venv/bin
-W=/work/shared/workloads/w64.json
+. /work/main/benchmarks/round_lib.sh  # alternate_w64
 export PAGEDLLM_CPU_ISA=avx2 PAGEDLLM_QUANT_ISA=avx2
-for i in 1 2; do
-  for arm in before after; do
-    if [ $arm = before ]; then export PYTHONPATH=$BEFORE; else export PYTHONPATH=/work/main; fi
-    $P/python -m pagedllm.cli bench throughput --workload $W --dtype float32 --compare pagedllm \
-      --json $O/avx2_${arm}_$i.json > $O/avx2_${arm}_$i.log 2>&1
-  done
-done
+alternate_w64 avx2
 echo done > $O/done

@@ -7,14 +7,7 @@ mkdir -p $O
 cd /tmp
 export PYTHONPATH=/work/main
 P=/work/main/.venv/bin
-probe() {
-  $P/python -c "
-import torch, time
-x = torch.ones(256 * 1024 * 1024); x.sum()
-best = min((lambda t: (x.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
-print('$1 read_gbs %.2f' % (x.numel() * 4 / best / 1e9))" >> $O/probe.txt
-  echo "$1 loadavg $(cat /proc/loadavg)" >> $O/probe.txt
-}
+. /work/main/benchmarks/round_lib.sh  # probe
 git -C /work/main rev-parse --short HEAD > $O/commit.txt
 probe start
 $P/pagedllm bench throughput --workload /work/shared/workloads/w64.json --dtype float32 \

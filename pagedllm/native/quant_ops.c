@@ -935,13 +935,13 @@ static const TileShape VNNI_TILE = {tile_vnni, tile_store_vnni, VNNI_TILE_ROWS, 
 static const TileShape AVX2_Q4_TILE = {tile_avx2_q4, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 0};
 static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1};
 
-/* y [rows, N] through a tile kernel: groups of `cols` outputs are the parallel work items;
- * each unpacks its outputs once and runs every row tile on them. Returns 0 when out of
- * memory (y then incomplete: the caller recomputes it another way). */
 #ifndef TILE_BAND_BYTES
 #define TILE_BAND_BYTES (384 * 1024) /* activations per band of row tiles: half of a 768 KB-1 MB L2 */
 #endif
 
+/* y [rows, N] through a tile kernel: groups of `cols` outputs are the parallel work items;
+ * each unpacks its outputs once per band of row tiles and runs the band's tiles on them.
+ * Returns 0 when out of memory (y then incomplete: the caller recomputes it another way). */
 static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
                       int64_t Kp, int bits, int r, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
                       const int32_t *xsum, int64_t rows, float *y) {

@@ -1,0 +1,22 @@
+# Shared by the benchmark round scripts (source it after setting O, the output folder, and P,
+# the virtualenv's bin folder).
+
+probe() {  # probe NAME: a 1 GiB float32 read on every thread, best of 5, and the load, into $O/probe.txt
+  $P/python -c "
+import torch, time
+x = torch.ones(256 * 1024 * 1024); x.sum()
+best = min((lambda t: (x.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
+print('$1 read_gbs %.2f' % (x.numel() * 4 / best / 1e9))" >> $O/probe.txt
+  echo "$1 loadavg $(cat /proc/loadavg)" >> $O/probe.txt
+}
+
+alternate_w64() {  # alternate_w64 PREFIX: W64 float32 on $BEFORE's and /work/main's code, twice each, alternating
+  local i arm
+  for i in 1 2; do
+    for arm in before after; do
+      if [ $arm = before ]; then export PYTHONPATH=$BEFORE; else export PYTHONPATH=/work/main; fi
+      $P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json --dtype float32 \
+        --compare pagedllm --json $O/$1_${arm}_$i.json > $O/$1_${arm}_$i.log 2>&1
+    done
+  done
+}
