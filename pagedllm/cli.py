@@ -63,7 +63,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "whose KV pool already is host memory; 4GiB on CUDA)")
     g.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-fill the KV pools in host memory at start-up, so the process is at its full "
-                   "size from the start (default: on for serve, off otherwise)")
+                   "size from the start, on 2 MiB pages where Linux grants them (default: on for serve, off otherwise)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -118,7 +118,9 @@ class EngineConfig:
     ``kv_cache_dir_size`` bytes, which a restarted engine reuses.
     ``kv_cache_prefault``: zero-fill the KV pools held in host memory at start-up,
     so that they are resident from the start instead of growing the process
-    block by block as they are first used (``pagedllm serve`` turns it on).
+    block by block as they are first used (``pagedllm serve`` turns it on), and
+    on 2 MiB pages where Linux grants them (faster decode attention; see
+    pagedllm/native/host_memory.py).
     """
 
     model: str | None = None

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pagedllm.kv import kv_format
+from pagedllm.native import host_memory
 
 
 class KVCache:
@@ -60,29 +61,41 @@ class KVCache:
         # cannot hold them fails at start-up, not under load.
         # GPU kernels may load whole blocks and mask afterwards, so device
         # pools start zeroed (cheap there).
-        allocate = torch.zeros if prefault or self.device.type != "cpu" else torch.empty
+        # On the host the pools of every layer are carved from one buffer, and a
+        # prefaulted one is placed on 2 MiB pages (pagedllm/native/host_memory.py):
+        # decode attention reads scattered blocks, which on 4 KiB pages mostly
+        # begin with a page walk. Not without ``prefault``: a huge page first
+        # touched in the middle of a step is zeroed (and, in a VM, mapped by the
+        # host) there, which cost more than the page walks saved (a W64 run spent
+        # 6 s of system time against 2).
+        zero = prefault or self.device.type != "cpu"
         self.quantized = kv_format.is_quantized(dtype)
-        self.layers: list[tuple[torch.Tensor, ...]] = [
-            self._layer(allocate, shape, device=self.device) for _ in range(num_layers)
-        ]
+        self.layers = self._pools(shape, num_layers, zero=zero, device=self.device)
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = self.device.type == "cuda"
         # Swapped-in blocks replace whole device blocks, so the pool follows the device's rule.
-        self.cpu_layers: list[tuple[torch.Tensor, ...]] = [
-            self._layer(allocate, cpu_shape, pin_memory=pin) for _ in range(num_layers if num_cpu_blocks else 0)
-        ]
+        self.cpu_layers = self._pools(cpu_shape, num_layers if num_cpu_blocks else 0, zero=zero,
+                                      device=torch.device("cpu"), pin_memory=pin)
 
-    def _layer(self, allocate, shape: tuple[int, ...], **where: Any) -> tuple[torch.Tensor, ...]:
-        """(k, v), or (k, v, k_scale, v_scale) for a quantized cache; ``where``: device or pin_memory."""
-        caches = (allocate(shape, dtype=self.dtype, **where), allocate(shape, dtype=self.dtype, **where))
-        if not self.quantized:
-            return caches
-        scale_shape = shape[:-1]  # one scale per slot and KV head
-        return (
-            *caches,
-            allocate(scale_shape, dtype=kv_format.SCALE_DTYPE, **where),
-            allocate(scale_shape, dtype=kv_format.SCALE_DTYPE, **where),
-        )
+    def _specs(self, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One layer's tensors: (k, v), or (k, v, k_scale, v_scale) for a quantized cache."""
+        specs = [(shape, self.dtype), (shape, self.dtype)]
+        if self.quantized:
+            scale_shape = shape[:-1]  # one scale per slot and KV head
+            specs += [(scale_shape, kv_format.SCALE_DTYPE), (scale_shape, kv_format.SCALE_DTYPE)]
+        return specs
+
+    def _pools(self, shape: tuple[int, ...], num_layers: int, *, zero: bool, device: torch.device,
+               pin_memory: bool = False) -> list[tuple[torch.Tensor, ...]]:
+        specs = self._specs(shape)
+        if device.type == "cpu" and not pin_memory:
+            flat = host_memory.host_tensors(specs * num_layers, zero=zero, huge=zero)
+        else:
+            allocate = torch.zeros if zero else torch.empty
+            flat = [allocate(s, dtype=d, device=device, pin_memory=pin_memory)
+                    for _ in range(num_layers) for s, d in specs]
+        n = len(specs)
+        return [tuple(flat[i * n:(i + 1) * n]) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(

@@ -1391,16 +1391,24 @@ static int stack_linear(const LayerStack *s, const StackLinear *l, const float *
 
 /* residual [rows, hidden] is updated in place through every layer; delta [rows, hidden]
  * receives the last layer's MLP output, not yet added (as the modules leave it). Rows
- * from num_rows on are padding: their attention output is zero. Returns 0 when out of
- * memory (residual and the caches then partly updated: the caller cannot retry). */
+ * from num_rows on are padding: their attention output is zero. scratch: the caller's
+ * buffer of quant_stack_scratch_floats(s, rows) floats, kept from step to step (a buffer
+ * allocated per call is, at prefill sizes, fresh memory the OS must zero and map page by
+ * page each time), or NULL to allocate one here. Returns 0 when out of memory (residual
+ * and the caches then partly updated: the caller cannot retry). */
+int64_t quant_stack_scratch_floats(const LayerStack *s, int64_t rows) {
+    const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
+    const int64_t qkv_width = (H + 2 * KH) * D, inter = s->intermediate;
+    return rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter);
+}
+
 int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *delta, const int64_t *positions,
                      const float *cos_table, const float *sin_table, const int64_t *slots, const int32_t *tables,
                      int64_t table_stride, const int32_t *tiles, int64_t num_tiles, int32_t split_heads,
-                     int64_t num_rows) {
+                     int64_t num_rows, float *given_scratch) {
     const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
     const int64_t qkv_width = (H + 2 * KH) * D, inter = s->intermediate;
-    const int64_t floats = rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter);
-    float *scratch = malloc((size_t)floats * sizeof(float));
+    float *scratch = given_scratch ? given_scratch : malloc((size_t)quant_stack_scratch_floats(s, rows) * sizeof(float));
     if (!scratch) return 0;
     float *x = scratch, *qkv = x + rows * hidden, *attn_out = qkv + rows * qkv_width;
     float *attn = attn_out + rows * H * D, *gate_up = attn + rows * hidden, *act = gate_up + rows * 2 * inter;
@@ -1433,7 +1441,7 @@ int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *
         ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
         ok = stack_linear(s, &L->down, act, rows, delta);
     }
-    free(scratch);
+    if (!given_scratch) free(scratch);
     return ok;
 }
 

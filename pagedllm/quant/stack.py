@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from pagedllm.kv import kv_format
 from pagedllm.layers.dispatch import KernelPath
 from pagedllm.layers.rotary import check_positions
-from pagedllm.native import cpu_ops, quant_ops
+from pagedllm.native import cpu_ops, host_memory, quant_ops
 from pagedllm.quant.formats import QuantizedWeight
 from pagedllm.quant.layers import QuantizedLinearMethod
 
@@ -133,7 +133,15 @@ class LayerStack:
         self._cache_tensors: list[tuple[Tensor, ...]] | None = None  # the caches the layers point at now
         self._run = quant_ops._library.quant_run_layers
         self._run.restype = ctypes.c_int
-        self._run.argtypes = [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, ctypes.c_int32, _i64]
+        self._run.argtypes = [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, ctypes.c_int32, _i64, _p]
+        self._scratch_floats = quant_ops._library.quant_stack_scratch_floats
+        self._scratch_floats.restype = _i64
+        self._scratch_floats.argtypes = [_p, _i64]
+        # The layers' activations, kept from step to step and grown to the largest step seen
+        # (the prefill chunks: about 29 KB per row for the default model). Allocated per
+        # step instead, a prefill chunk's tens of megabytes were fresh pages the OS zeroed
+        # and mapped on every step.
+        self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> bool:
         """Point the layers at this KV cache (8-bit or float32); False where the modules' path must run."""
@@ -187,10 +195,14 @@ class LayerStack:
         slots = metadata.slot_mapping.contiguous()
         delta = torch.empty_like(residual)
         split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
+        needed = self._scratch_floats(ctypes.addressof(self._stack), rows)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(0, dtype=torch.float32)  # the old one freed first
+            (self._scratch,) = host_memory.host_tensors([((needed,), torch.float32)], zero=False)
         done = self._run(
             ctypes.addressof(self._stack), rows, residual.data_ptr(), delta.data_ptr(), positions.data_ptr(),
             cos_table.data_ptr(), sin_table.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-            tiles.data_ptr(), tiles.shape[0], int(split_heads), num_rows,
+            tiles.data_ptr(), tiles.shape[0], int(split_heads), num_rows, self._scratch.data_ptr(),
         )
         if not done:
             raise MemoryError(f"layer stack scratch for {rows} rows")

@@ -33,7 +33,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.stats import TierTimes
 from pagedllm.kv.tiers import DiskTier, block_layout, read_blocks, write_blocks
 from pagedllm.models.loader import load_model
-from pagedllm.native import quant_ops
+from pagedllm.native import host_memory, quant_ops
 from pagedllm.native.cpu_dtype import check_cpu_dtype
 from pagedllm.runner.cuda_graphs import DecodeGraphs
 from pagedllm.runner.inputs import ModelInputs, build_model_inputs, to_device
@@ -223,6 +223,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate this rank's KV shard: every rank the same block count, its own heads."""
+        if self.device.type == "cpu":
+            host_memory.tune_malloc()
         self.kv_cache = KVCache(
             num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks,
             prefault=self.config.kv_cache_prefault, **self._kv_shape(),
