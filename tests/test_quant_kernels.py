@@ -265,7 +265,8 @@ AMX = 3  # the AVX-512 VNNI + AMX-INT8 path
 
 @pytest.mark.skipif(not quant_ops.available() or AMX not in quant_ops.runnable_isas(),
                     reason="this CPU has no AMX tiles (or the kernel refuses them)")
-def test_the_amx_kernel_and_onednns_amx_matmuls_share_threads():
+@pytest.mark.parametrize("levels", LEVELS)
+def test_the_amx_kernel_and_onednns_amx_matmuls_share_threads(levels):
     """Both configure the tile registers on the same OpenMP threads; each must leave them so
     that the other's next call still computes its own result (a tile left unconfigured
     would raise SIGILL, a wrong configuration would give wrong sums)."""
@@ -276,10 +277,10 @@ def test_the_amx_kernel_and_onednns_amx_matmuls_share_threads():
         args = weight._kernel_args()
         x = torch.randn(40, 576, generator=torch.Generator().manual_seed(8))
         a, b = torch.randn(64, 576).bfloat16(), torch.randn(300, 576).bfloat16()
-        want_q = quant_ops.gemm(x, *args, isa_override=0)
+        want_q = quant_ops.gemm(x, *args, isa_override=0, levels=levels)
         want_d = torch.nn.functional.linear(a, b)
         for _ in range(50):
-            assert torch.equal(quant_ops.gemm(x, *args, isa_override=AMX, tiled=True), want_q)
+            assert torch.equal(quant_ops.gemm(x, *args, isa_override=AMX, tiled=True, levels=levels), want_q)
             assert torch.equal(torch.nn.functional.linear(a, b), want_d)
     finally:
         torch.set_num_threads(previous)

@@ -27,8 +27,8 @@
  * sequence per output, so every path gives the same bits.
  *
  * Paths, chosen at run time (__builtin_cpu_supports, CPUID) or forced by the caller:
- *   3  AVX-512 VNNI + AMX-INT8: from AMX_MIN_ROWS activation rows, TDPBSUD on
- *      16 x 16 tiles computes the block sums (see gemm_amx); fewer rows run path 2.
+ *   3  AVX-512 VNNI + AMX-INT8: from AMX_MIN_ROWS activation rows (either level count),
+ *      TDPBSUD on 16 x 16 tiles computes the block sums (see gemm_amx); fewer rows run path 2.
  *   2  AVX-512 VNNI. Few activation rows: per output, vpdpbusd multiplies 64
  *      unsigned weight bytes by 64 signed activation bytes; the per-lane terms
  *      (activation scale of each 4-weight lane, zero-point correction, min
@@ -1003,7 +1003,10 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
  * same per-block float sequence as every other path runs: acc = fma(isum, dx * dw, acc),
  * then with mins acc = fma(dx * xsum, mw, acc). So the path gives the other paths' bits;
  * the tiles only compute the integer sums faster. Two blocks per step use two sets of
- * tiles, so the TMUL unit works on one block while the vector units scale the other. */
+ * tiles, so the TMUL unit works on one block while the vector units scale the other.
+ * With two activation levels each block takes two TDPBSUDs on the same code tile, one per
+ * level, into two sum tiles; the vector side joins them, (sum1 << 8) + sum2, before the same
+ * float sequence. A step then holds one block instead of two. */
 
 #define TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8")))
 #define AMX_TILE_ROWS 16
@@ -1062,13 +1065,17 @@ typedef struct {
     int32_t *zc; /* -zero * xsum */
 } AmxRowTerms;
 
-/* One block's 16 x 16 integer sums (in memory) into acc: row i's terms at dx[i], xs[i], zc[i]. */
+/* One block's 16 x 16 integer sums (in memory) into acc: row i's terms at dx[i], xs[i], zc[i].
+ * sums2: the second level's sums, or NULL with one level. */
 TARGET_AMX static inline __attribute__((always_inline)) void amx_block_out(
-    const int32_t *sums, const float *dx, const float *xs, const int32_t *zc, int zero,
+    const int32_t *sums, const int32_t *sums2, const float *dx, const float *xs, const int32_t *zc, int zero,
     __m512 dwv, __m512 mwv, int has_mins, __m512 acc[AMX_TILE_ROWS]) {
     _Pragma("GCC unroll 16")
     for (int i = 0; i < AMX_TILE_ROWS; i++) {
         __m512i v = _mm512_load_si512((const void *)(sums + i * AMX_TILE_COLS));
+        if (sums2)
+            v = _mm512_add_epi32(_mm512_slli_epi32(v, 8),
+                                 _mm512_load_si512((const void *)(sums2 + i * AMX_TILE_COLS)));
         if (zero) v = _mm512_add_epi32(v, _mm512_set1_epi32(zc[i]));
         const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dx[i]), dwv);
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, acc[i]);
@@ -1104,18 +1111,43 @@ TARGET_AMX static inline __attribute__((always_inline)) void amx_block_out(
             const int64_t bb = 2 * (p) + h;                                                                  \
             const __m512 dwv = _mm512_loadu_ps(dw + bb * AMX_TILE_COLS);                                     \
             const __m512 mwv = mw ? _mm512_loadu_ps(mw + bb * AMX_TILE_COLS) : _mm512_setzero_ps();          \
-            amx_block_out(sums[s][h], dx + 16 * bb, xs + 16 * bb, zc + 16 * bb, zero, dwv, mwv, mw != 0, acc); \
+            amx_block_out(sums[s][h], 0, dx + 16 * bb, xs + 16 * bb, zc + 16 * bb, zero, dwv, mwv, mw != 0, acc); \
         }                                                                                                    \
     } while (0)
 
-/* Row tile [r0, r0 + 16) of activations x (rows of x_stride bytes) . the packed outputs,
- * stored to y rows r0.. (num rows, count outputs from column n0). Software-pipelined over
- * the pairs of blocks, three deep: while the tiles multiply pair p + 1 (into sum tiles 0, 1
- * or 2, 3, by parity) and store pair p to memory, the vector units scale pair p - 1, whose
- * sums reached memory a step earlier (a load right behind a tile store would wait for it). */
+/* Two levels: block b's first level into sum tile c0, its second into c1, both against code
+ * tile ct (6 or 7) through activation tiles 4 (x) and 5 (x2). */
+#define AMX_DOT_LEVELS(c0, c1, ct, b)                             \
+    do {                                                          \
+        _tile_zero(c0);                                           \
+        _tile_zero(c1);                                           \
+        _tile_loadd(ct, codes + 512 * (b), 64);                   \
+        _tile_loadd(4, x + 32 * (b), x_stride);                   \
+        _tile_dpbsud(c0, 4, ct);                                  \
+        _tile_loadd(5, x2 + 32 * (b), x_stride);                  \
+        _tile_dpbsud(c1, 5, ct);                                  \
+    } while (0)
+
+/* Two levels: buffer s (block b's two sums) into the float accumulators. */
+#define AMX_OUT_LEVELS(s, b)                                                                                 \
+    do {                                                                                                     \
+        const int64_t bb = (b);                                                                              \
+        const __m512 dwv = _mm512_loadu_ps(dw + bb * AMX_TILE_COLS);                                         \
+        const __m512 mwv = mw ? _mm512_loadu_ps(mw + bb * AMX_TILE_COLS) : _mm512_setzero_ps();              \
+        amx_block_out(sums[s][0], sums[s][1], dx + 16 * bb, xs + 16 * bb, zc + 16 * bb, zero, dwv, mwv, mw != 0, \
+                      acc);                                                                                  \
+    } while (0)
+
+/* Row tile [r0, r0 + 16) of activations x (and with two levels x2; rows of x_stride bytes)
+ * . the packed outputs, stored to y rows r0.. (num rows, count outputs from column n0).
+ * Software-pipelined over the pairs of blocks (two levels: over the blocks), three deep:
+ * while the tiles multiply pair p + 1 (into sum tiles 0, 1 or 2, 3, by parity) and store
+ * pair p to memory, the vector units scale pair p - 1, whose sums reached memory a step
+ * earlier (a load right behind a tile store would wait for it). */
 TARGET_AMX static inline __attribute__((always_inline)) void amx_tile(
-    const int8_t *x, int64_t x_stride, const AmxRowTerms *terms, int64_t r0, const uint8_t *codes, const float *dw,
-    const float *mw, int64_t blocks, int zero, float *y, int64_t N, int64_t n0, int64_t count, int64_t num) {
+    const int8_t *x, const int8_t *x2, int64_t x_stride, const AmxRowTerms *terms, int64_t r0, const uint8_t *codes,
+    const float *dw, const float *mw, int64_t blocks, int zero, float *y, int64_t N, int64_t n0, int64_t count,
+    int64_t num) {
     __m512 acc[AMX_TILE_ROWS];
     _Pragma("GCC unroll 16")
     for (int i = 0; i < AMX_TILE_ROWS; i++) acc[i] = _mm512_setzero_ps();
@@ -1124,6 +1156,18 @@ TARGET_AMX static inline __attribute__((always_inline)) void amx_tile(
     const int32_t *zc = terms->zc + r0 * blocks;
     const int64_t pairs = blocks / 2; /* Kp is a multiple of 64: blocks is even */
     __asm__ volatile("" ::: "memory"); /* the packed codes are in memory before the tiles load them */
+    if (x2) { /* the same schedule with one block per step: blocks is even */
+        AMX_DOT_LEVELS(0, 1, 6, 0);
+        for (int64_t b = 0; b < blocks; b += 2) {
+            AMX_DOT_LEVELS(2, 3, 7, b + 1);
+            AMX_STORE_PAIR(0, 1, 0);
+            if (b > 0) AMX_OUT_LEVELS(1, b - 1);
+            if (b + 2 < blocks) AMX_DOT_LEVELS(0, 1, 6, b + 2);
+            AMX_STORE_PAIR(2, 3, 1);
+            AMX_OUT_LEVELS(0, b);
+        }
+        AMX_OUT_LEVELS(1, blocks - 1);
+    } else {
     AMX_DOT_PAIR(0, 1, 0);
     for (int64_t p = 0; p < pairs; p += 2) { /* even pairs in tiles 0, 1 and buffer 0, odd in 2, 3 and 1 */
         if (p + 1 < pairs) AMX_DOT_PAIR(2, 3, 2 * (p + 1));
@@ -1136,33 +1180,42 @@ TARGET_AMX static inline __attribute__((always_inline)) void amx_tile(
         }
     }
     AMX_OUT_PAIR((pairs - 1) % 2, pairs - 1);
+    }
     const __mmask16 mask = (__mmask16)((1u << count) - 1u);
     _Pragma("GCC unroll 16")
     for (int i = 0; i < AMX_TILE_ROWS; i++)
         if (i < num) _mm512_mask_storeu_ps(y + (r0 + i) * N + n0, mask, acc[i]);
 }
 
-/* amx_tile compiled per (mins, zero point) pair, so its inner loop tests neither. */
-TARGET_AMX static void amx_tile_mins(const int8_t *x, int64_t x_stride, const AmxRowTerms *terms, int64_t r0,
-                                     const uint8_t *codes, const float *dw, const float *mw, int64_t blocks,
-                                     int zero, float *y, int64_t N, int64_t n0, int64_t count, int64_t num) {
-    if (mw && zero) amx_tile(x, x_stride, terms, r0, codes, dw, mw, blocks, zero, y, N, n0, count, num);
-    else if (mw) amx_tile(x, x_stride, terms, r0, codes, dw, mw, blocks, 0, y, N, n0, count, num);
-    else if (zero) amx_tile(x, x_stride, terms, r0, codes, dw, 0, blocks, zero, y, N, n0, count, num);
-    else amx_tile(x, x_stride, terms, r0, codes, dw, 0, blocks, 0, y, N, n0, count, num);
+/* amx_tile compiled per (levels, mins, zero point), so its inner loop tests none of them. */
+#define AMX_TILE_CASES(X2)                                                                                       \
+    do {                                                                                                         \
+        if (mw && zero) amx_tile(x, X2, x_stride, terms, r0, codes, dw, mw, blocks, zero, y, N, n0, count, num); \
+        else if (mw) amx_tile(x, X2, x_stride, terms, r0, codes, dw, mw, blocks, 0, y, N, n0, count, num);       \
+        else if (zero) amx_tile(x, X2, x_stride, terms, r0, codes, dw, 0, blocks, zero, y, N, n0, count, num);   \
+        else amx_tile(x, X2, x_stride, terms, r0, codes, dw, 0, blocks, 0, y, N, n0, count, num);                \
+    } while (0)
+TARGET_AMX static void amx_tile_mins(const int8_t *x, const int8_t *x2, int64_t x_stride, const AmxRowTerms *terms,
+                                     int64_t r0, const uint8_t *codes, const float *dw, const float *mw,
+                                     int64_t blocks, int zero, float *y, int64_t N, int64_t n0, int64_t count,
+                                     int64_t num) {
+    if (x2) AMX_TILE_CASES(x2);
+    else AMX_TILE_CASES((const int8_t *)0);
 }
 
 /* y [rows, N] on the AMX tiles: groups of 16 outputs are the parallel work items; each
- * packs its codes once and runs every 16-row tile on them. Returns 0 when out of memory. */
+ * packs its codes once and runs every 16-row tile on them. xq2: the second activation
+ * level, or NULL. Returns 0 when out of memory. */
 static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r,
-                    int zero, const int8_t *xq, const float *dx, const int32_t *xsum, int64_t rows, float *y) {
+                    int zero, const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum, int64_t rows,
+                    float *y) {
     const int64_t blocks = Kp / 32, row_bytes = bits == 4 ? Kp / 2 : Kp;
     const int64_t tiles = (rows + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS, padded = tiles * AMX_TILE_ROWS;
     const int64_t full = rows / AMX_TILE_ROWS; /* tiles read straight from xq; the last partial one from tail */
     AmxRowTerms terms = {malloc((size_t)(padded * blocks) * sizeof(float)),
                          malloc((size_t)(padded * blocks) * sizeof(float)),
                          malloc((size_t)(padded * blocks) * sizeof(int32_t))};
-    int8_t *tail = calloc((size_t)(AMX_TILE_ROWS * Kp), 1);
+    int8_t *tail = calloc((size_t)((xq2 ? 2 : 1) * AMX_TILE_ROWS * Kp), 1), *tail2 = tail + AMX_TILE_ROWS * Kp;
     int failed = !terms.dx || !terms.xs || !terms.zc || !tail;
     if (!failed) {
         for (int64_t i = 0; i < padded; i++)
@@ -1175,6 +1228,8 @@ static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int6
                 terms.zc[at] = -zero * s;
             }
         if (full < tiles) memcpy(tail, xq + full * AMX_TILE_ROWS * Kp, (size_t)((rows - full * AMX_TILE_ROWS) * Kp));
+        if (full < tiles && xq2)
+            memcpy(tail2, xq2 + full * AMX_TILE_ROWS * Kp, (size_t)((rows - full * AMX_TILE_ROWS) * Kp));
         const int64_t num_groups = (N + AMX_TILE_COLS - 1) / AMX_TILE_COLS;
         _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
         {
@@ -1198,7 +1253,8 @@ static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int6
                     const int64_t t = g % 2 ? tiles - 1 - step : step; /* as gemm_tiled: warm tiles first */
                     const int64_t num = rows - t * AMX_TILE_ROWS < AMX_TILE_ROWS ? rows - t * AMX_TILE_ROWS : AMX_TILE_ROWS;
                     const int8_t *x = t < full ? xq + t * AMX_TILE_ROWS * Kp : tail;
-                    amx_tile_mins(x, Kp, &terms, t * AMX_TILE_ROWS, codes, dw, mw, blocks, zero, y, N, n0, count, num);
+                    const int8_t *x2 = !xq2 ? 0 : t < full ? xq2 + t * AMX_TILE_ROWS * Kp : tail2;
+                    amx_tile_mins(x, x2, Kp, &terms, t * AMX_TILE_ROWS, codes, dw, mw, blocks, zero, y, N, n0, count, num);
                 }
             }
             if (codes && dw) amx_release();
@@ -1254,13 +1310,15 @@ int quant_isa(void) {
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 4 /* path 3: the AMX kernel from here (faster than path 2 from 4 rows, by kernel_bench); below, path 2 */
 #endif
+#ifndef AMX_MIN_ROWS_TWO_LEVELS
+#define AMX_MIN_ROWS_TWO_LEVELS 8 /* two levels: from here AMX beats the VNNI tiled kernel, which starts here too; below, VNNI per row */
+#endif
 
-/* isa 3, 2 or 1, codes of `bits` bits, activations of `levels` levels (for 3 with one level:
- * the rows from which the AMX kernel runs; with two, path 2's tiled kernel); 0 for the
- * portable path, which has no tiled kernel. */
+/* isa 3, 2 or 1, codes of `bits` bits, activations of `levels` levels (for 3: the rows from
+ * which the AMX kernel runs); 0 for the portable path, which has no tiled kernel. */
 int quant_tiled_min_rows(int isa, int bits, int levels) {
     const int two = levels == 2;
-    if (isa == 3 && !two) return AMX_MIN_ROWS;
+    if (isa == 3) return two ? AMX_MIN_ROWS_TWO_LEVELS : AMX_MIN_ROWS;
     if (isa >= 2) return two ? VNNI_TILED_MIN_ROWS_TWO_LEVELS : VNNI_TILED_MIN_ROWS;
     if (isa == 1 && bits == 4) return two ? AVX2_Q4_TILED_MIN_ROWS_TWO_LEVELS : AVX2_Q4_TILED_MIN_ROWS;
     if (isa == 1) return two ? AVX2_Q8_TILED_MIN_ROWS_TWO_LEVELS : AVX2_Q8_TILED_MIN_ROWS;
@@ -1281,17 +1339,17 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
  * their tiled kernels from tiled_min_rows rows on (quant_tiled_min_rows(isa, bits) by
  * default; other values for benchmarks and tests).
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
- * the tiled kernel out of memory, AMX with two levels) falls back to the next one down,
+ * the tiled kernel out of memory) falls back to the next one down,
  * which gives the same bits. */
 void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
                 int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
                 const int32_t *xsum, int64_t rows, float *y) {
 #ifdef QUANT_X86
     if (isa == 3) {
-        if (!xq2 && rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, dx, xsum, rows, y))
+        if (rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
             return;
-        /* few rows (or out of memory): path 2; two levels: path 2 from the rows the caller gives */
-        if (!xq2) tiled_min_rows = VNNI_TILED_MIN_ROWS;
+        /* few rows (or out of memory): path 2 */
+        tiled_min_rows = xq2 ? VNNI_TILED_MIN_ROWS_TWO_LEVELS : VNNI_TILED_MIN_ROWS;
         isa = 2;
     }
     if (isa == 2) {
