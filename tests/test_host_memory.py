@@ -100,10 +100,12 @@ def run_python(code: str, **env: str) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_malloc_tuning_keeps_freed_buffers_mapped():
-    # A step's buffers, held together and freed together: 80 buffers of 1 MiB. Untuned, glibc either
-    # maps each one (below its dynamic threshold's start) or takes them from the heap and, since
-    # 80 MiB is above twice any threshold it reaches by itself (at most 32 MiB), trims the heap on
-    # free, so every step faults its 80 MiB in again. Tuned, the 128 MiB trim threshold keeps them.
+    # A step's buffers, held together and freed together: 80 buffers of 1 MiB, 20,480 pages.
+    # Tuned, they come from the heap (under the 32 MiB mmap threshold) and the 128 MiB trim
+    # threshold keeps them mapped after the free, so later steps fault almost nothing.
+    # Untuned, glibc's dynamic thresholds decide, and what they decide depends on the
+    # process's history and address space: 20,000-82,000 faults over these 4 steps were seen
+    # in different environments, never below 10,240, the bound asserted for the tuned run.
     code = """
 import resource, torch
 from pagedllm.native import host_memory
@@ -122,7 +124,6 @@ for _ in range(4):
 print(tuned, faults() - before)
 """
     tuned, faults = run_python(code).split()
-    off_tuned, off_faults = run_python(code, PAGEDLLM_MALLOC_TUNING="0").split()
-    assert (tuned, off_tuned) == ("True", "False")
-    assert int(off_faults) > 4 * 20480 // 2 and int(faults) < int(off_faults) // 4
+    assert tuned == "True" and int(faults) < 4 * 20480 // 8
+    assert run_python(code, PAGEDLLM_MALLOC_TUNING="0").split()[0] == "False"
     assert run_python(code, GLIBC_TUNABLES="glibc.malloc.check=0").split()[0] == "False"  # the user's choice stands
