@@ -355,6 +355,12 @@ def test_benchmark_environment_names_the_machine_class():
     if "avx2" in ISA_PATHS:
         assert {"avx2", "fma"} <= set(env["cpu_isa_flags"])
     assert env["bf16_matmul_native"] == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from pagedllm.native import quant_ops
+
+    if quant_ops.available():  # the packed matmuls' path, which PAGEDLLM_QUANT_ISA forces apart
+        assert env["quant_isa"] == quant_ops.ISA_NAMES[quant_ops.isa()]
+    else:
+        assert env["quant_isa"] is None
 
 
 # ---------------------------------------------------------------- threads

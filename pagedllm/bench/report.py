@@ -119,11 +119,12 @@ def machine_class() -> dict:
     """The CPU a figure was measured on, and the native kernel path it ran.
 
     Figures compare only within one class: the CPU model, its vector ISA flags,
-    whether torch has native bf16 matmuls there, and the dispatched path of
-    pagedllm's native kernels (``PAGEDLLM_CPU_ISA`` forces one)."""
+    whether torch has native bf16 matmuls there, and the dispatched paths of
+    pagedllm's native kernels (``PAGEDLLM_CPU_ISA`` forces one) and of its packed
+    quantized matmuls (``PAGEDLLM_QUANT_ISA``; None where they did not build)."""
     import torch
 
-    from pagedllm.native import cpu_ops
+    from pagedllm.native import cpu_ops, quant_ops
     from pagedllm.native.cpu_dtype import native_matmul
 
     flags = sorted(f for f in cpu_ops.cpu_flags() if f.startswith(_ISA_FLAG_PREFIXES))
@@ -137,6 +138,7 @@ def machine_class() -> dict:
         "bf16_matmul_native": native_matmul(torch.bfloat16),
         "native_isa": cpu_ops.selected_isa(),
         "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
+        "quant_isa": quant_ops.ISA_NAMES[quant_ops.isa()] if quant_ops.available() else None,
         "cpus_allowed": cores,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
