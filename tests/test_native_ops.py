@@ -240,6 +240,17 @@ def test_decode_heads_together_or_one_by_one_give_the_same_bits(library, dtype, 
     assert torch.equal(together, one_by_one)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (together.double() - naive_attention(batch.query.double(), batch)).abs().max().item() <= tolerance
+    # a decode-only call splits its tiles into runs by thread (each thread prefetching its next
+    # tile's first blocks): one thread or three, the same bits
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            again = cpu_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, tiles,
+                                            batch.scale, library=library)
+            assert torch.equal(again, together), threads
+    finally:
+        torch.set_num_threads(previous)
 
 
 # ---------------------------------------------------------------- dispatch

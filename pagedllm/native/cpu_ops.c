@@ -35,6 +35,7 @@
  * on write follows pagedllm/kv/kv_format.py exactly. Arithmetic is float32.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -597,7 +598,8 @@ static inline __attribute__((always_inline)) void NAME(                         
     const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale,   \
     const uint16_t *v_scale, const int32_t *table,                                                \
     const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads, int64_t num_kv_heads,           \
-    const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head, TQ *out) { \
+    const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,            \
+    const int32_t *next_table, int64_t next_len, TQ *out) {                                       \
     const int64_t D = VW * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
     const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
     const int64_t stride_bytes = tok_stride * (int64_t)sizeof(T), row_bytes = D * (int64_t)sizeof(T); \
@@ -631,7 +633,8 @@ static inline __attribute__((always_inline)) void NAME(                         
             pos += n;                                                                             \
         }                                                                                         \
         /* the next chunks (or, after the last, the next KV head's first ones when this tile     \
-           has one head): their slots here, each head's rows prefetched with that head */        \
+           has one head, or the first chunks of next_table's next_len tokens, the tile this      \
+           thread takes next): their slots here, each head's rows prefetched with that head */   \
         int64_t ahead[SUB], next_slots[SUB], next_h = -1;                                         \
         {                                                                                         \
             int64_t next = pos;                                                                   \
@@ -648,6 +651,12 @@ static inline __attribute__((always_inline)) void NAME(                         
                 if (ahead[0] > block_size) ahead[0] = block_size;                                 \
                 next_slots[0] = (int64_t)table[0] * block_size;                                   \
                 next_h = next_head;                                                               \
+            } else if (pos >= max_len && next_table) {                                            \
+                next = 0;                                                                         \
+                for (int sub = 0; sub < NSUB && next < next_len; ++sub) {                          \
+                    ahead[sub] = key_chunk(next_table, next, next_len, block_size, &next_slots[sub]); \
+                    next += ahead[sub];                                                           \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
         /* heads in turn within the chunks: a block's rows of every head are read together */    \
@@ -760,7 +769,7 @@ DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
             h, nh, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, scale,              \
-            nh == 1 && h + 1 < first_head + heads_per_item ? h + 1 : -1, out)
+            nh == 1 && h + 1 < first_head + heads_per_item ? h + 1 : -1, next_table, next_len, out)
 /* Every tile takes SUB chunks per softmax update, a decode token's too: a row's float
    operations are then the same whatever tile it is in (a decode step, a prefill chunk, a
    recompute after preemption), so the schedule never changes its bits. */
@@ -772,17 +781,15 @@ DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m
    each block's K/V rows of all heads are read at once and the reads are
    contiguous; a bigger one (a prefill tile) takes them one after another.
    Either way each row sees the same chunks in the same order: the same bits.
-   k_scale / v_scale: NULL for float caches. */
-#define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
-void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
-          const uint16_t *k_scale, const uint16_t *v_scale,                                       \
-          const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-          float scale, int32_t split_heads, TQ *out) {                                            \
-    const int64_t heads_per_item = split_heads ? 1 : num_kv_heads;                                \
-    const int64_t items = num_tiles * (num_kv_heads / heads_per_item);                            \
-    _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
-    for (int64_t item = 0; item < items; ++item) {                                                \
+   A call of decode tokens only, heads together, gives each thread a run of
+   consecutive tiles holding an even share of the keys (a tile goes to the
+   thread whose share holds its middle key), so each thread knows its next
+   tile and prefetches that tile's first chunks while it finishes the current
+   one (a sequence's first blocks were otherwise read cold); other calls take
+   tiles as threads come free. k_scale / v_scale: NULL for float caches. */
+#define DECODE_TILE_KEYS(t) ((int64_t)(t).len0 + (t).rows + 16) /* its keys, and a block's worth for its fixed cost */
+#define ENTRY_ITEM(TILE_FN)                                                                       \
+    do {                                                                                          \
         const tile_t tile = tiles[item * heads_per_item / num_kv_heads];                          \
         const int64_t first_head = item * heads_per_item % num_kv_heads;                          \
         const int64_t rows = tile.rows * num_heads / num_kv_heads * heads_per_item;               \
@@ -794,6 +801,50 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
             default: DISPATCH_CH(TILE_FN, (int)(head_dim / VW)); break;                           \
             }                                                                                     \
         }                                                                                         \
+    } while (0)
+#define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
+void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
+          const uint16_t *k_scale, const uint16_t *v_scale,                                       \
+          const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
+          float scale, int32_t split_heads, TQ *out) {                                            \
+    const int64_t heads_per_item = split_heads ? 1 : num_kv_heads;                                \
+    const int64_t items = num_tiles * (num_kv_heads / heads_per_item);                            \
+    int decode_only = !split_heads && num_heads * head_dim <= MAX_ROW_FLOATS && num_heads <= MAX_ROWS; \
+    for (int64_t i = 0; i < num_tiles && decode_only; ++i) decode_only = tiles[i].rows == 1;      \
+    if (decode_only) {                                                                            \
+        int64_t total = 0;                                                                        \
+        for (int64_t i = 0; i < items; ++i) total += DECODE_TILE_KEYS(tiles[i]);                  \
+        _Pragma("omp parallel if(items > 1)")                                                     \
+        {                                                                                         \
+            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();             \
+            int64_t first = 0, end = 0, keys = 0;                                                 \
+            for (int64_t i = 0; i < items; ++i) {                                                 \
+                const int64_t w = DECODE_TILE_KEYS(tiles[i]);                                     \
+                if ((2 * keys + w) * threads / (2 * total) == me) {                               \
+                    if (end == 0) first = i;                                                      \
+                    end = i + 1;                                                                  \
+                }                                                                                 \
+                keys += w;                                                                        \
+            }                                                                                     \
+            for (int64_t item = first; item < end; ++item) {                                      \
+                const int32_t *next_table = 0;                                                    \
+                int64_t next_len = 0;                                                             \
+                if (item + 1 < end) {                                                             \
+                    const tile_t next_tile = tiles[item + 1];                                     \
+                    next_table = tables + (int64_t)next_tile.table_row * table_stride;            \
+                    next_len = next_tile.len0 + next_tile.rows - 1;                               \
+                }                                                                                 \
+                ENTRY_ITEM(TILE_FN);                                                              \
+            }                                                                                     \
+        }                                                                                         \
+        return;                                                                                   \
+    }                                                                                             \
+    _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
+    for (int64_t item = 0; item < items; ++item) {                                                \
+        const int32_t *const next_table = 0;                                                      \
+        const int64_t next_len = 0;                                                               \
+        ENTRY_ITEM(TILE_FN);                                                                      \
     }                                                                                             \
 }
 
