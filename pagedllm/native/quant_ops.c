@@ -1168,18 +1168,18 @@ TARGET_AMX static inline __attribute__((always_inline)) void amx_tile(
         }
         AMX_OUT_LEVELS(1, blocks - 1);
     } else {
-    AMX_DOT_PAIR(0, 1, 0);
-    for (int64_t p = 0; p < pairs; p += 2) { /* even pairs in tiles 0, 1 and buffer 0, odd in 2, 3 and 1 */
-        if (p + 1 < pairs) AMX_DOT_PAIR(2, 3, 2 * (p + 1));
-        AMX_STORE_PAIR(0, 1, 0);
-        if (p > 0) AMX_OUT_PAIR(1, p - 1);
-        if (p + 1 < pairs) {
-            if (p + 2 < pairs) AMX_DOT_PAIR(0, 1, 2 * (p + 2));
-            AMX_STORE_PAIR(2, 3, 1);
-            AMX_OUT_PAIR(0, p);
+        AMX_DOT_PAIR(0, 1, 0);
+        for (int64_t p = 0; p < pairs; p += 2) { /* even pairs in tiles 0, 1 and buffer 0, odd in 2, 3 and 1 */
+            if (p + 1 < pairs) AMX_DOT_PAIR(2, 3, 2 * (p + 1));
+            AMX_STORE_PAIR(0, 1, 0);
+            if (p > 0) AMX_OUT_PAIR(1, p - 1);
+            if (p + 1 < pairs) {
+                if (p + 2 < pairs) AMX_DOT_PAIR(0, 1, 2 * (p + 2));
+                AMX_STORE_PAIR(2, 3, 1);
+                AMX_OUT_PAIR(0, p);
+            }
         }
-    }
-    AMX_OUT_PAIR((pairs - 1) % 2, pairs - 1);
+        AMX_OUT_PAIR((pairs - 1) % 2, pairs - 1);
     }
     const __mmask16 mask = (__mmask16)((1u << count) - 1u);
     _Pragma("GCC unroll 16")
@@ -1215,7 +1215,8 @@ static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int6
     AmxRowTerms terms = {malloc((size_t)(padded * blocks) * sizeof(float)),
                          malloc((size_t)(padded * blocks) * sizeof(float)),
                          malloc((size_t)(padded * blocks) * sizeof(int32_t))};
-    int8_t *tail = calloc((size_t)((xq2 ? 2 : 1) * AMX_TILE_ROWS * Kp), 1), *tail2 = tail + AMX_TILE_ROWS * Kp;
+    int8_t *tail = calloc((size_t)((xq2 ? 2 : 1) * AMX_TILE_ROWS * Kp), 1); /* with two levels, the second's after */
+    int8_t *tail2 = xq2 && tail ? tail + AMX_TILE_ROWS * Kp : 0;
     int failed = !terms.dx || !terms.xs || !terms.zc || !tail;
     if (!failed) {
         for (int64_t i = 0; i < padded; i++)
@@ -1228,7 +1229,7 @@ static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int6
                 terms.zc[at] = -zero * s;
             }
         if (full < tiles) memcpy(tail, xq + full * AMX_TILE_ROWS * Kp, (size_t)((rows - full * AMX_TILE_ROWS) * Kp));
-        if (full < tiles && xq2)
+        if (full < tiles && tail2)
             memcpy(tail2, xq2 + full * AMX_TILE_ROWS * Kp, (size_t)((rows - full * AMX_TILE_ROWS) * Kp));
         const int64_t num_groups = (N + AMX_TILE_COLS - 1) / AMX_TILE_COLS;
         _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
