@@ -284,3 +284,47 @@ def test_the_amx_kernel_and_onednns_amx_matmuls_share_threads(levels):
             assert torch.equal(torch.nn.functional.linear(a, b), want_d)
     finally:
         torch.set_num_threads(previous)
+
+
+needs_amx_bf16 = pytest.mark.skipif(not quant_ops.amx_bf16_available(), reason="this CPU has no AMX-BF16 tiles")
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 64), (17, 37, 160), (64, 48, 576), (70, 21, 96)])
+def test_the_amx_bf16_kernel_multiplies_by_the_dequantized_bfloat16_weights(name, rows, out_features, in_features):
+    """On exact inputs (every product and partial sum exact in float32) the kernel's output is
+    bit for bit x times dequantize() cast to bfloat16, rounded to bfloat16 once: the panel holds
+    exactly the dense bfloat16 model's weights, in the right places, whatever the row count,
+    padding (160 and 96 inputs pad to 192 and 128) or output count."""
+    weight = _exact_weight(name, out_features, in_features, seed=rows + out_features)
+    x = _exact_activations(rows, in_features, seed=in_features).bfloat16()
+    got = quant_ops.gemm_bf16(x, *weight._kernel_args())
+    dense = weight.dequantize().bfloat16()
+    want = (x.float() @ dense.float().T).bfloat16()
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert torch.equal(got, want)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_amx_bf16_kernel_matches_the_dense_bfloat16_matmul_on_random_inputs(name):
+    bits, _, group, _ = FORMATS[name]
+    weight = quantize_rtn(torch.randn(100, 576, generator=torch.Generator().manual_seed(1)), bits, group)
+    x = torch.randn(80, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = quant_ops.gemm_bf16(x, *weight._kernel_args()).double()
+    want = x.double() @ weight.dequantize().bfloat16().double().T  # float64: only the kernel rounds
+    # float32 sums in another order, then one rounding to bfloat16 (8 bits): within 2^-8 relative
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
+
+
+@needs_amx_bf16
+def test_bfloat16_activations_take_the_amx_bf16_kernel_from_its_row_count(monkeypatch):
+    weight = quantize_rtn(torch.randn(64, 192, generator=torch.Generator().manual_seed(3)), 4, 32)
+    many = torch.randn(quant_ops.AMX_BF16_MIN_ROWS, 192, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert torch.equal(weight.apply(many), quant_ops.gemm_bf16(many, *weight._kernel_args()))
+    few = many[: quant_ops.AMX_BF16_MIN_ROWS - 1]
+    assert torch.equal(weight.apply(few), quant_ops.gemm(few.float(), *weight._kernel_args()).bfloat16())
+    monkeypatch.setenv("PAGEDLLM_QUANT_BF16_AMX", "0")
+    assert not quant_ops.amx_bf16_available()
+    assert torch.equal(weight.apply(many), quant_ops.gemm(many.float(), *weight._kernel_args()).bfloat16())

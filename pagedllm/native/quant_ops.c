@@ -1269,6 +1269,196 @@ static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int6
     free(tail);
     return !failed;
 }
+
+/* ------------------------------------------------------------ AVX-512 + AMX-BF16: bfloat16 activations
+ *
+ * With bfloat16 activations (a model run in bfloat16 with packed weights) there is nothing to
+ * quantize: each group of 16 outputs has its codes dequantized once per call into a bfloat16
+ * panel, w = bf16(d * (q - zero) + m) with the multiply and the add rounded apart, as
+ * dequantize() and a cast to bfloat16 give them (so the panel holds the very weights of the
+ * dense bfloat16 model made from the same file), and TDPBF16PS multiplies the activation rows
+ * (the tile's A operand, loaded straight from x) by it. B wants the pairs of 2 consecutive
+ * inputs of 16 outputs per row, so the panel is stored that way: per 32 inputs a [16 pairs]
+ * [16 outputs][2] tile, the dequantized rows transposed as 16 x 16 dwords in registers.
+ * Sums stay in float32 tiles over the whole of Kp (one accumulator per 16 x 16 block, four
+ * row tiles at a time sharing each panel tile) and are rounded to bfloat16 once, at the end. */
+
+#define TARGET_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
+
+/* Tiles 0-3: float32 sums [16 rows][16 outputs]; 4, 5: activations [16 rows][32 inputs];
+ * 6: the panel's [16 pairs][16 outputs x 2]. */
+TARGET_AMX_BF16 static void amx_bf16_configure(void) {
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+}
+
+/* r[i] (16 dwords each) -> r[i] = column i of the 16 x 16 dword matrix the rows made. */
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* u[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3 */
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);       /* lanes 0, 2 of rows 0-3, 4-7 */
+        t[4 + j] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);   /* lanes 1, 3 */
+        t[8 + j] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);        /* column j: lane 0 everywhere */
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);    /* column 8 + j: lane 2 */
+        r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88); /* column 4 + j: lane 1 */
+        r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd); /* column 12 + j: lane 3 */
+    }
+}
+
+/* Outputs [n0, n0 + count) dequantized to bfloat16, as TDPBF16PS's B operand: block b's tile
+ * at panel + 512 b, row kk holding inputs 32 b + 2 kk, 32 b + 2 kk + 1 of each output; the
+ * outputs past count are zero. */
+TARGET_AMX_BF16 static void bf16_panel(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n0,
+                                       int64_t count, int64_t Kp, int bits, int r, int zero, uint16_t *panel) {
+    const int64_t blocks = Kp / 32, groups = blocks / r, row_bytes = bits == 4 ? Kp / 2 : Kp;
+    const __m512 zf = _mm512_set1_ps((float)zero);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i rows[16];
+        for (int64_t n = 0; n < 16; n++) {
+            if (n >= count) {
+                rows[n] = _mm512_setzero_si512();
+                continue;
+            }
+            const uint8_t *qr = q + (n0 + n) * row_bytes;
+            __m128i lo, hi; /* the block's 32 codes as bytes, 16 and 16 */
+            if (bits == 4) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qr + (b / 2) * 32));
+                const __m256i nib = b % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f))
+                                          : _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+                lo = _mm256_castsi256_si128(nib);
+                hi = _mm256_extracti128_si256(nib, 1);
+            } else {
+                lo = _mm_loadu_si128((const __m128i *)(qr + b * 32));
+                hi = _mm_loadu_si128((const __m128i *)(qr + b * 32 + 16));
+            }
+            const int64_t at = (n0 + n) * groups + b / r;
+            const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[at]));
+            __m512 wl = _mm512_sub_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), zf,
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 wh = _mm512_sub_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), zf,
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            wl = _mm512_mul_round_ps(wl, dv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            wh = _mm512_mul_round_ps(wh, dv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (m) {
+                const __m512 mv = _mm512_set1_ps(_cvtsh_ss(m[at]));
+                wl = _mm512_add_round_ps(wl, mv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                wh = _mm512_add_round_ps(wh, mv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            }
+            rows[n] = (__m512i)_mm512_cvtne2ps_pbh(wh, wl);
+        }
+        transpose16_epi32(rows);
+        for (int kk = 0; kk < 16; kk++) _mm512_store_si512((void *)(panel + 512 * b + 32 * kk), rows[kk]);
+    }
+}
+
+/* y [rows, N] bfloat16 = x [rows, K] bfloat16 . dequantized weights [N, K]^T. Returns 0 when
+ * out of memory (y not written). */
+TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t *q,
+                                         const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
+                                         int r, int zero, uint16_t *y) {
+    const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16;
+    /* Tiles read straight from x need whole rows of Kp inputs: with K < Kp every row is copied
+     * padded; otherwise only a last, partial tile is (padded with zero rows). */
+    const int64_t direct = K == Kp ? rows / 16 : 0;
+    const int64_t copied = rows - 16 * direct;
+    uint16_t *pad = copied ? calloc((size_t)(((copied + 15) / 16) * 16 * Kp), 2) : 0;
+    if (copied && !pad) return 0;
+    for (int64_t i = 0; i < copied; i++) memcpy(pad + i * Kp, x + (16 * direct + i) * K, (size_t)K * 2);
+    const int64_t num_groups = (N + 15) / 16;
+    int failed = 0;
+    _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
+    {
+        uint16_t *panel = aligned_alloc(64, (size_t)(blocks * 512) * 2);
+        float sums[16 * 16] __attribute__((aligned(64)));
+        if (!panel) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        } else {
+            amx_bf16_configure();
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < num_groups; g++) {
+            if (!panel) continue;
+            const int64_t n0 = g * 16, count = N - n0 < 16 ? N - n0 : 16;
+            const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+            bf16_panel(q, d, m, n0, count, Kp, bits, r, zero, panel);
+            for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+                const int64_t nt = tiles - t0 < 4 ? tiles - t0 : 4;
+                const uint16_t *a[4];
+                for (int64_t i = 0; i < nt; i++) {
+                    const int64_t t = t0 + i;
+                    a[i] = t < direct ? x + 16 * t * Kp : pad + 16 * (t - direct) * Kp;
+                }
+                _tile_zero(0);
+                if (nt > 1) _tile_zero(1);
+                if (nt > 2) _tile_zero(2);
+                if (nt > 3) _tile_zero(3);
+                for (int64_t b = 0; b < blocks; b++) {
+                    _tile_loadd(6, panel + 512 * b, 64);
+                    _tile_loadd(4, a[0] + 32 * b, Kp * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (nt > 1) {
+                        _tile_loadd(5, a[1] + 32 * b, Kp * 2);
+                        _tile_dpbf16ps(1, 5, 6);
+                    }
+                    if (nt > 2) {
+                        _tile_loadd(4, a[2] + 32 * b, Kp * 2);
+                        _tile_dpbf16ps(2, 4, 6);
+                    }
+                    if (nt > 3) {
+                        _tile_loadd(5, a[3] + 32 * b, Kp * 2);
+                        _tile_dpbf16ps(3, 5, 6);
+                    }
+                }
+                for (int64_t i = 0; i < nt; i++) {
+                    if (i == 0) _tile_stored(0, sums, 64);
+                    else if (i == 1) _tile_stored(1, sums, 64);
+                    else if (i == 2) _tile_stored(2, sums, 64);
+                    else _tile_stored(3, sums, 64);
+                    __asm__ volatile("" ::: "memory");
+                    const int64_t r0 = 16 * (t0 + i), num = rows - r0 < 16 ? rows - r0 : 16;
+                    for (int64_t row = 0; row < num; row++)
+                        _mm256_mask_storeu_epi16((void *)(y + (r0 + row) * N + n0), mask,
+                                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + 16 * row)));
+                }
+            }
+        }
+        if (panel) _tile_release();
+        free(panel);
+    }
+    free(pad);
+    return !failed;
+}
+
+/* AMX-TILE and AMX-BF16 in CPUID, AVX512-BF16, and the tile data granted (as amx_usable). */
+static int amx_bf16_usable(void) {
+    unsigned a, b, c, dd;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &dd) || !(dd & (1u << 24)) || !(dd & (1u << 22))) return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &dd) || !(a & (1u << 5))) return 0; /* AVX512_BF16 */
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl")) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
 #endif
 
 /* ------------------------------------------------------------ dispatch */
@@ -1388,6 +1578,30 @@ int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, in
     quant_gemm(isa, tiled_min_rows, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
     free(scratch);
     return 1;
+}
+
+/* y [rows, N] bfloat16 = x [rows, K] bfloat16 . the packed weights' dequantized bfloat16 values
+ * [N, K]^T on the AMX-BF16 tiles (gemm_amx_bf16). Returns 0 where the CPU has no AMX-BF16 or
+ * memory ran out (y not written): the caller takes another path. */
+int quant_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t *q, const uint16_t *d,
+                      const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero, uint16_t *y) {
+#ifdef QUANT_X86
+    static int usable = -1;
+    if (usable < 0) usable = amx_bf16_usable();
+    if (usable) return gemm_amx_bf16(x, rows, K, q, d, m, N, Kp, bits, r, zero, y);
+#endif
+    (void)x, (void)rows, (void)K, (void)q, (void)d, (void)m, (void)N, (void)Kp, (void)bits, (void)r, (void)zero,
+        (void)y;
+    return 0;
+}
+
+/* Whether quant_linear_bf16 runs here (AMX-BF16 and its tile data granted). */
+int quant_amx_bf16(void) {
+#ifdef QUANT_X86
+    return amx_bf16_usable();
+#else
+    return 0;
+#endif
 }
 
 /* ------------------------------------------------------------ a stack of decoder layers in one call

@@ -132,6 +132,9 @@ def build_library() -> ctypes.CDLL:
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
     library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear.restype = c_int
+    library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
+    library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
+    library.quant_amx_bf16.argtypes = []
     for fn in (library.quantize_activations, library.quant_gemm, library.quant_dequantize_rows):
         fn.restype = None
     return library
@@ -229,6 +232,39 @@ def bind_gemm(
 
     call.weights = keep
     return call
+
+
+# Rows from which a bfloat16 packed matmul takes the AMX-BF16 kernel (below: the integer
+# kernels on float32 activations, as fast or faster at 32 rows and faster at 16; measured on
+# Sapphire Rapids at the default model's shapes, docs/benchmarks.md).
+AMX_BF16_MIN_ROWS = 64
+
+
+def amx_bf16_available() -> bool:
+    """Whether :func:`gemm_bf16` runs here: AMX-BF16 tiles (Sapphire Rapids and later), unless
+    ``PAGEDLLM_QUANT_BF16_AMX=0``."""
+    return (available() and os.environ.get("PAGEDLLM_QUANT_BF16_AMX", "1") != "0"
+            and bool(_library.quant_amx_bf16()))
+
+
+def gemm_bf16(
+    x: torch.Tensor,  # [T, K] bfloat16, contiguous
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+    bits: int, group_size: int, zero: int, padded_in: int,
+) -> torch.Tensor | None:  # [T, N] bfloat16
+    """``x @ W^T`` on the AMX-BF16 tiles, ``W`` the packed weights dequantized to bfloat16
+    (the values ``dequantize().bfloat16()`` gives), sums in float32, the result rounded to
+    bfloat16. None where the CPU has no AMX-BF16 (or scratch ran out): take another path."""
+    assert x.dtype == torch.bfloat16 and x.is_contiguous()
+    rows, in_features = x.shape
+    out_features = qweight.shape[0]
+    y = torch.empty((rows, out_features), dtype=torch.bfloat16)
+    done = _library.quant_linear_bf16(
+        x.data_ptr(), rows, in_features, qweight.data_ptr(), scales.data_ptr(),
+        None if mins is None else mins.data_ptr(), out_features, padded_in, bits, group_size // 32, zero,
+        y.data_ptr(),
+    )
+    return y if done else None
 
 
 def dequantize_rows(

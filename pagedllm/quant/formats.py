@@ -100,10 +100,17 @@ class QuantizedWeight:
         if device.type != "cpu" or not quant_ops.available():
             return lambda x: F.linear(x, self.dequantize().to(x.device, x.dtype))
         native = quant_ops.bind_gemm(*self._kernel_args(), levels=self.activation_levels)
+        # bfloat16 activations in many rows: the AMX-BF16 tiles on the weights dequantized to
+        # bfloat16 where the CPU has them (faster from AMX_BF16_MIN_ROWS rows, kernel_bench)
+        amx_bf16 = quant_ops.amx_bf16_available()
 
         def apply(x: Tensor) -> Tensor:
             if x.dtype == torch.float32:
                 return native(x if x.is_contiguous() else x.contiguous())
+            if amx_bf16 and x.dtype == torch.bfloat16 and x.shape[0] >= quant_ops.AMX_BF16_MIN_ROWS:
+                y = quant_ops.gemm_bf16(x.contiguous(), *self._kernel_args())
+                if y is not None:
+                    return y
             return native(x.float().contiguous()).to(x.dtype)
 
         return apply
