@@ -1449,29 +1449,27 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
     return !failed;
 }
 
-/* AMX-TILE and AMX-BF16 in CPUID, AVX512-BF16, and the tile data granted (as amx_usable). */
+/* AMX-TILE (CPUID.7.0 EDX bit 24) and the tile unit's `feature` bit (22: BF16, 25: INT8), and
+ * the kernel's leave to use the tile data (Linux asks each process to request it; the request
+ * is granted once and holds for every thread). */
+static int amx_usable_with(unsigned feature) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << feature))) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+/* gemm_amx_bf16's needs: AMX-BF16 tiles, AVX512-BF16 (CPUID.7.1 EAX bit 5), AVX-512 BW / VL. */
 static int amx_bf16_usable(void) {
-    unsigned a, b, c, dd;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &dd) || !(dd & (1u << 24)) || !(dd & (1u << 22))) return 0;
-    if (!__get_cpuid_count(7, 1, &a, &b, &c, &dd) || !(a & (1u << 5))) return 0; /* AVX512_BF16 */
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return 0;
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl")) return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return amx_usable_with(22);
 }
 
 #endif
 
 /* ------------------------------------------------------------ dispatch */
-
-#ifdef QUANT_X86
-/* AMX-TILE and AMX-INT8 in CPUID, and the kernel's leave to use the tile data (Linux asks
- * each process to request it; the request is granted once and holds for every thread). */
-static int amx_usable(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-}
-#endif
 
 /* The best path this CPU runs: 3 (AVX-512 VNNI + AMX-INT8), 2 (AVX-512 VNNI), 1 (AVX2 +
  * FMA + F16C) or 0 (portable C). */
@@ -1480,7 +1478,7 @@ int quant_isa(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
-        return amx_usable() ? 3 : 2;
+        return amx_usable_with(25 /* AMX-INT8 */) ? 3 : 2;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return 1;
 #endif
@@ -1580,28 +1578,28 @@ int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, in
     return 1;
 }
 
+/* Whether quant_linear_bf16 runs here (AMX-BF16 and its tile data granted); probed once. */
+int quant_amx_bf16(void) {
+#ifdef QUANT_X86
+    static int usable = -1;
+    if (usable < 0) usable = amx_bf16_usable();
+    return usable;
+#else
+    return 0;
+#endif
+}
+
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . the packed weights' dequantized bfloat16 values
  * [N, K]^T on the AMX-BF16 tiles (gemm_amx_bf16). Returns 0 where the CPU has no AMX-BF16 or
  * memory ran out (y not written): the caller takes another path. */
 int quant_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t *q, const uint16_t *d,
                       const uint16_t *m, int64_t N, int64_t Kp, int bits, int r, int32_t zero, uint16_t *y) {
 #ifdef QUANT_X86
-    static int usable = -1;
-    if (usable < 0) usable = amx_bf16_usable();
-    if (usable) return gemm_amx_bf16(x, rows, K, q, d, m, N, Kp, bits, r, zero, y);
+    if (quant_amx_bf16()) return gemm_amx_bf16(x, rows, K, q, d, m, N, Kp, bits, r, zero, y);
 #endif
     (void)x, (void)rows, (void)K, (void)q, (void)d, (void)m, (void)N, (void)Kp, (void)bits, (void)r, (void)zero,
         (void)y;
     return 0;
-}
-
-/* Whether quant_linear_bf16 runs here (AMX-BF16 and its tile data granted). */
-int quant_amx_bf16(void) {
-#ifdef QUANT_X86
-    return amx_bf16_usable();
-#else
-    return 0;
-#endif
 }
 
 /* ------------------------------------------------------------ a stack of decoder layers in one call

@@ -102,13 +102,13 @@ class QuantizedWeight:
         native = quant_ops.bind_gemm(*self._kernel_args(), levels=self.activation_levels)
         # bfloat16 activations in many rows: the AMX-BF16 tiles on the weights dequantized to
         # bfloat16 where the CPU has them (faster from AMX_BF16_MIN_ROWS rows, kernel_bench)
-        amx_bf16 = quant_ops.amx_bf16_available()
+        amx_bf16, args = quant_ops.amx_bf16_available(), self._kernel_args()
 
         def apply(x: Tensor) -> Tensor:
             if x.dtype == torch.float32:
                 return native(x if x.is_contiguous() else x.contiguous())
             if amx_bf16 and x.dtype == torch.bfloat16 and x.shape[0] >= quant_ops.AMX_BF16_MIN_ROWS:
-                y = quant_ops.gemm_bf16(x.contiguous(), *self._kernel_args())
+                y = quant_ops.gemm_bf16(x.contiguous(), *args)
                 if y is not None:
                     return y
             return native(x.float().contiguous()).to(x.dtype)
