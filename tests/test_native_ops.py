@@ -29,16 +29,27 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 ISA_PATHS = cpu_ops.cpu_isa_paths()
+# The AMX tiles take bfloat16 attention on the avx512_bf16 path where the CPU has them; the
+# same path's vector kernels then run as a path of their own ("avx512_bf16-vector").
+AMX = "avx512_bf16" in ISA_PATHS and {"amx_tile", "amx_bf16"} <= cpu_ops.cpu_flags()
+VECTOR_ON_AMX = "avx512_bf16-vector"
 
 
-@pytest.fixture(scope="module", params=ISA_PATHS)
+@pytest.fixture(scope="module", params=[*ISA_PATHS, *([VECTOR_ON_AMX] if AMX else [])])
 def library(request):
+    isa = request.param.removesuffix("-vector")
     try:
-        built = cpu_ops.build_library(isa=request.param)
+        built = cpu_ops.build_library(isa=isa)
     except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"compiler cannot build the {request.param} path: {exc}")
-    assert built.isa_name().decode() == request.param
-    return built
+        pytest.skip(f"compiler cannot build the {isa} path: {exc}")
+    assert built.isa_name().decode() == isa
+    if request.param == VECTOR_ON_AMX:
+        with cpu_ops.attention_amx_set(False, built) as on:
+            assert not on
+            yield built
+    else:
+        assert bool(built.attention_amx()) == (AMX and isa == "avx512_bf16")
+        yield built
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -251,6 +262,46 @@ def test_decode_heads_together_or_one_by_one_give_the_same_bits(library, dtype, 
             assert torch.equal(again, together), threads
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16 tiles")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 32), (24, 1, 64)])
+def test_amx_and_vector_attention_agree_and_the_tiles_really_run(num_heads, num_kv_heads, head_dim):
+    """bfloat16 attention on AMX tiles (prefill tiles of many rows, decode rows, rows of 17+ query
+    heads per KV head that take two passes) against the same path's vector kernels and the
+    oracle: within bfloat16's rounding of each other, yet not the same bits (the tiles ran)."""
+    library = cpu_ops.build_library(isa="avx512_bf16")
+    specs = [(0, 37), (50, 1), (333, 1), (15, 1), (20, 17), (0, 1), (7, 9), (130, 40)]
+    batch = make_paged_batch(specs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + num_heads)
+    md = batch.metadata
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
+    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host,
+                               cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim))
+    outs = {}
+    for on in (True, False):
+        with cpu_ops.attention_amx_set(on, library) as now:
+            assert now == on
+            outs[on] = cpu_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, tiles,
+                                               batch.scale, library=library)
+    expected = naive_attention(batch.query.double(), batch)
+    for out in outs.values():
+        assert (out.double() - expected).abs().max().item() <= 2e-2
+    assert (outs[True].double() - outs[False].double()).abs().max().item() <= 2e-2
+    assert not torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("setting", ["0", None])
+def test_attention_amx_env_var(setting):
+    """PAGEDLLM_ATTENTION_AMX=0 keeps bfloat16 attention on the vector kernels; by default the
+    tiles take it exactly where the CPU has them (and the path is avx512_bf16)."""
+    env = {k: v for k, v in os.environ.items() if k != cpu_ops.ATTENTION_AMX_ENV}
+    if setting is not None:
+        env[cpu_ops.ATTENTION_AMX_ENV] = setting
+    code = "from pagedllm.native import cpu_ops; print(cpu_ops.attention_amx(), cpu_ops.selected_isa())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    on, isa = done.stdout.split()
+    assert on == str(setting is None and AMX and isa == "avx512_bf16")
 
 
 # ---------------------------------------------------------------- dispatch

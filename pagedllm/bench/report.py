@@ -138,6 +138,7 @@ def machine_class() -> dict:
         "bf16_matmul_native": native_matmul(torch.bfloat16),
         "native_isa": cpu_ops.selected_isa(),
         "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
+        "attention_amx": cpu_ops.attention_amx(),
         "quant_isa": quant_ops.ISA_NAMES[quant_ops.isa()] if quant_ops.available() else None,
         "cpus_allowed": cores,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

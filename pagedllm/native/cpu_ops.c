@@ -765,6 +765,293 @@ DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m
 DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1)
 DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1)
 
+#if VW == 16 && defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 11
+/* ---- bfloat16 caches on AMX-BF16 tiles (Sapphire Rapids and later)
+ *
+ * The same tiles, chunks and online softmax as tile_bf16, with the two products on the
+ * tile unit instead of the vector one:
+ *   scores: S^T [16 keys][N rows] = K [16 keys][32 dims] x Q^T [16 dim pairs][N rows x 2],
+ *           TDPBF16PS per 32 dims, the key rows loaded straight from the cache (no transpose);
+ *   values: O [N rows][16 dims] = P [N rows][32 keys] x V' [16 key pairs][16 dims x 2],
+ *           where V' holds two keys' values of a dim side by side (an unpack per key pair).
+ * Queries enter unscaled (their bfloat16 values) and the scores are scaled in float32;
+ * softmax weights enter the value product rounded to bfloat16, and their sum is taken
+ * over those rounded weights. Products are exact and sums float32 (the unit's own order),
+ * so a row's result does not depend on the other rows of its tile: the same bits in any
+ * tile and schedule, as on the vector path (which gives other bits, within bfloat16's
+ * rounding of it). A pass takes up to 16 rows; a tile with more takes several per chunk
+ * group. The unpacks keep a fixed permutation of the head's dims (AMX_DIM below), undone
+ * when the rows are written. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+#include <stdlib.h>
+#define TARGET_AMX_ATTN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
+#define AMX_ATTN 1
+#define AMX_MAX_HEAD_DIM 128
+#define AMX_GROUP (SUB * 16) /* keys per softmax update */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_attn_cfg_t;
+
+/* Tiles: 0 keys [16][64 B]; 1 Q^T [16][4N B]; 2 S^T [16][4N B]; 3, 4 P halves [N][64 B];
+   5 V' [16][64 B]; 6, 7 O [N][64 B] (two slices). */
+TARGET_AMX_ATTN static void amx_attn_configure(int n) {
+    amx_attn_cfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16, c.colsb[0] = 64;
+    c.rows[1] = 16, c.colsb[1] = (uint16_t)(4 * n);
+    c.rows[2] = 16, c.colsb[2] = (uint16_t)(4 * n);
+    c.rows[3] = (uint8_t)n, c.colsb[3] = 64;
+    c.rows[4] = (uint8_t)n, c.colsb[4] = 64;
+    c.rows[5] = 16, c.colsb[5] = 64;
+    c.rows[6] = (uint8_t)n, c.colsb[6] = 64;
+    c.rows[7] = (uint8_t)n, c.colsb[7] = 64;
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+}
+
+/* Dim of column c of value slice s (16 dims each): _mm512_unpack{lo,hi}_epi16 of two
+   rows' 32-dim register z = s / 2 put, per 128-bit lane l, dims 8l .. 8l + 3 (lo) or
+   8l + 4 .. 8l + 7 (hi) in dwords 4l .. 4l + 3. */
+#define AMX_DIM(s, c) (32 * ((s) >> 1) + 8 * ((c) >> 2) + 4 * ((s) & 1) + ((c) & 3))
+
+TARGET_AMX_ATTN static void tile_bf16_amx(
+    const bf16_t *q, int64_t q_stride, const bf16_t *k_cache, const bf16_t *v_cache, const uint16_t *k_scale,
+    const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
+    int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,
+    const int32_t *next_table, int64_t next_len, bf16_t *out) {
+    (void)k_scale, (void)v_scale, (void)NSUB;
+    const int64_t D = 16 * CH, G = num_heads / num_kv_heads, R = tile.rows * G;
+    const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;
+    const int64_t stride_bytes = tok_stride * 2, row_bytes = D * 2, DC = D / 32, NS = D / 16;
+    const int N = R < 16 ? (int)R : 16;
+    const int64_t passes = (R + 15) / 16;
+    /* Q^T per (head, pass, 32-dim chunk): [16 dim pairs][N] dwords; rows past R are zero.
+       heads x passes x N <= 2 x heads x R <= 2 x MAX_ROWS */
+    uint32_t QT[2 * MAX_ROWS * (AMX_MAX_HEAD_DIM / 2)] __attribute__((aligned(64)));
+    float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [nh][R][D], dims in AMX_DIM order */
+    float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[16];
+    float ST[SUB][16 * 16] __attribute__((aligned(64)));       /* S^T per chunk, 64-byte rows */
+    bf16_t P[16 * AMX_GROUP] __attribute__((aligned(64)));     /* [N][64 keys] */
+    uint32_t VP[2 * (AMX_MAX_HEAD_DIM / 16) * 16 * 16] __attribute__((aligned(64))); /* [half][slice][pair][16] */
+    bf16_t KS[SUB][16 * AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* partial chunks' keys, zero-padded */
+    float O[2 * 16 * 16] __attribute__((aligned(64)));
+    const int64_t qt_unit = 16 * N * DC; /* dwords per (head, pass) */
+    for (int64_t hh = 0; hh < nh; ++hh)
+        for (int64_t p = 0; p < passes; ++p)
+            for (int64_t dc = 0; dc < DC; ++dc) {
+                uint32_t *qt = QT + (hh * passes + p) * qt_unit + dc * 16 * N;
+                for (int j = 0; j < N; ++j) {
+                    const int64_t r = 16 * p + j;
+                    const uint32_t *src = r < R ? (const uint32_t *)(q + (tile.q_row + r / G) * q_stride +
+                                                                     ((h0 + hh) * G + r % G) * D + 32 * dc) : 0;
+                    for (int k = 0; k < 16; ++k) qt[k * N + j] = src ? src[k] : 0u;
+                }
+            }
+    for (int64_t r = 0; r < nh * R; ++r) {
+        run_max[r] = -INFINITY;
+        run_sum[r] = 0.0f;
+        for (int64_t d = 0; d < D; d += 16) vstore(acc + r * D + d, vzero());
+    }
+    const vf vscale = vset1(scale);
+    const __m512i gather_n = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(16));
+    amx_attn_configure(N);
+    for (int64_t start = 0; start < max_len;) {
+        int64_t ns[SUB], offs[SUB], slots[SUB], pos = start;
+        for (int sub = 0; sub < SUB; ++sub) {
+            int64_t slot = 0;
+            const int64_t n = pos < max_len ? key_chunk(table, pos, max_len, block_size, &slot) : 0;
+            ns[sub] = n, offs[sub] = pos - start, slots[sub] = slot;
+            pos += n;
+        }
+        /* the next chunks, as tile_bf16 finds them */
+        int64_t ahead[SUB], next_slots[SUB], next_h = -1;
+        {
+            int64_t next = pos;
+            for (int sub = 0; sub < SUB; ++sub) ahead[sub] = 0, next_slots[sub] = slots[0];
+            for (int sub = 0; sub < SUB && next < max_len; ++sub) {
+                ahead[sub] = key_chunk(table, next, max_len, block_size, &next_slots[sub]);
+                next += ahead[sub];
+            }
+            if (pos >= max_len && next_head >= 0) {
+                ahead[0] = max_len < 16 ? max_len : 16;
+                if (ahead[0] > block_size) ahead[0] = block_size;
+                next_slots[0] = (int64_t)table[0] * block_size;
+                next_h = next_head;
+            } else if (pos >= max_len && next_table) {
+                next = 0;
+                for (int sub = 0; sub < SUB && next < next_len; ++sub) {
+                    ahead[sub] = key_chunk(next_table, next, next_len, block_size, &next_slots[sub]);
+                    next += ahead[sub];
+                }
+            }
+        }
+        int64_t first = start - tile.len0 + 1;
+        if (first < 0) first = 0;
+        const int64_t r_first = first * G, visible0 = tile.len0 - start;
+        for (int64_t hh = 0; hh < nh; ++hh) {
+            const int64_t h = h0 + hh;
+            float *const acch = acc + hh * R * D, *const maxh = run_max + hh * R, *const sumh = run_sum + hh * R;
+            /* this head's rows of the next chunks, prefetched into L2 a key pair at a time below */
+            const char *nk[SUB], *nv[SUB];
+            for (int sub = 0; sub < SUB; ++sub) {
+                const int64_t at = (next_slots[sub] * num_kv_heads + (next_h >= 0 ? next_h : h)) * D;
+                nk[sub] = (const char *)(k_cache + at), nv[sub] = (const char *)(v_cache + at);
+            }
+            /* keys: straight from the cache when a chunk is whole, else a zero-padded copy */
+            const bf16_t *kp[SUB];
+            int64_t kstride[SUB];
+            for (int sub = 0; sub < SUB; ++sub) {
+                const bf16_t *kb = k_cache + (slots[sub] * num_kv_heads + h) * D;
+                if (ns[sub] == 16) {
+                    kp[sub] = kb, kstride[sub] = stride_bytes;
+                    continue;
+                }
+                kp[sub] = KS[sub], kstride[sub] = row_bytes;
+                for (int64_t t = 0; t < 16; ++t)
+                    for (int64_t d = 0; d < D; d += 32)
+                        _mm512_store_si512((void *)(KS[sub] + t * D + d),
+                                           t < ns[sub] ? _mm512_loadu_si512((const void *)(kb + t * tok_stride + d))
+                                                       : _mm512_setzero_si512());
+            }
+            /* values as key pairs: VP[half][slice][pair] = 16 dwords (two keys' bf16 per dim) */
+            for (int64_t g = 0; g < AMX_GROUP; g += 2) {
+                const int sub = (int)(g >> 4), t = (int)(g & 15);
+                const bf16_t *vb = v_cache + (slots[sub] * num_kv_heads + h) * D + t * tok_stride;
+                const int64_t half = g >> 5, pair = (g & 31) >> 1;
+                for (int64_t tt = t; tt < t + 2 && tt < ahead[sub]; ++tt)
+                    for (int64_t b = 0; b < row_bytes; b += 64) {
+                        _mm_prefetch(nk[sub] + tt * stride_bytes + b, PF_HINT);
+                        _mm_prefetch(nv[sub] + tt * stride_bytes + b, PF_HINT);
+                    }
+                for (int64_t z = 0; z < DC; ++z) {
+                    const __m512i a = t < ns[sub] ? _mm512_loadu_si512((const void *)(vb + 32 * z)) : _mm512_setzero_si512();
+                    const __m512i b = t + 1 < ns[sub] ? _mm512_loadu_si512((const void *)(vb + tok_stride + 32 * z))
+                                                      : _mm512_setzero_si512();
+                    uint32_t *dst = VP + ((half * NS + 2 * z) * 16 + pair) * 16;
+                    _mm512_store_si512((void *)dst, _mm512_unpacklo_epi16(a, b));
+                    _mm512_store_si512((void *)(dst + 16 * 16), _mm512_unpackhi_epi16(a, b));
+                }
+            }
+            for (int64_t p = 0; p < passes; ++p) {
+                const int64_t r0 = 16 * p;
+                if (r0 + N <= r_first) continue; /* no row of this pass sees these chunks */
+                const uint32_t *qt = QT + (hh * passes + p) * qt_unit;
+                for (int sub = 0; sub < SUB; ++sub) {
+                    if (ns[sub] == 0) continue;
+                    _tile_zero(2);
+                    for (int64_t dc = 0; dc < DC; ++dc) {
+                        _tile_loadd(0, kp[sub] + 32 * dc, kstride[sub]);
+                        _tile_loadd(1, qt + dc * 16 * N, 4 * N);
+                        _tile_dpbf16ps(2, 0, 1);
+                    }
+                    _tile_stored(2, ST[sub], 64);
+                }
+                /* scores of row r0 + j: column j of each S^T */
+                vf cols[SUB][16];
+                if (N > 4)
+                    for (int sub = 0; sub < SUB; ++sub) {
+                        if (ns[sub] == 0) continue;
+                        for (int t = 0; t < 16; ++t) cols[sub][t] = vload(ST[sub] + 16 * t);
+                        vtranspose(cols[sub]);
+                    }
+                for (int j = 0; j < N; ++j) {
+                    const int64_t row = r0 + j;
+                    bf16_t *prow = P + j * AMX_GROUP;
+                    if (row >= R || row < r_first) { /* sees none of these keys */
+                        corr[j] = 1.0f;
+                        for (int g = 0; g < AMX_GROUP; g += 32) _mm512_store_si512((void *)(prow + g), _mm512_setzero_si512());
+                        continue;
+                    }
+                    const int64_t visible = visible0 + row / G;
+                    vf s[SUB];
+                    vmask mask[SUB];
+                    vf top = vset1(-INFINITY);
+                    for (int sub = 0; sub < SUB; ++sub) {
+                        int64_t seen = visible - offs[sub];
+                        if (seen > ns[sub]) seen = ns[sub];
+                        mask[sub] = vfirst(seen);
+                        if (ns[sub] == 0) {
+                            s[sub] = vzero();
+                            continue;
+                        }
+                        s[sub] = vmul(N > 4 ? cols[sub][j] : _mm512_i32gather_ps(gather_n, ST[sub] + j, 4), vscale);
+                        top = vmax(top, vselect(mask[sub], s[sub], vset1(-INFINITY)));
+                    }
+                    const float block_max = vmaxall(top);
+                    const float new_max = block_max > maxh[row] ? block_max : maxh[row];
+                    corr[j] = expf(maxh[row] - new_max);
+                    const vf shift = vset1(new_max);
+                    vf sum = vzero();
+                    for (int sub = 0; sub < SUB; ++sub) {
+                        const vf w = vselect(mask[sub], vexp(vsub(s[sub], shift)), vzero());
+                        const __m256i wb = (__m256i)_mm512_cvtneps_pbh(w);
+                        sum = vadd(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(wb), 16)));
+                        _mm256_store_si256((__m256i *)(prow + 16 * sub), wb);
+                    }
+                    sumh[row] = sumh[row] * corr[j] + vsum(sum);
+                    maxh[row] = new_max;
+                }
+                /* acc = acc * corr + P V, two 16-dim slices at a time (tiles 6 and 7: tiles are
+                   not renamed, so one accumulator would put every slice in one chain) */
+                _tile_loadd(3, P, 2 * AMX_GROUP);
+                _tile_loadd(4, P + 32, 2 * AMX_GROUP);
+                const int two = ns[2] > 0; /* keys 32 .. 63 hold any */
+                for (int64_t sl = 0; sl < NS; sl += 2) {
+                    _tile_zero(6);
+                    _tile_zero(7);
+                    _tile_loadd(5, VP + sl * 256, 64);
+                    _tile_dpbf16ps(6, 3, 5);
+                    _tile_loadd(5, VP + (sl + 1) * 256, 64);
+                    _tile_dpbf16ps(7, 3, 5);
+                    if (two) {
+                        _tile_loadd(5, VP + (NS + sl) * 256, 64);
+                        _tile_dpbf16ps(6, 4, 5);
+                        _tile_loadd(5, VP + (NS + sl + 1) * 256, 64);
+                        _tile_dpbf16ps(7, 4, 5);
+                    }
+                    _tile_stored(6, O, 64);
+                    _tile_stored(7, O + 256, 64);
+                    for (int j = 0; j < N; ++j) {
+                        const int64_t row = r0 + j;
+                        if (row >= R || row < r_first) continue;
+                        float *a = acch + row * D + 16 * sl;
+                        const vf c = vset1(corr[j]);
+                        vstore(a, vfmadd(vload(a), c, vload(O + 16 * j)));
+                        vstore(a + 16, vfmadd(vload(a + 16), c, vload(O + 256 + 16 * j)));
+                    }
+                }
+            }
+        }
+        start = pos;
+    }
+    _tile_release();
+    for (int64_t r = 0; r < nh * R; ++r) {
+        bf16_t *dst = out + ((tile.q_row + r % R / G) * num_heads + (h0 + r / R) * G + r % G) * D;
+        const float inv = 1.0f / run_sum[r];
+        float row[AMX_MAX_HEAD_DIM] __attribute__((aligned(64)));
+        for (int64_t sl = 0; sl < NS; ++sl)
+            for (int c = 0; c < 16; ++c) row[AMX_DIM(sl, c)] = acc[r * D + 16 * sl + c];
+        for (int64_t d = 0; d < D; d += 16) vstoreu_bf16(dst + d, vmul(vload(row + d), vset1(inv)));
+    }
+}
+
+/* AMX-BF16 attention usable here: the CPU has the tile unit and its bf16 part, and the
+   kernel lets this process use tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once). */
+static int amx_attention_probe(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+static int amx_attention_on = -1; /* -1: not probed yet */
+#endif
+
 #define DISPATCH_NSUB(TILE_FN, CH_VALUE, NSUB_VALUE)                                               \
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
@@ -1107,7 +1394,40 @@ DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 #endif
 
 DEFINE_ENTRY(paged_attention_f32, float, float, tile_f32)
+#ifdef AMX_ATTN
+DEFINE_ENTRY(paged_attention_bf16_vector, bf16_t, bf16_t, tile_bf16)
+DEFINE_ENTRY(paged_attention_bf16_amx, bf16_t, bf16_t, tile_bf16_amx)
+/* Whether bfloat16 caches take the AMX tiles: where the CPU has them, unless
+   PAGEDLLM_ATTENTION_AMX=0 (set_attention_amx switches at run time, for tests and benches). */
+int attention_amx(void) {
+    if (amx_attention_on < 0) {
+        const char *env = getenv("PAGEDLLM_ATTENTION_AMX");
+        amx_attention_on = env && strcmp(env, "0") == 0 ? 0 : amx_attention_probe();
+    }
+    return amx_attention_on;
+}
+int set_attention_amx(int on) {
+    amx_attention_on = on && amx_attention_probe();
+    return amx_attention_on;
+}
+void paged_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k_cache, const bf16_t *v_cache,
+                          const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,
+                          int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          int32_t split_heads, bf16_t *out) {
+    if (head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx())
+        paged_attention_bf16_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, tiles,
+                                 num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale, split_heads, out);
+    else
+        paged_attention_bf16_vector(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, tiles,
+                                    num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale, split_heads,
+                                    out);
+}
+#else
 DEFINE_ENTRY(paged_attention_bf16, bf16_t, bf16_t, tile_bf16)
+int attention_amx(void) { return 0; }
+int set_attention_amx(int on) { (void)on; return 0; }
+#endif
 DEFINE_ENTRY(paged_attention_f32_i8, float, kv8_t, tile_f32_i8)
 DEFINE_ENTRY(paged_attention_bf16_i8, bf16_t, kv8_t, tile_bf16_i8)
 DEFINE_ENTRY(paged_attention_f32_e4m3, float, kv8_t, tile_f32_e4m3)

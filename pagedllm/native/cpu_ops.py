@@ -465,6 +465,29 @@ def using_isa(isa: str):
             _library, _vector_width = saved
 
 
+ATTENTION_AMX_ENV = "PAGEDLLM_ATTENTION_AMX"
+
+
+def attention_amx(library: ctypes.CDLL | None = None) -> bool:
+    """Whether bfloat16 caches' attention runs on AMX-BF16 tiles (the avx512_bf16 path on a CPU
+    with AMX, head_dim a multiple of 32 up to 128), unless ``PAGEDLLM_ATTENTION_AMX=0``."""
+    library = library or (_library if available() else None)
+    return bool(library is not None and library.attention_amx())
+
+
+@contextlib.contextmanager
+def attention_amx_set(on: bool, library: ctypes.CDLL | None = None):
+    """Within this block bfloat16 attention takes the AMX tiles (where the CPU has them) or the
+    vector path; yields whether the tiles are on (tests and benchmarks)."""
+    library = library or _library
+    assert library is not None, "call available() first"
+    before = library.attention_amx()
+    try:
+        yield bool(library.set_attention_amx(int(on)))
+    finally:
+        library.set_attention_amx(before)
+
+
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("PAGEDLLM_NATIVE_OPS", "1") == "0":
         return None
@@ -523,6 +546,9 @@ def _declare(library: ctypes.CDLL) -> None:
         "rotary": [pointer, i64, i64, i64, i64, pointer, pointer, pointer],
         "write_kv": [pointer, i64, pointer, i64, pointer, i64, i64, pointer, pointer],
     }
+    library.attention_amx.restype = ctypes.c_int
+    library.set_attention_amx.argtypes = [ctypes.c_int]
+    library.set_attention_amx.restype = ctypes.c_int
     library.hadamard_f32.argtypes = [pointer, i64, i64, i64, i64, f32]
     library.hadamard_f32.restype = None
     library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer]
