@@ -2,6 +2,9 @@
 
     python benchmarks/attention_kernel.py [--json FILE] [--paths scalar,avx2,...]
 
+On a CPU with AMX-BF16 the avx512_bf16 path runs bfloat16 caches on the tiles;
+its vector kernels are then measured too, as ``avx512_bf16-vector``.
+
 Shapes are SmolLM2-135M's (9 query / 3 KV heads, head_dim 64, block 16).
 Decode: a batch of 64 sequences of context 340, every layer its own cache
 (30 layers, 1.0 GB of fp32 K/V, more than the caches hold), so each call
@@ -166,12 +169,17 @@ def main() -> None:
         md = prefill.metadata
         TorchAttentionBackend().write_kv(prefill.new_key, prefill.new_value, prefill.k_cache,
                                          prefill.v_cache, md.slot_mapping)
-        for path in args.paths.split(","):
+        paths = args.paths.split(",")
+        if "avx512_bf16" in paths and dtype == torch.bfloat16 and cpu_ops.attention_amx():
+            paths.insert(paths.index("avx512_bf16") + 1, "avx512_bf16-vector")  # the same path without AMX
+        for path in paths:
             if path == "torch":
                 row = measure_path(path, dtype, args.repeats, decode, kv_bytes, prefill)
             else:
-                with cpu_ops.using_isa(path):
+                isa = path.removesuffix("-vector")
+                with cpu_ops.using_isa(isa) as library, cpu_ops.attention_amx_set(isa == path, library):
                     row = measure_path(path, dtype, args.repeats, decode, kv_bytes, prefill)
+                    row["attention_amx"] = dtype == torch.bfloat16 and cpu_ops.attention_amx(library)
             row["decode_pct_of_read_bw"] = 100 * row["decode_gbs"] / limits["read_gbs"]
             if pattern_gbs:
                 row["decode_pct_of_pattern_read"] = 100 * row["decode_gbs"] / pattern_gbs
