@@ -42,7 +42,8 @@ def _llm(directory, monkeypatch, stack: bool, **options) -> LLM:
     monkeypatch.setenv(ENV, "1" if stack else "0")
     options.setdefault("quantization", "int4")
     options.setdefault("quantization_group_size", 64)
-    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, **options)
+    options.setdefault("dtype", "float32")
+    llm = LLM(str(directory), device="cpu", block_size=8, max_num_batched_tokens=64, **options)
     assert (llm.llm_engine.worker.model.layer_stack is not None) is stack
     return llm
 
@@ -101,6 +102,30 @@ def test_stack_applies_biases(biased_dir, monkeypatch):
     assert layer.self_attn.qkv_proj.bias is not None and layer.self_attn.qkv_proj.bias.abs().sum() > 0
     got = _results(stacked, params)
     assert got == _results(_llm(biased_dir, monkeypatch, False), params)
+
+
+needs_amx_bf16 = pytest.mark.skipif(
+    not (cpu_ops.available() and quant_ops.available() and quant_ops.amx_bf16_available()),
+    reason="no AMX-BF16 on this CPU: dense bfloat16 matmuls are oneDNN's",
+)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("biased", [False, True])
+def test_bfloat16_stack_equals_the_modules_bit_for_bit(tiny_dir, biased_dir, monkeypatch, biased):
+    # dense bfloat16 weights on the AMX-BF16 tiles: the stack calls the modules' very kernels
+    directory = biased_dir if biased else tiny_dir
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, n=3, seed=7, max_tokens=16, ignore_eos=True, logprobs=2)
+    results = []
+    for stack in (True, False):
+        llm = _llm(directory, monkeypatch, stack, dtype="bfloat16", quantization="none")
+        if stack:
+            runs = _counting_calls(llm)
+        results.append([_results(llm, p) for p in (greedy, sampled)])
+        assert llm.llm_engine.worker.kv_cache.layers[0][0].dtype == torch.bfloat16
+    assert runs[0] > 20
+    assert results[0] == results[1]
 
 
 @needs_kernels

@@ -16,6 +16,7 @@ is the full ``[T, out]`` after the all-reduce.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 import torch
@@ -31,6 +32,7 @@ from pagedllm.distributed import (
 )
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.dispatch import onednn_linear_available, private_mkldnn_op
+from pagedllm.native import quant_ops
 
 
 class LinearMethod(ABC):
@@ -54,7 +56,21 @@ class _TorchMatmul:
         return F.linear(x, weight, bias)
 
 
-class _PackedMatmul:
+class _HeldMatmul:
+    """A matmul that holds the weight in a layout of its own (which can stand in for the plain one)."""
+
+    packed: Tensor
+
+    def dense(self) -> Tensor:
+        """The weight in its plain ``[out, in]`` layout again (a new tensor, bit for bit the original)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+class _PackedMatmul(_HeldMatmul):
     """oneDNN on a weight reordered once into its blocked layout.
 
     On this class of CPU that runs float32 matmuls 2-3x faster than
@@ -70,16 +86,52 @@ class _PackedMatmul:
         return self._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
     def dense(self) -> Tensor:
-        """The weight in its plain ``[out, in]`` layout again (a new tensor, bit for bit the original)."""
         return self.packed.to_dense()
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+
+class AmxBf16Matmul(_HeldMatmul):
+    """bfloat16 on the AMX-BF16 tiles (pagedllm/native/quant_ops.c, ``gemm_amx_bf16_dense``), the
+    weight stored once as the tiles' B operand.
+
+    Every output is the float32 sum over 32-input blocks in one order, rounded
+    once, so a row's result is the same whatever other rows share the call
+    (oneDNN's is not); and the decoder-layer stack calls the same kernel
+    (pagedllm/quant/stack.py), so it gives the modules' bits. Chosen on CPUs
+    with AMX-BF16 for bfloat16 weights; ``PAGEDLLM_DENSE_BF16_AMX=0`` keeps oneDNN.
+    """
+
+    def __init__(self, weight: Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.packed = quant_ops.dense_bf16_pack(weight.detach())
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
+        y = quant_ops.dense_bf16_linear(x2, self.packed, self.out_features, bias)
+        if y is None:  # out of memory for the kernel's scratch: the same product through torch
+            y = F.linear(x2, self.dense(), bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def dense(self) -> Tensor:
+        return quant_ops.dense_bf16_unpack(self.packed, self.out_features, self.in_features)
 
 
-def dense_matmul(weight: Tensor) -> _TorchMatmul | _PackedMatmul:
-    """The kernel for a dense ``[out, in]`` weight: packed oneDNN on CPUs where it runs."""
+DENSE_BF16_AMX_ENV = "PAGEDLLM_DENSE_BF16_AMX"
+
+
+def dense_bf16_amx_available() -> bool:
+    """Whether dense bfloat16 matmuls run on :class:`AmxBf16Matmul`: a CPU with AMX-BF16 and the
+    native kernels built, unless ``PAGEDLLM_DENSE_BF16_AMX=0``."""
+    return os.environ.get(DENSE_BF16_AMX_ENV, "1") != "0" and quant_ops.amx_bf16_available()
+
+
+def dense_matmul(weight: Tensor) -> _TorchMatmul | _HeldMatmul:
+    """The kernel for a dense ``[out, in]`` weight: the AMX-BF16 tiles for bfloat16 where the CPU
+    has them, packed oneDNN on CPUs where it runs, ``F.linear`` otherwise."""
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and dense_bf16_amx_available():
+        return AmxBf16Matmul(weight)
     if weight.device.type == "cpu" and onednn_linear_available(weight.dtype):
         return _PackedMatmul(weight)
     return _TorchMatmul()
@@ -88,7 +140,7 @@ def dense_matmul(weight: Tensor) -> _TorchMatmul | _PackedMatmul:
 def weight_released(module: nn.Module) -> bool:
     """Whether ``module.weight`` was freed because its packed copy serves the matmuls."""
     weight = module._parameters.get("weight")
-    return weight is not None and weight.numel() == 0 and isinstance(getattr(module, "matmul", None), _PackedMatmul)
+    return weight is not None and weight.numel() == 0 and isinstance(getattr(module, "matmul", None), _HeldMatmul)
 
 
 def bind_dense(module: nn.Module, weight: Tensor, *, release: bool) -> None:
@@ -101,7 +153,7 @@ def bind_dense(module: nn.Module, weight: Tensor, *, release: bool) -> None:
     if release and weight_released(module):
         return
     module.matmul = dense_matmul(weight)
-    if release and isinstance(module.matmul, _PackedMatmul):
+    if release and isinstance(module.matmul, _HeldMatmul):
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
 

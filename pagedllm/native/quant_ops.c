@@ -1370,19 +1370,79 @@ TARGET_AMX_BF16 static void bf16_panel(const uint8_t *q, const uint16_t *d, cons
     }
 }
 
+/* Row tiles a[0 .. nt) (nt <= 4, 16 rows each, lda inputs apart) times one group's panel
+ * (blocks tiles of [16 pairs][16 outputs x 2]): float32 sums over all the blocks in order, plus
+ * bias (float32, or NULL), rounded to bfloat16 into the rows r0 .. of y (the last tile's rows
+ * past `rows` are not written), outputs n0 .. n0 + 16 under `mask`. */
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_row_tiles(
+    const uint16_t *panel, const uint16_t *const *a, int64_t nt, int64_t blocks, int64_t lda, const __m512 *bias,
+    uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask16 mask, float *sums) {
+    _tile_zero(0);
+    if (nt > 1) _tile_zero(1);
+    if (nt > 2) _tile_zero(2);
+    if (nt > 3) _tile_zero(3);
+    for (int64_t b = 0; b < blocks; b++) {
+        _tile_loadd(6, panel + 512 * b, 64);
+        _tile_loadd(4, a[0] + 32 * b, lda * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nt > 1) {
+            _tile_loadd(5, a[1] + 32 * b, lda * 2);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (nt > 2) {
+            _tile_loadd(4, a[2] + 32 * b, lda * 2);
+            _tile_dpbf16ps(2, 4, 6);
+        }
+        if (nt > 3) {
+            _tile_loadd(5, a[3] + 32 * b, lda * 2);
+            _tile_dpbf16ps(3, 5, 6);
+        }
+    }
+    for (int64_t i = 0; i < nt; i++) {
+        if (i == 0) _tile_stored(0, sums, 64);
+        else if (i == 1) _tile_stored(1, sums, 64);
+        else if (i == 2) _tile_stored(2, sums, 64);
+        else _tile_stored(3, sums, 64);
+        __asm__ volatile("" ::: "memory");
+        const int64_t first = r0 + 16 * i, num = rows - first < 16 ? rows - first : 16;
+        for (int64_t row = 0; row < num; row++) {
+            __m512 v = _mm512_load_ps(sums + 16 * row);
+            if (bias) v = _mm512_add_ps(v, *bias);
+            _mm256_mask_storeu_epi16((void *)(y + (first + row) * N + n0), mask, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* Activations as tiles read: x itself where its rows are whole blocks of Kp inputs, else a
+ * zero-padded copy (every row when K < Kp; otherwise only a last, partial tile). */
+typedef struct {
+    const uint16_t *x;
+    uint16_t *pad;
+    int64_t direct, Kp;
+} Bf16Rows;
+
+static int bf16_rows_init(Bf16Rows *t, const uint16_t *x, int64_t rows, int64_t K, int64_t Kp) {
+    t->x = x, t->Kp = Kp, t->direct = K == Kp ? rows / 16 : 0, t->pad = 0;
+    const int64_t copied = rows - 16 * t->direct;
+    if (!copied) return 1;
+    t->pad = calloc((size_t)(((copied + 15) / 16) * 16 * Kp), 2);
+    if (!t->pad) return 0;
+    for (int64_t i = 0; i < copied; i++) memcpy(t->pad + i * Kp, x + (16 * t->direct + i) * K, (size_t)K * 2);
+    return 1;
+}
+
+static inline const uint16_t *bf16_rows_tile(const Bf16Rows *t, int64_t tile) {
+    return tile < t->direct ? t->x + 16 * tile * t->Kp : t->pad + 16 * (tile - t->direct) * t->Kp;
+}
+
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . dequantized weights [N, K]^T. Returns 0 when
  * out of memory (y not written). */
 TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t *q,
                                          const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
                                          int r, int zero, uint16_t *y) {
     const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16;
-    /* Tiles read straight from x need whole rows of Kp inputs: with K < Kp every row is copied
-     * padded; otherwise only a last, partial tile is (padded with zero rows). */
-    const int64_t direct = K == Kp ? rows / 16 : 0;
-    const int64_t copied = rows - 16 * direct;
-    uint16_t *pad = copied ? calloc((size_t)(((copied + 15) / 16) * 16 * Kp), 2) : 0;
-    if (copied && !pad) return 0;
-    for (int64_t i = 0; i < copied; i++) memcpy(pad + i * Kp, x + (16 * direct + i) * K, (size_t)K * 2);
+    Bf16Rows in;
+    if (!bf16_rows_init(&in, x, rows, K, Kp)) return 0;
     const int64_t num_groups = (N + 15) / 16;
     int failed = 0;
     _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
@@ -1404,49 +1464,130 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
             for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
                 const int64_t nt = tiles - t0 < 4 ? tiles - t0 : 4;
                 const uint16_t *a[4];
-                for (int64_t i = 0; i < nt; i++) {
-                    const int64_t t = t0 + i;
-                    a[i] = t < direct ? x + 16 * t * Kp : pad + 16 * (t - direct) * Kp;
-                }
-                _tile_zero(0);
-                if (nt > 1) _tile_zero(1);
-                if (nt > 2) _tile_zero(2);
-                if (nt > 3) _tile_zero(3);
-                for (int64_t b = 0; b < blocks; b++) {
-                    _tile_loadd(6, panel + 512 * b, 64);
-                    _tile_loadd(4, a[0] + 32 * b, Kp * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (nt > 1) {
-                        _tile_loadd(5, a[1] + 32 * b, Kp * 2);
-                        _tile_dpbf16ps(1, 5, 6);
-                    }
-                    if (nt > 2) {
-                        _tile_loadd(4, a[2] + 32 * b, Kp * 2);
-                        _tile_dpbf16ps(2, 4, 6);
-                    }
-                    if (nt > 3) {
-                        _tile_loadd(5, a[3] + 32 * b, Kp * 2);
-                        _tile_dpbf16ps(3, 5, 6);
-                    }
-                }
-                for (int64_t i = 0; i < nt; i++) {
-                    if (i == 0) _tile_stored(0, sums, 64);
-                    else if (i == 1) _tile_stored(1, sums, 64);
-                    else if (i == 2) _tile_stored(2, sums, 64);
-                    else _tile_stored(3, sums, 64);
-                    __asm__ volatile("" ::: "memory");
-                    const int64_t r0 = 16 * (t0 + i), num = rows - r0 < 16 ? rows - r0 : 16;
-                    for (int64_t row = 0; row < num; row++)
-                        _mm256_mask_storeu_epi16((void *)(y + (r0 + row) * N + n0), mask,
-                                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + 16 * row)));
-                }
+                for (int64_t i = 0; i < nt; i++) a[i] = bf16_rows_tile(&in, t0 + i);
+                amx_bf16_row_tiles(panel, a, nt, blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums);
             }
         }
         if (panel) _tile_release();
         free(panel);
     }
-    free(pad);
+    free(in.pad);
     return !failed;
+}
+
+/* Tiles of the dense kernel: 0-3 float32 sums (row tile i, panel j at 2 i + j), 4-5 row tiles,
+ * 6-7 the two groups' weight tiles. */
+TARGET_AMX_BF16 static void amx_bf16_configure_2x2(void) {
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+}
+
+/* Row tiles a0 and a1 (NULL: none) times the panels of two consecutive groups p0 and p0 + the
+ * panel size (two = 0: the first only) of a dense weight, whose tiles follow one another in
+ * memory, so the weight `ahead` tiles on is prefetched as the tiles run. Sums as in
+ * amx_bf16_row_tiles; each output row's 32 values are written as one 64-byte store. */
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
+    const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t lda,
+    const __m512 *bias, uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask32 mask, float *sums,
+    int64_t ahead) {
+    const uint16_t *p1 = p0 + 512 * blocks;
+    _tile_zero(0);
+    if (two) _tile_zero(1);
+    if (a1) _tile_zero(2);
+    if (a1 && two) _tile_zero(3);
+    for (int64_t b = 0; b < blocks; b++) {
+        if (ahead)
+            for (int line = 0; line < 16; line++) {
+                _mm_prefetch((const char *)(p0 + 512 * (b + ahead) + 32 * line), _MM_HINT_T0);
+                if (two) _mm_prefetch((const char *)(p1 + 512 * (b + ahead) + 32 * line), _MM_HINT_T0);
+            }
+        _tile_loadd(6, p0 + 512 * b, 64);
+        _tile_loadd(4, a0 + 32 * b, lda * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+            _tile_loadd(7, p1 + 512 * b, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (a1) {
+            _tile_loadd(5, a1 + 32 * b, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    for (int64_t i = 0; i < (a1 ? 2 : 1); i++) {
+        if (i == 0) {
+            _tile_stored(0, sums, 64);
+            if (two) _tile_stored(1, sums + 256, 64);
+        } else {
+            _tile_stored(2, sums, 64);
+            if (two) _tile_stored(3, sums + 256, 64);
+        }
+        __asm__ volatile("" ::: "memory");
+        const int64_t first = r0 + 16 * i, num = rows - first < 16 ? rows - first : 16;
+        for (int64_t row = 0; row < num; row++) {
+            __m512 lo = _mm512_load_ps(sums + 16 * row), hi = two ? _mm512_load_ps(sums + 256 + 16 * row) : lo;
+            if (bias) lo = _mm512_add_ps(lo, bias[0]), hi = _mm512_add_ps(hi, bias[1]);
+            _mm512_mask_storeu_epi16((void *)(y + (first + row) * N + n0), mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* Row tiles per block of the dense kernel's rows: 256 rows of up to Kp = 4096 inputs are 2 MiB,
+ * and a block is multiplied by every pair of groups before the next one is read. */
+#define DENSE_BF16_ROW_BLOCK_TILES 16
+#ifndef DENSE_BF16_AHEAD
+#define DENSE_BF16_AHEAD 4 /* weight tiles prefetched ahead of the ones multiplied (0: none) */
+#endif
+
+/* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias [N] bfloat16, or NULL), w a dense
+ * bfloat16 weight stored as TDPBF16PS's B operand (dense_bf16_pack's layout: per group of 16
+ * outputs, per block of 32 inputs, a [16 pairs][16 outputs][2] tile; outputs past N and
+ * inputs past K are zero). Each output is the float32 sum over the blocks in order, rounded
+ * once, so a row's result does not depend on the other rows. Returns 0 when out of memory. */
+TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w,
+                                               int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y) {
+    const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16, num_groups = (N + 15) / 16;
+    const int64_t pairs = (num_groups + 1) / 2;
+    const int64_t row_blocks = (tiles + DENSE_BF16_ROW_BLOCK_TILES - 1) / DENSE_BF16_ROW_BLOCK_TILES;
+    Bf16Rows in;
+    if (!bf16_rows_init(&in, x, rows, K, Kp)) return 0;
+    _Pragma("omp parallel if(pairs > 1 && N * Kp * rows >= 65536)")
+    {
+        float sums[2 * 16 * 16] __attribute__((aligned(64)));
+        amx_bf16_configure_2x2();
+        _Pragma("omp for collapse(2) schedule(static)")
+        for (int64_t rb = 0; rb < row_blocks; rb++)
+            for (int64_t gp = 0; gp < pairs; gp++) {
+                const int64_t n0 = gp * 32, count = N - n0 < 32 ? N - n0 : 32;
+                const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
+                const int two = 2 * gp + 1 < num_groups;
+                __m512 bias_v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                if (bias) {
+                    const __m512i b32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)mask, bias + n0));
+                    bias_v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(b32, 16));
+                    if (two) {
+                        const __m512i h32 = _mm512_cvtepu16_epi32(
+                            _mm256_maskz_loadu_epi16((__mmask16)(mask >> 16), bias + n0 + 16));
+                        bias_v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(h32, 16));
+                    }
+                }
+                const int64_t start = rb * DENSE_BF16_ROW_BLOCK_TILES;
+                const int64_t end = start + DENSE_BF16_ROW_BLOCK_TILES < tiles ? start + DENSE_BF16_ROW_BLOCK_TILES
+                                                                               : tiles;
+                for (int64_t t0 = start; t0 < end; t0 += 2)
+                    amx_bf16_2x2(w + 2 * gp * blocks * 512, two, bf16_rows_tile(&in, t0),
+                                 t0 + 1 < end ? bf16_rows_tile(&in, t0 + 1) : 0, blocks, Kp,
+                                 bias ? bias_v : 0, y, N, 16 * t0, rows, n0, mask, sums,
+                                 t0 + 2 >= end ? DENSE_BF16_AHEAD : 0);
+            }
+        _tile_release();
+    }
+    free(in.pad);
+    return 1;
 }
 
 /* AMX-TILE (CPUID.7.0 EDX bit 24) and the tile unit's `feature` bit (22: BF16, 25: INT8), and
@@ -1602,6 +1743,18 @@ int quant_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t 
     return 0;
 }
 
+/* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias) for a dense bfloat16 weight in
+ * dense_bf16_pack's tile layout, on the AMX-BF16 tiles (gemm_amx_bf16_dense). Returns 0 where
+ * the CPU has no AMX-BF16 or memory ran out (y not written). */
+int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
+                      const uint16_t *bias, uint16_t *y) {
+#ifdef QUANT_X86
+    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y);
+#endif
+    (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
+    return 0;
+}
+
 /* ------------------------------------------------------------ a stack of decoder layers in one call
  *
  * Every decoder layer of a Llama-family model whose four matrices are packed here and
@@ -1611,52 +1764,58 @@ int quant_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t 
  * between them. The element-wise and attention kernels live in the per-ISA cpu_ops
  * library; the caller passes their addresses. */
 
-typedef void (*RmsNormFn)(float *residual, const float *delta, const float *weight, float eps, int64_t rows,
-                          int64_t n, float *out);
-typedef void (*RotaryFn)(float *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+typedef void (*RmsNormFn)(void *residual, const void *delta, const void *weight, float eps, int64_t rows,
+                          int64_t n, void *out);
+typedef void (*RotaryFn)(void *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,
                          const int64_t *positions, const float *cos_table, const float *sin_table);
-typedef void (*WriteKvFn)(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slots,
+typedef void (*WriteKvFn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                           int64_t rows, int64_t width, void *k_cache, void *v_cache);
-typedef void (*WriteKv8Fn)(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+typedef void (*WriteKv8Fn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                            const int64_t *slots, int64_t rows, int64_t kv_heads, int64_t head_dim, void *k_cache,
                            void *v_cache, void *k_scale, void *v_scale);
-typedef void (*AttentionFn)(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+typedef void (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const void *k_scale, const void *v_scale, const int32_t *tables, int64_t table_stride,
                             const int32_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale, int32_t split_heads, float *out);
-typedef void (*SiluMulFn)(const float *gate_up, int64_t rows, int64_t n, float *out);
+                            int64_t head_dim, int64_t block_size, float scale, int32_t split_heads, void *out);
+typedef void (*SiluMulFn)(const void *gate_up, int64_t rows, int64_t n, void *out);
 typedef void (*HadamardFn)(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                            float scale);
 
 typedef struct {
     const uint8_t *q;
     const uint16_t *d, *m;
-    const float *bias; /* [N] or NULL */
+    const void *bias; /* [N] or NULL: float32, or bfloat16 beside w16 */
     int64_t N, K, Kp, bits, r, zero, tiled_min_rows, levels;
+    const uint16_t *w16; /* a dense bfloat16 weight in dense_bf16_pack's layout (the codes above unused), or NULL */
 } StackLinear;
 
 typedef struct {
-    const float *input_norm, *post_norm;
+    const void *input_norm, *post_norm;
     StackLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache, *k_scale, *v_scale; /* scales: 8-bit caches only */
 } StackLayer;
 
 typedef struct {
-    void *rms_norm, *rotary, *write_kv, *attention, *silu_mul; /* cpu_ops entry points (float32) */
+    void *rms_norm, *rotary, *write_kv, *attention, *silu_mul; /* cpu_ops entry points of the activations' dtype */
     int64_t isa, num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, kv8;
     float eps, scale;
     const StackLayer *layers;
     void *hadamard; /* cpu_ops' hadamard_f32 */
     int64_t rotate; /* the cache holds Hadamard-rotated vectors (int8 KV, see kv_format.py) */
+    int64_t elem;   /* bytes per activation: 4 (float32, packed codes) or 2 (bfloat16, dense w16 weights) */
 } LayerStack;
 
-static int stack_linear(const LayerStack *s, const StackLinear *l, const float *x, int64_t rows, float *y) {
+static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x, int64_t rows, void *y) {
+    if (l->w16) return dense_linear_bf16(x, rows, l->K, l->w16, l->N, l->Kp, l->bias, y);
     if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, x, rows, l->K, l->q, l->d, l->m, l->N, l->Kp,
                       (int)l->bits, (int)l->r, (int32_t)l->zero, y))
         return 0;
-    if (l->bias)
+    if (l->bias) {
+        float *yf = y;
+        const float *bias = l->bias;
         for (int64_t i = 0; i < rows; i++)
-            for (int64_t n = 0; n < l->N; n++) y[i * l->N + n] += l->bias[n];
+            for (int64_t n = 0; n < l->N; n++) yf[i * l->N + n] += bias[n];
+    }
     return 1;
 }
 
@@ -1673,16 +1832,16 @@ int64_t quant_stack_scratch_floats(const LayerStack *s, int64_t rows) {
     return rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter);
 }
 
-int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *delta, const int64_t *positions,
+int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *delta, const int64_t *positions,
                      const float *cos_table, const float *sin_table, const int64_t *slots, const int32_t *tables,
                      int64_t table_stride, const int32_t *tiles, int64_t num_tiles, int32_t split_heads,
                      int64_t num_rows, float *given_scratch) {
-    const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
+    const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden, e = s->elem;
     const int64_t qkv_width = (H + 2 * KH) * D, inter = s->intermediate;
     float *scratch = given_scratch ? given_scratch : malloc((size_t)quant_stack_scratch_floats(s, rows) * sizeof(float));
     if (!scratch) return 0;
-    float *x = scratch, *qkv = x + rows * hidden, *attn_out = qkv + rows * qkv_width;
-    float *attn = attn_out + rows * H * D, *gate_up = attn + rows * hidden, *act = gate_up + rows * 2 * inter;
+    char *x = (char *)scratch, *qkv = x + rows * hidden * e, *attn_out = qkv + rows * qkv_width * e;
+    char *attn = attn_out + rows * H * D * e, *gate_up = attn + rows * hidden * e, *act = gate_up + rows * 2 * inter * e;
     RmsNormFn rms_norm = (RmsNormFn)s->rms_norm;
     int ok = 1;
     for (int64_t i = 0; i < s->num_layers && ok; i++) {
@@ -1691,9 +1850,9 @@ int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *
         ok = stack_linear(s, &L->qkv, x, rows, qkv);
         if (!ok) break;
         ((RotaryFn)s->rotary)(qkv, rows, qkv_width, H + KH, D, positions, cos_table, sin_table);
-        if (s->rotate) /* q, k and v rotated as the modules do: H + 2 KH heads per row */
-            ((HadamardFn)s->hadamard)(qkv, rows, qkv_width, H + 2 * KH, D, 1.0f);
-        const float *k = qkv + H * D, *v = qkv + (H + KH) * D;
+        if (s->rotate) /* q, k and v rotated as the modules do: H + 2 KH heads per row (float32 only) */
+            ((HadamardFn)s->hadamard)((float *)qkv, rows, qkv_width, H + 2 * KH, D, 1.0f);
+        const char *k = qkv + H * D * e, *v = qkv + (H + KH) * D * e;
         if (s->kv8)
             ((WriteKv8Fn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH, D, L->k_cache, L->v_cache,
                                       L->k_scale, L->v_scale);
@@ -1702,8 +1861,8 @@ int quant_run_layers(const LayerStack *s, int64_t rows, float *residual, float *
         ((AttentionFn)s->attention)(qkv, qkv_width, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables,
                                     table_stride, tiles, num_tiles, H, KH, D, s->block_size,
                                     s->rotate ? s->scale / (float)D : s->scale, split_heads, attn_out);
-        if (num_rows < rows) memset(attn_out + num_rows * H * D, 0, (size_t)((rows - num_rows) * H * D) * sizeof(float));
-        if (s->rotate) ((HadamardFn)s->hadamard)(attn_out, rows, H * D, H, D, 1.0f / (float)D);
+        if (num_rows < rows) memset(attn_out + num_rows * H * D * e, 0, (size_t)((rows - num_rows) * H * D * e));
+        if (s->rotate) ((HadamardFn)s->hadamard)((float *)attn_out, rows, H * D, H, D, 1.0f / (float)D);
         ok = stack_linear(s, &L->o, attn_out, rows, attn);
         if (!ok) break;
         rms_norm(residual, attn, L->post_norm, s->eps, rows, hidden, x);

@@ -135,6 +135,8 @@ def build_library() -> ctypes.CDLL:
     library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
     library.quant_amx_bf16.argtypes = []
+    library.dense_linear_bf16.argtypes = [p, i64, i64, p, i64, i64, p, p]
+    library.dense_linear_bf16.restype = c_int
     for fn in (library.quantize_activations, library.quant_gemm, library.quant_dequantize_rows):
         fn.restype = None
     return library
@@ -263,6 +265,53 @@ def gemm_bf16(
         x.data_ptr(), rows, in_features, qweight.data_ptr(), scales.data_ptr(),
         None if mins is None else mins.data_ptr(), out_features, padded_in, bits, group_size // 32, zero,
         y.data_ptr(),
+    )
+    return y if done else None
+
+
+# Outputs per group and inputs per block of the dense bfloat16 tile layout (TDPBF16PS's B operand).
+DENSE_BF16_GROUP, DENSE_BF16_BLOCK = 16, 32
+
+
+def dense_bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A dense ``[N, K]`` bfloat16 weight in the AMX-BF16 kernel's layout (:func:`dense_bf16_linear`).
+
+    Per group of 16 outputs and block of 32 inputs, a ``[16 pairs][16 outputs][2]`` tile:
+    ``packed[g, b, kk, n, j] = weight[16 g + n, 32 b + 2 kk + j]``; outputs past N and inputs
+    past K are zero. Returns ``[ceil(N / 16), ceil(K / 32), 16, 16, 2]`` bfloat16.
+    """
+    assert weight.dtype == torch.bfloat16 and weight.dim() == 2
+    n, k = weight.shape
+    n_pad = -n % DENSE_BF16_GROUP
+    k_pad = -k % DENSE_BF16_BLOCK
+    w = torch.nn.functional.pad(weight.detach(), (0, k_pad, 0, n_pad))
+    groups, blocks = w.shape[0] // DENSE_BF16_GROUP, w.shape[1] // DENSE_BF16_BLOCK
+    return w.view(groups, DENSE_BF16_GROUP, blocks, DENSE_BF16_GROUP, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def dense_bf16_unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The ``[out_features, in_features]`` weight back from :func:`dense_bf16_pack`'s layout (a new tensor)."""
+    groups, blocks = packed.shape[:2]
+    w = packed.permute(0, 3, 1, 2, 4).reshape(groups * DENSE_BF16_GROUP, blocks * DENSE_BF16_BLOCK)
+    return w[:out_features, :in_features].contiguous()
+
+
+def dense_bf16_linear(
+    x: torch.Tensor,  # [T, K] bfloat16, contiguous
+    packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # [T, N] bfloat16
+    """``x @ W^T (+ bias)`` on the AMX-BF16 tiles for ``packed = dense_bf16_pack(W)``: every output
+    the float32 sum over 32-input blocks in order, rounded to bfloat16 once, so a row's result
+    does not depend on the other rows. None where the CPU has no AMX-BF16 (or memory ran out)."""
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+    rows, in_features = x.shape
+    padded_in = packed.shape[1] * DENSE_BF16_BLOCK
+    y = torch.empty((rows, out_features), dtype=torch.bfloat16)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    done = _library.dense_linear_bf16(
+        x.data_ptr(), rows, in_features, packed.data_ptr(), out_features, padded_in,
+        None if bias is None else bias.data_ptr(), y.data_ptr(),
     )
     return y if done else None
 

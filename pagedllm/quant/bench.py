@@ -21,11 +21,11 @@ from pagedllm.config import EngineConfig
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's weights as held in memory: dense parameters, oneDNN's packed copies
     of dense matrices (a tied LM head's beside the embedding it shares), and quantized matrices (tied once)."""
-    from pagedllm.layers.linear import _PackedMatmul
+    from pagedllm.layers.linear import _HeldMatmul
     from pagedllm.quant.layers import quantized_weights
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(m.matmul.nbytes for m in model.modules() if isinstance(getattr(m, "matmul", None), _PackedMatmul))
+    total += sum(m.matmul.nbytes for m in model.modules() if isinstance(getattr(m, "matmul", None), _HeldMatmul))
     return total + sum(w.nbytes for w in quantized_weights(model))
 
 

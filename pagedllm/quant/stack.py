@@ -1,19 +1,24 @@
-"""Every decoder layer of a packed-weight model in one native call.
+"""Every decoder layer of a model in one native call.
 
 With packed weights a batch-1 decode step of the default model spends about a
 third of its time in the interpreter between kernels: some 330 module calls
 and kernel wrappers per step, each a few microseconds, around matmuls that
-stream the weights. Where every kernel of every layer is a native CPU one
-(packed q/k/v, o, gate/up and down matrices; native norms, rotary, K/V writes
-and attention; float32 activations; one rank), :class:`LayerStack` hands the
-whole stack to ``quant_run_layers`` in pagedllm/native/quant_ops.c, which calls
-the same kernels in the same order with the same arguments, so its output
-equals the modules' bit for bit (tests/test_layer_stack.py). The model keeps
-its modules: they run wherever the stack does not apply (another attention
-path this step, a bfloat16 model, tensor parallelism, dense weights), and
+stream the weights. Where every kernel of every layer is a native CPU one,
+:class:`LayerStack` hands the whole stack to ``quant_run_layers`` in
+pagedllm/native/quant_ops.c, which calls the same kernels in the same order
+with the same arguments, so its output equals the modules' bit for bit
+(tests/test_layer_stack.py). Two kinds of model qualify (one rank, native
+norms, rotary, K/V writes and attention):
+- float32 activations with packed q/k/v, o, gate/up and down matrices
+  (float32 or 8-bit KV caches);
+- bfloat16 activations with dense bfloat16 matrices on the AMX-BF16 tiles
+  (:class:`pagedllm.layers.linear.AmxBf16Matmul`; bfloat16 KV caches): on a
+  2-core Sapphire Rapids the interpreter's share of a W64 decode step was
+  about a fifth, with the second thread idle meanwhile.
+The model keeps its modules: they run wherever the stack does not apply
+(another attention path this step, tensor parallelism, other weights), and
 ``PAGEDLLM_LAYER_STACK=0`` turns the stack off for comparison.
 """
-
 from __future__ import annotations
 
 import ctypes
@@ -24,6 +29,7 @@ from torch import Tensor, nn
 
 from pagedllm.kv import kv_format
 from pagedllm.layers.dispatch import KernelPath
+from pagedllm.layers.linear import AmxBf16Matmul
 from pagedllm.layers.rotary import check_positions
 from pagedllm.native import cpu_ops, host_memory, quant_ops
 from pagedllm.quant.formats import QuantizedWeight
@@ -36,7 +42,8 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Linear(ctypes.Structure):
     _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("Kp", _i64),
-                ("bits", _i64), ("r", _i64), ("zero", _i64), ("tiled_min_rows", _i64), ("levels", _i64)]
+                ("bits", _i64), ("r", _i64), ("zero", _i64), ("tiled_min_rows", _i64), ("levels", _i64),
+                ("w16", _p)]
 
 
 class _Layer(ctypes.Structure):
@@ -49,7 +56,7 @@ class _Stack(ctypes.Structure):
                 ("isa", _i64), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
                 ("kv8", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", _p),
-                ("hadamard", _p), ("rotate", _i64)]
+                ("hadamard", _p), ("rotate", _i64), ("elem", _i64)]
 
 
 def _address(fn) -> int:
@@ -68,7 +75,25 @@ def _linear(layer: nn.Module, weight: QuantizedWeight, isa: int) -> _Linear:
         None if bias is None else bias.data_ptr(), weight.out_features, weight.in_features, weight.padded_in,
         weight.bits, weight.group_size // 32, weight.zero,
         quant_ops.tiled_min_rows(weight.bits, isa, weight.activation_levels) or 2**62, weight.activation_levels,
+        None,
     )
+
+
+def _dense_bf16(layer: nn.Module) -> AmxBf16Matmul | None:
+    matmul = getattr(layer, "matmul", None)
+    return matmul if isinstance(matmul, AmxBf16Matmul) else None
+
+
+def _dense_linear(layer: nn.Module, matmul: AmxBf16Matmul) -> _Linear:
+    bias = layer.bias
+    return _Linear(None, None, None, None if bias is None else bias.data_ptr(), matmul.out_features,
+                   matmul.in_features, matmul.packed.shape[1] * quant_ops.DENSE_BF16_BLOCK, 0, 0, 0, 0, 0,
+                   matmul.packed.data_ptr())
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def layer_stack(model: nn.Module) -> LayerStack | None:
@@ -76,12 +101,13 @@ def layer_stack(model: nn.Module) -> LayerStack | None:
     if os.environ.get(ENV, "1") == "0" or model.tp.size != 1 or not model.layers:
         return None
     weight = model.embed_tokens.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    for layer in model.layers:  # packed matrices first: a dense model never loads the quantized kernels here
-        attn, mlp = layer.self_attn, layer.mlp
-        if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return None
+    # float32 activations with packed matrices, or bfloat16 with dense matrices on the AMX-BF16
+    # tiles (checked first: a model of the other kind never loads the quantized kernels here)
+    held = _packed if weight.dtype == torch.float32 else _dense_bf16
+    if any(held(m) is None for layer in model.layers for m in _linears(layer)):
+        return None
     if not (cpu_ops.available() and quant_ops.available()) or model.rotary.path is not KernelPath.NATIVE_CPU:
         return None
     for layer in model.layers:
@@ -108,27 +134,35 @@ class LayerStack:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.isa = quant_ops.isa()
         self._library = cpu_ops._library
-        self._query_like = torch.empty((0, self.num_heads, self.head_dim), dtype=torch.float32)
+        self.dtype = model.embed_tokens.weight.dtype  # of the activations and the KV cache
+        self._suffix = "f32" if self.dtype == torch.float32 else "bf16"
+        self._query_like = torch.empty((0, self.num_heads, self.head_dim), dtype=self.dtype)
         self._keep: list[Tensor] = []  # every tensor whose address the native description holds
         layers = []
         for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            weights = [_packed(x) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-            for w in weights:
-                self._keep += [t for t in (w.qweight, w.scales, w.mins) if t is not None]
+            modules = _linears(layer)
+            if self.dtype == torch.float32:
+                weights = [_packed(x) for x in modules]
+                for w in weights:
+                    self._keep += [t for t in (w.qweight, w.scales, w.mins) if t is not None]
+                linears = [_linear(x, w, self.isa) for x, w in zip(modules, weights)]
+            else:
+                matmuls = [_dense_bf16(x) for x in modules]
+                self._keep += [mm.packed for mm in matmuls]
+                linears = [_dense_linear(x, mm) for x, mm in zip(modules, matmuls)]
             self._keep += [t for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                       a.qkv_proj.bias, a.o_proj.bias, m.gate_up_proj.bias, m.down_proj.bias)
-                           if t is not None]
-            linears = [_linear(x, w, self.isa) for x, w in zip((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj), weights)]
+                                       *(x.bias for x in modules)) if t is not None]
             layers.append(_Layer(layer.input_layernorm.weight.data_ptr(),
                                  layer.post_attention_layernorm.weight.data_ptr(), *linears))
         self._layers = (_Layer * len(layers))(*layers)
         self.eps = first.input_layernorm.eps
+        library, suffix = self._library, self._suffix
         self._stack = _Stack(
-            _address(self._library.rms_norm_f32), _address(self._library.rotary_f32), None, None,
-            _address(self._library.silu_mul_f32), self.isa, len(layers), attn.o_proj.output_size, self.num_heads,
-            self.num_kv_heads, self.head_dim, first.mlp.down_proj.input_size, 0, 0, self.eps, attn.scale,
-            ctypes.addressof(self._layers), _address(self._library.hadamard_f32), 0,
+            _address(getattr(library, f"rms_norm_{suffix}")), _address(getattr(library, f"rotary_{suffix}")), None,
+            None, _address(getattr(library, f"silu_mul_{suffix}")), self.isa, len(layers), attn.o_proj.output_size,
+            self.num_heads, self.num_kv_heads, self.head_dim, first.mlp.down_proj.input_size, 0, 0, self.eps,
+            attn.scale, ctypes.addressof(self._layers), _address(library.hadamard_f32), 0,
+            torch.empty((), dtype=self.dtype).element_size(),
         )
         self._cache_tensors: list[tuple[Tensor, ...]] | None = None  # the caches the layers point at now
         self._run = quant_ops._library.quant_run_layers
@@ -144,10 +178,13 @@ class LayerStack:
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> bool:
-        """Point the layers at this KV cache (8-bit or float32); False where the modules' path must run."""
+        """Point the layers at this KV cache (float32 activations: 8-bit or float32; bfloat16: bfloat16);
+        False where the modules' path must run."""
         first = kv_caches[0]
         kv8 = len(first) == 4
-        if kv8 and first[0].dtype not in cpu_ops._CODE_SUFFIX or not kv8 and first[0].dtype != torch.float32:
+        if kv8 and (self.dtype != torch.float32 or first[0].dtype not in cpu_ops._CODE_SUFFIX):
+            return False
+        if not kv8 and first[0].dtype != self.dtype:
             return False
         if self._cache_tensors is not None and len(kv_caches) == len(self._cache_tensors) and all(
             a is b for a, b in zip(kv_caches, self._cache_tensors)
@@ -163,8 +200,8 @@ class LayerStack:
             self._stack.write_kv = _address(getattr(library, f"write_kv_f32_{suffix}"))
             self._stack.attention = _address(getattr(library, f"paged_attention_f32_{suffix}"))
         else:
-            self._stack.write_kv = _address(library.write_kv_f32)
-            self._stack.attention = _address(library.paged_attention_f32)
+            self._stack.write_kv = _address(getattr(library, f"write_kv_{self._suffix}"))
+            self._stack.attention = _address(getattr(library, f"paged_attention_{self._suffix}"))
         self._stack.kv8 = int(kv8)
         # int8 caches hold Hadamard-rotated vectors (kv_format), as the modules write them
         self._stack.rotate = int(kv8 and kv_format.stores_rotated(first[0].dtype, self.head_dim))
@@ -179,7 +216,7 @@ class LayerStack:
         """Every layer on ``residual`` [T, hidden] (updated in place, as the modules do); returns the
         last layer's MLP output, or None (nothing touched) where this step needs the modules."""
         rows = residual.shape[0]
-        if rows == 0 or not residual.is_contiguous() or positions.dtype != torch.int64 or metadata.slot_mapping.dtype != torch.int64:
+        if rows == 0 or not residual.is_contiguous() or residual.dtype != self.dtype or positions.dtype != torch.int64 or metadata.slot_mapping.dtype != torch.int64:
             return None
         if not self._bind_caches(kv_caches):
             return None

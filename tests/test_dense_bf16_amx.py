@@ -1,0 +1,95 @@
+"""Dense bfloat16 matmuls on the AMX-BF16 tiles (quant_ops.c ``gemm_amx_bf16_dense``).
+
+The oracle is the float32 product of the same bfloat16 values, rounded to
+bfloat16 once: the kernel's float32 sums differ from it only in their order,
+so every output is within one bfloat16 step of it. A row's output must not
+depend on the other rows of the call, and the layer must give its weight back
+bit for bit. Skipped where the CPU has no AMX-BF16 (the layers then run on
+oneDNN, which the rest of the suite covers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers import linear
+from pagedllm.native import quant_ops
+
+needs_amx_bf16 = pytest.mark.skipif(
+    not (quant_ops.available() and quant_ops.amx_bf16_available()), reason="no AMX-BF16 on this CPU"
+)
+
+
+def _case(rows: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    bias = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+    return x, w, bias
+
+
+def _within_one_step(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    exact = x.double() @ w.double().t()
+    if bias is not None:
+        exact += bias.double()
+    want = exact.to(torch.bfloat16)
+    # one bfloat16 step of the exact value (2^-7 relative), and an absolute floor for sums near 0
+    step = exact.abs().clamp_min(1e-3) * 2.0**-7
+    assert ((got.double() - want.double()).abs() <= step + 1e-12).all()
+    assert (got == want).float().mean() > 0.9  # mostly the very rounding of the exact value
+
+
+def test_pack_round_trips_any_shape():
+    for n, k in [(16, 32), (17, 33), (1, 5), (960, 576), (40, 100)]:
+        w = torch.randn(n, k).bfloat16()
+        packed = quant_ops.dense_bf16_pack(w)
+        assert packed.shape == (-(-n // 16), -(-k // 32), 16, 16, 2)
+        assert torch.equal(quant_ops.dense_bf16_unpack(packed, n, k), w)
+        # the layout the tiles read: packed[g, b, kk, n, j] = w[16 g + n, 32 b + 2 kk + j]
+        g, b, kk, nn_, j = 0, min(1, packed.shape[1] - 1), 3, min(5, n - 1), 1
+        if 32 * b + 2 * kk + j < k:
+            assert packed[g, b, kk, nn_, j] == w[16 * g + nn_, 32 * b + 2 * kk + j]
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("rows,n,k", [(1, 16, 32), (3, 960, 576), (17, 40, 100), (64, 576, 1536),
+                                      (300, 200, 64), (513, 48, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_against_the_rounded_exact_product(rows, n, k, with_bias):
+    x, w, bias = _case(rows, n, k)
+    bias = bias if with_bias else None
+    got = quant_ops.dense_bf16_linear(x, quant_ops.dense_bf16_pack(w), n, bias)
+    assert got is not None and got.shape == (rows, n) and got.dtype == torch.bfloat16
+    _within_one_step(got, x, w, bias)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("k", [576, 100])  # rows read in place, and every row copied padded
+def test_a_row_gets_the_same_bits_in_any_batch(k):
+    x, w, bias = _case(300, 96, k, seed=1)
+    packed = quant_ops.dense_bf16_pack(w)
+    whole = quant_ops.dense_bf16_linear(x, packed, 96, bias)
+    for lo, hi in [(0, 1), (5, 6), (17, 33), (255, 300), (299, 300), (0, 64)]:
+        assert torch.equal(quant_ops.dense_bf16_linear(x[lo:hi].contiguous(), packed, 96, bias), whole[lo:hi])
+
+
+@needs_amx_bf16
+def test_layers_take_the_tiles_and_give_their_weight_back(monkeypatch):
+    w = torch.randn(96, 64).bfloat16()
+    layer = linear.RowParallelLinear(64, 96, bias=False)
+    layer.to(torch.bfloat16)
+    layer.load_weight("weight", w, 0, "w")
+    layer.bind(w.device, w.dtype)
+    assert isinstance(layer.matmul, linear.AmxBf16Matmul)
+    assert linear.weight_released(layer) and torch.equal(layer.dense_weight(), w)
+    assert torch.equal(layer.state_dict()["weight"], w)
+    x = torch.randn(2, 3, 64).bfloat16()  # leading dimensions kept
+    got = layer(x)
+    assert got.shape == (2, 3, 96)
+    _within_one_step(got.reshape(6, 96), x.reshape(6, 64), w, None)
+    monkeypatch.setenv(linear.DENSE_BF16_AMX_ENV, "0")
+    assert not isinstance(linear.dense_matmul(w), linear.AmxBf16Matmul)
+    # float32 weights never take the bfloat16 kernel
+    monkeypatch.delenv(linear.DENSE_BF16_AMX_ENV)
+    assert not isinstance(linear.dense_matmul(w.float()), linear.AmxBf16Matmul)
