@@ -17,7 +17,7 @@ from pagedllm.layers import linear
 from pagedllm.native import quant_ops
 
 needs_amx_bf16 = pytest.mark.skipif(
-    not (quant_ops.available() and quant_ops.amx_bf16_available()), reason="no AMX-BF16 on this CPU"
+    not quant_ops.dense_bf16_available(), reason="no AMX-BF16 on this CPU"
 )
 
 

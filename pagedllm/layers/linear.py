@@ -101,6 +101,8 @@ class AmxBf16Matmul(_HeldMatmul):
     """
 
     def __init__(self, weight: Tensor) -> None:
+        if not quant_ops.dense_bf16_available():
+            raise RuntimeError("the AMX-BF16 kernels do not run on this CPU (or PAGEDLLM_NATIVE_OPS=0)")
         self.out_features, self.in_features = weight.shape
         self.packed = quant_ops.dense_bf16_pack(weight.detach())
 
@@ -124,7 +126,7 @@ DENSE_BF16_AMX_ENV = "PAGEDLLM_DENSE_BF16_AMX"
 def dense_bf16_amx_available() -> bool:
     """Whether dense bfloat16 matmuls run on :class:`AmxBf16Matmul`: a CPU with AMX-BF16 and the
     native kernels built, unless ``PAGEDLLM_DENSE_BF16_AMX=0``."""
-    return os.environ.get(DENSE_BF16_AMX_ENV, "1") != "0" and quant_ops.amx_bf16_available()
+    return os.environ.get(DENSE_BF16_AMX_ENV, "1") != "0" and quant_ops.dense_bf16_available()
 
 
 def dense_matmul(weight: Tensor) -> _TorchMatmul | _HeldMatmul:

@@ -54,6 +54,7 @@
  * Parallel loops use the OpenMP runtime PyTorch has already loaded.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1280,21 +1281,12 @@ static int gemm_amx(const uint8_t *q, const uint16_t *d, const uint16_t *m, int6
  * (the tile's A operand, loaded straight from x) by it. B wants the pairs of 2 consecutive
  * inputs of 16 outputs per row, so the panel is stored that way: per 32 inputs a [16 pairs]
  * [16 outputs][2] tile, the dequantized rows transposed as 16 x 16 dwords in registers.
- * Sums stay in float32 tiles over the whole of Kp (one accumulator per 16 x 16 block, four
- * row tiles at a time sharing each panel tile) and are rounded to bfloat16 once, at the end. */
+ * Sums stay in float32 tiles over the whole of Kp (one accumulator per 16 x 16 block; two
+ * row tiles by two groups' panels at a time, so every tile loaded serves two products) and are
+ * rounded to bfloat16 once, at the end. A dense bfloat16 weight is stored once in the panels'
+ * layout (gemm_amx_bf16_dense), so it needs no dequantization. */
 
 #define TARGET_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
-
-/* Tiles 0-3: float32 sums [16 rows][16 outputs]; 4, 5: activations [16 rows][32 inputs];
- * 6: the panel's [16 pairs][16 outputs x 2]. */
-TARGET_AMX_BF16 static void amx_bf16_configure(void) {
-    AmxConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 7; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    __asm__ volatile("" ::: "memory");
-    _tile_loadconfig(&c);
-}
 
 /* r[i] (16 dwords each) -> r[i] = column i of the 16 x 16 dword matrix the rows made. */
 TARGET_AMX_BF16 static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
@@ -1370,45 +1362,59 @@ TARGET_AMX_BF16 static void bf16_panel(const uint8_t *q, const uint16_t *d, cons
     }
 }
 
-/* Row tiles a[0 .. nt) (nt <= 4, 16 rows each, lda inputs apart) times one group's panel
- * (blocks tiles of [16 pairs][16 outputs x 2]): float32 sums over all the blocks in order, plus
- * bias (float32, or NULL), rounded to bfloat16 into the rows r0 .. of y (the last tile's rows
- * past `rows` are not written), outputs n0 .. n0 + 16 under `mask`. */
-TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_row_tiles(
-    const uint16_t *panel, const uint16_t *const *a, int64_t nt, int64_t blocks, int64_t lda, const __m512 *bias,
-    uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask16 mask, float *sums) {
+/* Tiles 0-3: float32 sums [16 rows][16 outputs] (row tile i, group j at 2 i + j); 4, 5: row tiles
+ * [16 rows][32 inputs]; 6, 7: the two groups' weight tiles [16 pairs][16 outputs x 2]. */
+TARGET_AMX_BF16 static void amx_bf16_configure(void) {
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+}
+
+/* Row tiles a0 and a1 (NULL: none) times the panels of two consecutive groups, p0 and the one
+ * after it in memory (two = 0: the first only), of a dense weight: 2 x 2 tiles of sums, so each
+ * tile loaded serves two products. Each output is the float32 sum over all the blocks in order,
+ * plus bias (float32, or NULL), rounded to bfloat16 into row r0 + ... of y (the rows past `rows`
+ * are not written); each row's 32 outputs n0 .. (under `mask`) go out as one 64-byte store. */
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
+    const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t a_step,
+    int64_t a_stride,
+    const __m512 *bias, uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask32 mask, float *sums) {
+    const uint16_t *p1 = p0 + 512 * blocks;
     _tile_zero(0);
-    if (nt > 1) _tile_zero(1);
-    if (nt > 2) _tile_zero(2);
-    if (nt > 3) _tile_zero(3);
+    if (two) _tile_zero(1);
+    if (a1) _tile_zero(2);
+    if (a1 && two) _tile_zero(3);
     for (int64_t b = 0; b < blocks; b++) {
-        _tile_loadd(6, panel + 512 * b, 64);
-        _tile_loadd(4, a[0] + 32 * b, lda * 2);
+        _tile_loadd(6, p0 + 512 * b, 64);
+        _tile_loadd(4, a0 + a_step * b, a_stride);
         _tile_dpbf16ps(0, 4, 6);
-        if (nt > 1) {
-            _tile_loadd(5, a[1] + 32 * b, lda * 2);
-            _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+            _tile_loadd(7, p1 + 512 * b, 64);
+            _tile_dpbf16ps(1, 4, 7);
         }
-        if (nt > 2) {
-            _tile_loadd(4, a[2] + 32 * b, lda * 2);
-            _tile_dpbf16ps(2, 4, 6);
-        }
-        if (nt > 3) {
-            _tile_loadd(5, a[3] + 32 * b, lda * 2);
-            _tile_dpbf16ps(3, 5, 6);
+        if (a1) {
+            _tile_loadd(5, a1 + a_step * b, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    for (int64_t i = 0; i < nt; i++) {
-        if (i == 0) _tile_stored(0, sums, 64);
-        else if (i == 1) _tile_stored(1, sums, 64);
-        else if (i == 2) _tile_stored(2, sums, 64);
-        else _tile_stored(3, sums, 64);
+    for (int64_t i = 0; i < (a1 ? 2 : 1); i++) {
+        if (i == 0) {
+            _tile_stored(0, sums, 64);
+            if (two) _tile_stored(1, sums + 256, 64);
+        } else {
+            _tile_stored(2, sums, 64);
+            if (two) _tile_stored(3, sums + 256, 64);
+        }
         __asm__ volatile("" ::: "memory");
         const int64_t first = r0 + 16 * i, num = rows - first < 16 ? rows - first : 16;
         for (int64_t row = 0; row < num; row++) {
-            __m512 v = _mm512_load_ps(sums + 16 * row);
-            if (bias) v = _mm512_add_ps(v, *bias);
-            _mm256_mask_storeu_epi16((void *)(y + (first + row) * N + n0), mask, (__m256i)_mm512_cvtneps_pbh(v));
+            __m512 lo = _mm512_load_ps(sums + 16 * row), hi = two ? _mm512_load_ps(sums + 256 + 16 * row) : lo;
+            if (bias) lo = _mm512_add_ps(lo, bias[0]), hi = _mm512_add_ps(hi, bias[1]);
+            _mm512_mask_storeu_epi16((void *)(y + (first + row) * N + n0), mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
 }
@@ -1440,15 +1446,14 @@ static inline const uint16_t *bf16_rows_tile(const Bf16Rows *t, int64_t tile) {
 TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t *q,
                                          const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
                                          int r, int zero, uint16_t *y) {
-    const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16;
+    const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16, pairs = (N + 31) / 32;
     Bf16Rows in;
     if (!bf16_rows_init(&in, x, rows, K, Kp)) return 0;
-    const int64_t num_groups = (N + 15) / 16;
     int failed = 0;
-    _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
+    _Pragma("omp parallel if(pairs > 1 && N * Kp * rows >= 65536)")
     {
-        uint16_t *panel = aligned_alloc(64, (size_t)(blocks * 512) * 2);
-        float sums[16 * 16] __attribute__((aligned(64)));
+        uint16_t *panel = aligned_alloc(64, (size_t)(2 * blocks * 512) * 2); /* two groups' tiles */
+        float sums[2 * 16 * 16] __attribute__((aligned(64)));
         if (!panel) {
             _Pragma("omp atomic write")
             failed = 1;
@@ -1456,17 +1461,15 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
             amx_bf16_configure();
         }
         _Pragma("omp for schedule(static)")
-        for (int64_t g = 0; g < num_groups; g++) {
+        for (int64_t gp = 0; gp < pairs; gp++) {
             if (!panel) continue;
-            const int64_t n0 = g * 16, count = N - n0 < 16 ? N - n0 : 16;
-            const __mmask16 mask = (__mmask16)((1u << count) - 1u);
-            bf16_panel(q, d, m, n0, count, Kp, bits, r, zero, panel);
-            for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-                const int64_t nt = tiles - t0 < 4 ? tiles - t0 : 4;
-                const uint16_t *a[4];
-                for (int64_t i = 0; i < nt; i++) a[i] = bf16_rows_tile(&in, t0 + i);
-                amx_bf16_row_tiles(panel, a, nt, blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums);
-            }
+            const int64_t n0 = gp * 32, count = N - n0 < 32 ? N - n0 : 32;
+            const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
+            bf16_panel(q, d, m, n0, count < 16 ? count : 16, Kp, bits, r, zero, panel);
+            if (count > 16) bf16_panel(q, d, m, n0 + 16, count - 16, Kp, bits, r, zero, panel + blocks * 512);
+            for (int64_t t0 = 0; t0 < tiles; t0 += 2)
+                amx_bf16_2x2(panel, count > 16, bf16_rows_tile(&in, t0), t0 + 1 < tiles ? bf16_rows_tile(&in, t0 + 1) : 0,
+                             blocks, 32, Kp * 2, 0, y, N, 16 * t0, rows, n0, mask, sums);
         }
         if (panel) _tile_release();
         free(panel);
@@ -1475,72 +1478,16 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
     return !failed;
 }
 
-/* Tiles of the dense kernel: 0-3 float32 sums (row tile i, panel j at 2 i + j), 4-5 row tiles,
- * 6-7 the two groups' weight tiles. */
-TARGET_AMX_BF16 static void amx_bf16_configure_2x2(void) {
-    AmxConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    __asm__ volatile("" ::: "memory");
-    _tile_loadconfig(&c);
-}
-
-/* Row tiles a0 and a1 (NULL: none) times the panels of two consecutive groups p0 and p0 + the
- * panel size (two = 0: the first only) of a dense weight, whose tiles follow one another in
- * memory, so the weight `ahead` tiles on is prefetched as the tiles run. Sums as in
- * amx_bf16_row_tiles; each output row's 32 values are written as one 64-byte store. */
-TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
-    const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t lda,
-    const __m512 *bias, uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask32 mask, float *sums,
-    int64_t ahead) {
-    const uint16_t *p1 = p0 + 512 * blocks;
-    _tile_zero(0);
-    if (two) _tile_zero(1);
-    if (a1) _tile_zero(2);
-    if (a1 && two) _tile_zero(3);
-    for (int64_t b = 0; b < blocks; b++) {
-        if (ahead)
-            for (int line = 0; line < 16; line++) {
-                _mm_prefetch((const char *)(p0 + 512 * (b + ahead) + 32 * line), _MM_HINT_T0);
-                if (two) _mm_prefetch((const char *)(p1 + 512 * (b + ahead) + 32 * line), _MM_HINT_T0);
-            }
-        _tile_loadd(6, p0 + 512 * b, 64);
-        _tile_loadd(4, a0 + 32 * b, lda * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two) {
-            _tile_loadd(7, p1 + 512 * b, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (a1) {
-            _tile_loadd(5, a1 + 32 * b, lda * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    for (int64_t i = 0; i < (a1 ? 2 : 1); i++) {
-        if (i == 0) {
-            _tile_stored(0, sums, 64);
-            if (two) _tile_stored(1, sums + 256, 64);
-        } else {
-            _tile_stored(2, sums, 64);
-            if (two) _tile_stored(3, sums + 256, 64);
-        }
-        __asm__ volatile("" ::: "memory");
-        const int64_t first = r0 + 16 * i, num = rows - first < 16 ? rows - first : 16;
-        for (int64_t row = 0; row < num; row++) {
-            __m512 lo = _mm512_load_ps(sums + 16 * row), hi = two ? _mm512_load_ps(sums + 256 + 16 * row) : lo;
-            if (bias) lo = _mm512_add_ps(lo, bias[0]), hi = _mm512_add_ps(hi, bias[1]);
-            _mm512_mask_storeu_epi16((void *)(y + (first + row) * N + n0), mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-    }
-}
-
-/* Row tiles per block of the dense kernel's rows: 256 rows of up to Kp = 4096 inputs are 2 MiB,
- * and a block is multiplied by every pair of groups before the next one is read. */
-#define DENSE_BF16_ROW_BLOCK_TILES 16
-#ifndef DENSE_BF16_AHEAD
-#define DENSE_BF16_AHEAD 4 /* weight tiles prefetched ahead of the ones multiplied (0: none) */
+/* Bytes of activations per block of the dense kernel's rows: a block is multiplied by every pair
+ * of groups before the next one is read, so it should stay in L2, and the larger it is, the
+ * fewer times the weight is read again. */
+/* Bytes of the weight a thread takes through every row block before its next share: with a
+ * row block it stays in L2 (512 KiB measured 5-10% ahead of none at 2,048 rows). */
+#ifndef DENSE_BF16_WEIGHT_CHUNK_BYTES
+#define DENSE_BF16_WEIGHT_CHUNK_BYTES (512 << 10)
+#endif
+#ifndef DENSE_BF16_ROW_BLOCK_BYTES
+#define DENSE_BF16_ROW_BLOCK_BYTES (256 << 10) /* 147-295 KiB measured alike at 2,048 rows; 1 MiB 25% slower */
 #endif
 
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias [N] bfloat16, or NULL), w a dense
@@ -1552,16 +1499,26 @@ TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, 
                                                int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y) {
     const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16, num_groups = (N + 15) / 16;
     const int64_t pairs = (num_groups + 1) / 2;
-    const int64_t row_blocks = (tiles + DENSE_BF16_ROW_BLOCK_TILES - 1) / DENSE_BF16_ROW_BLOCK_TILES;
+    /* as many row blocks as the size allows, all of about the same size (an even number of tiles) */
+    int64_t most = DENSE_BF16_ROW_BLOCK_BYTES / (16 * Kp * 2);
+    if (most < 2) most = 2;
+    const int64_t row_blocks = (tiles + most - 1) / most;
+    const int64_t block_tiles = ((tiles + row_blocks - 1) / row_blocks + 1) / 2 * 2;
     Bf16Rows in;
     if (!bf16_rows_init(&in, x, rows, K, Kp)) return 0;
     _Pragma("omp parallel if(pairs > 1 && N * Kp * rows >= 65536)")
     {
         float sums[2 * 16 * 16] __attribute__((aligned(64)));
-        amx_bf16_configure_2x2();
-        _Pragma("omp for collapse(2) schedule(static)")
-        for (int64_t rb = 0; rb < row_blocks; rb++)
-            for (int64_t gp = 0; gp < pairs; gp++) {
+        amx_bf16_configure();
+        /* each thread its own share of the outputs (its slice of the weight stays in its L2), and
+         * every row block through it in turn */
+        const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = pairs * me / nth, hi = pairs * (me + 1) / nth;
+        int64_t chunk = DENSE_BF16_WEIGHT_CHUNK_BYTES / (32 * Kp * 2); /* group pairs per chunk */
+        if (chunk < 1) chunk = 1;
+        for (int64_t c0 = lo; c0 < hi; c0 += chunk)
+            for (int64_t rb = 0; rb < row_blocks; rb++)
+                for (int64_t gp = c0; gp < (c0 + chunk < hi ? c0 + chunk : hi); gp++) {
                 const int64_t n0 = gp * 32, count = N - n0 < 32 ? N - n0 : 32;
                 const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
                 const int two = 2 * gp + 1 < num_groups;
@@ -1575,14 +1532,11 @@ TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, 
                         bias_v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(h32, 16));
                     }
                 }
-                const int64_t start = rb * DENSE_BF16_ROW_BLOCK_TILES;
-                const int64_t end = start + DENSE_BF16_ROW_BLOCK_TILES < tiles ? start + DENSE_BF16_ROW_BLOCK_TILES
-                                                                               : tiles;
+                const int64_t start = rb * block_tiles, end = start + block_tiles < tiles ? start + block_tiles : tiles;
                 for (int64_t t0 = start; t0 < end; t0 += 2)
                     amx_bf16_2x2(w + 2 * gp * blocks * 512, two, bf16_rows_tile(&in, t0),
-                                 t0 + 1 < end ? bf16_rows_tile(&in, t0 + 1) : 0, blocks, Kp,
-                                 bias ? bias_v : 0, y, N, 16 * t0, rows, n0, mask, sums,
-                                 t0 + 2 >= end ? DENSE_BF16_AHEAD : 0);
+                                 t0 + 1 < end ? bf16_rows_tile(&in, t0 + 1) : 0, blocks, 32, Kp * 2,
+                                 bias ? bias_v : 0, y, N, 16 * t0, rows, n0, mask, sums);
             }
         _tile_release();
     }

@@ -269,6 +269,11 @@ def gemm_bf16(
     return y if done else None
 
 
+def dense_bf16_available() -> bool:
+    """Whether :func:`dense_bf16_linear` runs here: the kernels built and AMX-BF16 tiles granted."""
+    return available() and bool(_library.quant_amx_bf16())
+
+
 # Outputs per group and inputs per block of the dense bfloat16 tile layout (TDPBF16PS's B operand).
 DENSE_BF16_GROUP, DENSE_BF16_BLOCK = 16, 32
 
