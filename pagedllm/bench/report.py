@@ -121,9 +121,11 @@ def machine_class() -> dict:
     Figures compare only within one class: the CPU model, its vector ISA flags,
     whether torch has native bf16 matmuls there, and the dispatched paths of
     pagedllm's native kernels (``PAGEDLLM_CPU_ISA`` forces one) and of its packed
-    quantized matmuls (``PAGEDLLM_QUANT_ISA``; None where they did not build)."""
+    quantized matmuls (``PAGEDLLM_QUANT_ISA``; None where they did not build), and
+    whether attention and dense bfloat16 matmuls run on AMX tiles."""
     import torch
 
+    from pagedllm.layers.linear import dense_bf16_amx_available
     from pagedllm.native import cpu_ops, quant_ops
     from pagedllm.native.cpu_dtype import native_matmul
 
@@ -139,6 +141,7 @@ def machine_class() -> dict:
         "native_isa": cpu_ops.selected_isa(),
         "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
         "attention_amx": cpu_ops.attention_amx(),
+        "dense_bf16_amx": dense_bf16_amx_available(),
         "quant_isa": quant_ops.ISA_NAMES[quant_ops.isa()] if quant_ops.available() else None,
         "cpus_allowed": cores,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
