@@ -65,6 +65,13 @@ def test_kernel_against_the_rounded_exact_product(rows, n, k, with_bias):
 
 
 @needs_amx_bf16
+def test_no_rows_give_an_empty_result():
+    x, w, bias = _case(0, 40, 64)
+    got = quant_ops.dense_bf16_linear(x, quant_ops.dense_bf16_pack(w), 40, bias)
+    assert got is not None and got.shape == (0, 40)
+
+
+@needs_amx_bf16
 @pytest.mark.parametrize("k", [576, 100])  # rows read in place, and every row copied padded
 def test_a_row_gets_the_same_bits_in_any_batch(k):
     x, w, bias = _case(300, 96, k, seed=1)

@@ -1519,6 +1519,7 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
  * once, so a row's result does not depend on the other rows. Returns 0 when out of memory. */
 TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w,
                                                int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y) {
+    if (rows <= 0 || N <= 0) return 1;
     const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16, num_groups = (N + 15) / 16;
     const int64_t pairs = (num_groups + 1) / 2;
     /* as many row blocks as the size allows, all of about the same size (an even number of tiles) */
