@@ -119,3 +119,25 @@ def test_killing_a_worker_ends_the_engine_and_leaves_no_process():
     assert not process.is_alive()
     with pytest.raises(EngineDeadError):  # and it stays dead
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+_UNGUARDED_SCRIPT = """
+from pagedllm import LLM
+LLM(dtype="float32", device="cpu", tensor_parallel_size=2, quantization="none", kv_cache_memory=64 * 2**20)
+"""
+
+
+def test_a_script_without_a_main_guard_fails_at_once_and_says_why(tmp_path):
+    # spawn imports the script again in the worker, which then fails before it starts: rank 0
+    # must say so at once, not after its rendezvous timeout (minutes)
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert result.returncode != 0
+    assert "EngineDeadError" in result.stderr and "__main__" in result.stderr
+    assert time.monotonic() - start < 120

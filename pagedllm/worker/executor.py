@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import (
+    STARTUP_TIMEOUT_S,
     RankTimes,
     TensorParallelGroup,
     attach_shared_memory,
@@ -79,8 +80,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, eos_token_ids) -> None:
+def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, eos_token_ids, started) -> None:
     """A rank other than 0: build the shard, then run every step rank 0 broadcasts until told to stop."""
+    started.set()  # the process got past importing the main module (see _wait_until_started)
     _die_with_parent()
     torch.set_num_threads(config.num_threads or _threads_per_rank(size))
     tp = init_tensor_parallel(rank, size, init_method, resolve_device(config.device), COLLECTIVE_TIMEOUT_S)
@@ -185,6 +187,24 @@ def _gather_times(tp: TensorParallelGroup, reset: bool) -> list[RankTimes] | Non
     return gathered
 
 
+def _wait_until_started(processes: list, started: list, timeout_s: float) -> None:
+    """Return once every worker process has reached :func:`_worker_main`; raise EngineDeadError
+    at once where one exits first (or after ``timeout_s``), rather than after rank 0's rendezvous
+    timeout."""
+    deadline = time.monotonic() + timeout_s
+    for process, event in zip(processes, started, strict=True):
+        while not event.wait(0.1):
+            if not process.is_alive():
+                raise EngineDeadError(
+                    f"tensor-parallel worker {process.name} exited (code {process.exitcode}) before it started. "
+                    "Each rank is a process started with multiprocessing's 'spawn', which imports the main "
+                    "module again: a script that builds an engine with tensor_parallel_size > 1 must do so "
+                    "under `if __name__ == \"__main__\":` (and the error above, if any, says what else failed)"
+                )
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"tensor-parallel worker {process.name} did not start within {timeout_s:.0f} s")
+
+
 class MultiprocExecutor:
     """Rank 0's worker plus N - 1 worker processes; the engine calls it like a Worker."""
 
@@ -192,9 +212,10 @@ class MultiprocExecutor:
         size = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")
+        started = [context.Event() for _ in range(1, size)]
         self.processes = [
             context.Process(
-                target=_worker_main, args=(rank, size, init_method, config, eos_token_ids),
+                target=_worker_main, args=(rank, size, init_method, config, eos_token_ids, started[rank - 1]),
                 name=f"pagedllm-tp{rank}", daemon=True,
             )
             for rank in range(1, size)
@@ -205,6 +226,7 @@ class MultiprocExecutor:
         self._dead: str | None = None
         self.tp: TensorParallelGroup | None = None
         try:
+            _wait_until_started(self.processes, started, STARTUP_TIMEOUT_S)
             tp = init_tensor_parallel(0, size, init_method, resolve_device(config.device), COLLECTIVE_TIMEOUT_S)
             self.tp = tp
             self.channel = StepChannel(tp)
