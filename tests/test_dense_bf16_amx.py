@@ -65,6 +65,17 @@ def test_kernel_against_the_rounded_exact_product(rows, n, k, with_bias):
 
 
 @needs_amx_bf16
+def test_wide_outputs_at_many_rows_take_the_same_sums():
+    # an LM head's width from 512 rows walks row pairs outside the outputs: same bits as one row
+    x, w, bias = _case(520, 16400, 64, seed=2)
+    packed = quant_ops.dense_bf16_pack(w)
+    whole = quant_ops.dense_bf16_linear(x, packed, 16400, bias)
+    _within_one_step(whole, x, w, bias)
+    for lo, hi in [(0, 1), (511, 520), (100, 164)]:
+        assert torch.equal(quant_ops.dense_bf16_linear(x[lo:hi].contiguous(), packed, 16400, bias), whole[lo:hi])
+
+
+@needs_amx_bf16
 def test_no_rows_give_an_empty_result():
     x, w, bias = _case(0, 40, 64)
     got = quant_ops.dense_bf16_linear(x, quant_ops.dense_bf16_pack(w), 40, bias)
