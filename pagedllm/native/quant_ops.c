@@ -1373,14 +1373,15 @@ TARGET_AMX_BF16 static void amx_bf16_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* Row tiles a0 and a1 (NULL: none) times the panels of two consecutive groups, p0 and the one
- * after it in memory (two = 0: the first only), of a dense weight: 2 x 2 tiles of sums, so each
- * tile loaded serves two products. Each output is the float32 sum over all the blocks in order,
- * plus bias (float32, or NULL), rounded to bfloat16 into row r0 + ... of y (the rows past `rows`
- * are not written); each row's 32 outputs n0 .. (under `mask`) go out as one 64-byte store. */
+/* Row tiles a0 and a1 (NULL: none; rows lda inputs apart) times the panels of two consecutive
+ * groups, p0 and the one after it in memory (two = 0: the first only): 2 x 2 tiles of sums, so
+ * each tile loaded serves two products, over blocks [b0, b1) (partial: the sums of the blocks
+ * before b0, and where b1 < blocks those through b1, kept for the next call). Once b1 reaches
+ * blocks, each output (the float32 sum over all the blocks in order, plus bias: float32, or
+ * NULL) is rounded to bfloat16 into row r0 + ... of y (the rows past `rows` are not written);
+ * each row's 32 outputs n0 .. (under `mask`) go out as one 64-byte store. */
 TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
-    const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t a_step,
-    int64_t a_stride,
+    const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t lda,
     const __m512 *bias, uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask32 mask, float *sums,
     int64_t b0, int64_t b1, float *partial) {
     const uint16_t *p1 = p0 + 512 * blocks;
@@ -1397,14 +1398,14 @@ TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
     }
     for (int64_t b = b0; b < b1; b++) {
         _tile_loadd(6, p0 + 512 * b, 64);
-        _tile_loadd(4, a0 + a_step * b, a_stride);
+        _tile_loadd(4, a0 + 32 * b, lda * 2);
         _tile_dpbf16ps(0, 4, 6);
         if (two) {
             _tile_loadd(7, p1 + 512 * b, 64);
             _tile_dpbf16ps(1, 4, 7);
         }
         if (a1) {
-            _tile_loadd(5, a1 + a_step * b, a_stride);
+            _tile_loadd(5, a1 + 32 * b, lda * 2);
             _tile_dpbf16ps(2, 5, 6);
             if (two) _tile_dpbf16ps(3, 5, 7);
         }
@@ -1484,7 +1485,7 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
             if (count > 16) bf16_panel(q, d, m, n0 + 16, count - 16, Kp, bits, r, zero, panel + blocks * 512);
             for (int64_t t0 = 0; t0 < tiles; t0 += 2)
                 amx_bf16_2x2(panel, count > 16, bf16_rows_tile(&in, t0), t0 + 1 < tiles ? bf16_rows_tile(&in, t0 + 1) : 0,
-                             blocks, 32, Kp * 2, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0);
+                             blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0);
         }
         if (panel) _tile_release();
         free(panel);
@@ -1495,27 +1496,28 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
 
 /* Bytes of activations per block of the dense kernel's rows: a block is multiplied by every pair
  * of groups before the next one is read, so it should stay in L2, and the larger it is, the
- * fewer times the weight is read again. */
+ * fewer times the weight is read again (147-295 KiB measured alike at 2,048 rows; 1 MiB 25%
+ * slower). */
+#ifndef DENSE_BF16_ROW_BLOCK_BYTES
+#define DENSE_BF16_ROW_BLOCK_BYTES (256 << 10)
+#endif
 /* Bytes of the weight a thread takes through every row block before its next share: with a
  * row block it stays in L2 (512 KiB measured 5-10% ahead of none at 2,048 rows). */
+#ifndef DENSE_BF16_WEIGHT_CHUNK_BYTES
+#define DENSE_BF16_WEIGHT_CHUNK_BYTES (512 << 10)
+#endif
 /* Blocks of 32 inputs a pass over a row block takes at a time (0: all): the two groups' 18 KiB of
  * weight tiles then stay in L1 while the row tiles stream past, and the sums go to memory and
  * back between passes (exactly). 9 measured 5-8% ahead of all at 2,048 rows (576 inputs; 4,
  * 6, 12 and 16 between). */
+#ifndef DENSE_BF16_K_BLOCKS
+#define DENSE_BF16_K_BLOCKS 9
+#endif
 /* Output rows of at least this many bytes (an LM head's), from 512 rows, take the row pairs
  * outside the outputs: stores then stream into 32 rows at a time, not into every row of the
  * block (49152 x 576 at 2,048 rows: 1.45x faster; at 64-256 rows the same or a little slower). */
 #ifndef DENSE_BF16_WIDE_ROW_BYTES
 #define DENSE_BF16_WIDE_ROW_BYTES (32 << 10)
-#endif
-#ifndef DENSE_BF16_K_BLOCKS
-#define DENSE_BF16_K_BLOCKS 9
-#endif
-#ifndef DENSE_BF16_WEIGHT_CHUNK_BYTES
-#define DENSE_BF16_WEIGHT_CHUNK_BYTES (512 << 10)
-#endif
-#ifndef DENSE_BF16_ROW_BLOCK_BYTES
-#define DENSE_BF16_ROW_BLOCK_BYTES (256 << 10) /* 147-295 KiB measured alike at 2,048 rows; 1 MiB 25% slower */
 #endif
 
 /* Row tiles [t_start, t_end) of y times group pair gp of the dense weight w, K-blocked (see
@@ -1539,7 +1541,7 @@ TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uin
     for (int64_t k0 = 0; k0 < blocks; k0 += k_step)
         for (int64_t t0 = t_start; t0 < t_end; t0 += 2)
             amx_bf16_2x2(w + 2 * gp * blocks * 512, two, bf16_rows_tile(in, t0),
-                         t0 + 1 < t_end ? bf16_rows_tile(in, t0 + 1) : 0, blocks, 32, Kp * 2, bias ? bias_v : 0, y,
+                         t0 + 1 < t_end ? bf16_rows_tile(in, t0 + 1) : 0, blocks, Kp, bias ? bias_v : 0, y,
                          N, 16 * t0, rows, n0, mask, sums, k0, k0 + k_step < blocks ? k0 + k_step : blocks,
                          partial + (t0 - t_start) / 2 * 1024);
 }

@@ -19,6 +19,7 @@ The model keeps its modules: they run wherever the stack does not apply
 (another attention path this step, tensor parallelism, other weights), and
 ``PAGEDLLM_LAYER_STACK=0`` turns the stack off for comparison.
 """
+
 from __future__ import annotations
 
 import ctypes
