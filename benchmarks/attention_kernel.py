@@ -1,6 +1,6 @@
 """The native paged-attention kernel per ISA path against this machine's limits.
 
-    python benchmarks/attention_kernel.py [--json FILE] [--paths scalar,avx2,...]
+    python benchmarks/attention_kernel.py [--json FILE] [--paths scalar,avx2,...] [--layout shuffled|engine]
 
 On a CPU with AMX-BF16 the avx512_bf16 path runs bfloat16 caches on the tiles;
 its vector kernels are then measured too, as ``avx512_bf16-vector``.
@@ -13,7 +13,11 @@ bytes read per second, set against a measured read bandwidth (a
 float32 ``sum`` over 1 GiB on all threads) and against the rate at which the
 same K/V bytes are read in the kernel's order with nothing but a sum
 (``kv_read_ceiling.c``: scattered blocks, K and V side by side, the same L2
-prefetch), the ceiling for this access pattern. Prefill: one 300-token prompt, one
+prefetch), the ceiling for this access pattern. ``--layout`` sets where the
+decode blocks lie: ``shuffled`` (the default) draws every block at random from
+the pool, as a long-running server's churned free queue does; ``engine`` puts
+them where a fresh pool does under W64 (each prompt's blocks side by side,
+decode blocks taken in turn). Prefill: one 300-token prompt, one
 layer, causal; the figure is GFLOP/s (4 * head_dim flops per query head per
 visible key), set against a float32 matmul's rate. ``torch`` is the
 PyTorch path of TorchAttentionBackend (SDPA for prefill, the gathered-context
@@ -39,6 +43,7 @@ from attention_reference import make_paged_batch  # noqa: E402
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagedllm.bench import report  # noqa: E402
+from pagedllm.kv.kernel_bench import engine_tables  # noqa: E402
 from pagedllm.native import cpu_ops  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -100,7 +105,20 @@ def pattern_read_gbs(library: ctypes.CDLL, decode, kv_bytes: int, repeats: int) 
     return kv_bytes / (best_of(all_layers, repeats) / len(decode)) / 1e9
 
 
-def decode_layers(dtype: torch.dtype, layers: int = 30, batch: int = 64, context: int = 340):
+def to_engine_layout(b) -> None:
+    """Move a batch's blocks to where a fresh pool puts them (``kernel_bench.engine_tables``)."""
+    md = b.metadata
+    old = md.block_tables.long()
+    new = engine_tables(*old.shape).long() + 1  # block 0 stays unused
+    k, v = b.k_cache.clone(), b.v_cache.clone()
+    k[new.flatten()], v[new.flatten()] = b.k_cache[old.flatten()], b.v_cache[old.flatten()]
+    b.k_cache.copy_(k)
+    b.v_cache.copy_(v)
+    md.block_tables.copy_(new.to(md.block_tables.dtype))
+
+
+def decode_layers(dtype: torch.dtype, layers: int = 30, batch: int = 64, context: int = 340,
+                  layout: str = "shuffled"):
     """``layers`` independent decode batches (one token per sequence) and their caches."""
     specs = [(context - 1, 1)] * batch
     out = []
@@ -109,6 +127,8 @@ def decode_layers(dtype: torch.dtype, layers: int = 30, batch: int = 64, context
                              head_dim=HEAD_DIM, dtype=dtype, seed=layer)
         md = b.metadata
         TorchAttentionBackend().write_kv(b.new_key, b.new_value, b.k_cache, b.v_cache, md.slot_mapping)
+        if layout == "engine":
+            to_engine_layout(b)
         out.append(b)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
     return out, kv_bytes
@@ -148,10 +168,14 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="")
+    parser.add_argument("--layout", choices=("shuffled", "engine"), default="shuffled",
+                        help="decode block tables: drawn at random from the pool, or as a fresh pool "
+                             "hands them out under W64 (prompts side by side, decode blocks in turn)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     assert cpu_ops.available(), "the native kernels did not build"
     limits = {
+        "layout": args.layout,
         "read_gbs": read_bandwidth_gbs(args.repeats),
         "matmul_gflops_fp32": matmul_gflops(torch.float32, args.repeats),
         "matmul_gflops_bf16": matmul_gflops(torch.bfloat16, args.repeats),
@@ -160,7 +184,7 @@ def main() -> None:
     rows = []
     ceiling = build_read_ceiling()
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
-        decode, kv_bytes = decode_layers(dtype)
+        decode, kv_bytes = decode_layers(dtype, layout=args.layout)
         pattern_gbs = pattern_read_gbs(ceiling, decode, kv_bytes, args.repeats) if ceiling else None
         limits[f"pattern_read_gbs_{str(dtype).removeprefix('torch.')}"] = pattern_gbs
         print(json.dumps({"dtype": str(dtype), "pattern_read_gbs": pattern_gbs}), flush=True)

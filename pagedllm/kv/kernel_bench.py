@@ -37,6 +37,24 @@ class KernelCase:
     best_s: float = math.inf
 
 
+DECODE_BLOCKS = 5  # blocks a W64 sequence adds one at a time while decoding (128 tokens)
+
+
+def engine_tables(batch: int, blocks_per_seq: int) -> torch.Tensor:
+    """Block tables as a fresh pool hands blocks out under a W64-like run.
+
+    A fresh pool hands out blocks 0, 1, 2, ... in order, so each sequence's
+    prompt blocks lie side by side; the blocks decode adds every 16 tokens are
+    then taken in turn by the batch's sequences.
+    """
+    prompt = max(blocks_per_seq - DECODE_BLOCKS, 0)
+    tables = torch.empty(batch, blocks_per_seq, dtype=torch.int32)
+    tables[:, :prompt] = torch.arange(batch * prompt, dtype=torch.int32).view(batch, prompt)
+    decode = torch.arange(batch * prompt, batch * blocks_per_seq, dtype=torch.int32)
+    tables[:, prompt:] = decode.view(blocks_per_seq - prompt, batch).t()
+    return tables
+
+
 def _decode_inputs(batch: int, context: int, gen: torch.Generator):
     """Random K/V [num_blocks, BLOCK_SIZE, KH, D] float32, shuffled block tables, the tile list."""
     blocks_per_seq = -(-context // BLOCK_SIZE)

@@ -820,6 +820,38 @@ TARGET_AMX_ATTN static void amx_attn_configure(int n) {
    8l + 4 .. 8l + 7 (hi) in dwords 4l .. 4l + 3. */
 #define AMX_DIM(s, c) (32 * ((s) >> 1) + 8 * ((c) >> 2) + 4 * ((s) & 1) + ((c) & 3))
 
+/* Prefetch, into L2, rows [*at, to) of the next AMX_GROUP keys (row r: chunk r / 16, its
+   token r % 16) of one head, K and V, and move *at to `to`. A decode pass calls it at
+   points spread over all of its work (the value repack, each chunk's scores, each
+   row's softmax, each value slice), so the next keys' reads run beside this group's
+   arithmetic: issued all at once, the misses take every line fill buffer and this
+   group's own loads from L2 queue behind them. */
+static inline __attribute__((always_inline)) void amx_prefetch_next(const char *const *nk, const char *const *nv,
+                                                                   const int64_t *ahead, int64_t *at, int64_t to,
+                                                                   int64_t stride_bytes, int64_t row_bytes) {
+    if (to > AMX_GROUP) to = AMX_GROUP;
+    for (int64_t r = *at; r < to; ++r) {
+        const int sub = (int)(r >> 4);
+        const int64_t t = r & 15;
+        if (t >= ahead[sub]) continue;
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            _mm_prefetch(nk[sub] + t * stride_bytes + b, PF_HINT);
+            _mm_prefetch(nv[sub] + t * stride_bytes + b, PF_HINT);
+        }
+    }
+    if (to > *at) *at = to;
+}
+/* How many of the next group's rows are prefetched by the end of each phase of a pass. */
+#ifndef AMX_PF_REPACK
+#define AMX_PF_REPACK 32
+#endif
+#ifndef AMX_PF_SCORES
+#define AMX_PF_SCORES 48
+#endif
+#ifndef AMX_PF_SOFTMAX
+#define AMX_PF_SOFTMAX 56
+#endif
+
 TARGET_AMX_ATTN static void tile_bf16_amx(
     const bf16_t *q, int64_t q_stride, const bf16_t *k_cache, const bf16_t *v_cache, const uint16_t *k_scale,
     const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
@@ -898,8 +930,9 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
         for (int64_t hh = 0; hh < nh; ++hh) {
             const int64_t h = h0 + hh;
             float *const acch = acc + hh * R * D, *const maxh = run_max + hh * R, *const sumh = run_sum + hh * R;
-            /* this head's rows of the next chunks, prefetched into L2 a key pair at a time below */
+            /* this head's rows of the next chunks, prefetched into L2 over the work below */
             const char *nk[SUB], *nv[SUB];
+            int64_t pf_at = 0;
             for (int sub = 0; sub < SUB; ++sub) {
                 const int64_t at = (next_slots[sub] * num_kv_heads + (next_h >= 0 ? next_h : h)) * D;
                 nk[sub] = (const char *)(k_cache + at), nv[sub] = (const char *)(v_cache + at);
@@ -925,11 +958,7 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                 const int sub = (int)(g >> 4), t = (int)(g & 15);
                 const bf16_t *vb = v_cache + (slots[sub] * num_kv_heads + h) * D + t * tok_stride;
                 const int64_t half = g >> 5, pair = (g & 31) >> 1;
-                for (int64_t tt = t; tt < t + 2 && tt < ahead[sub]; ++tt)
-                    for (int64_t b = 0; b < row_bytes; b += 64) {
-                        _mm_prefetch(nk[sub] + tt * stride_bytes + b, PF_HINT);
-                        _mm_prefetch(nv[sub] + tt * stride_bytes + b, PF_HINT);
-                    }
+                amx_prefetch_next(nk, nv, ahead, &pf_at, (g + 2) * AMX_PF_REPACK / AMX_GROUP, stride_bytes, row_bytes);
                 for (int64_t z = 0; z < DC; ++z) {
                     const __m512i a = t < ns[sub] ? _mm512_loadu_si512((const void *)(vb + 32 * z)) : _mm512_setzero_si512();
                     const __m512i b = t + 1 < ns[sub] ? _mm512_loadu_si512((const void *)(vb + tok_stride + 32 * z))
@@ -952,6 +981,8 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                         _tile_dpbf16ps(2, 0, 1);
                     }
                     _tile_stored(2, ST[sub], 64);
+                    amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_REPACK + (sub + 1) * (AMX_PF_SCORES - AMX_PF_REPACK) / SUB,
+                                      stride_bytes, row_bytes);
                 }
                 /* scores of row r0 + j: column j of each S^T */
                 vf cols[SUB][16];
@@ -995,6 +1026,8 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                         sum = vadd(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(wb), 16)));
                         _mm256_store_si256((__m256i *)(prow + 16 * sub), wb);
                     }
+                    amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_SCORES + (j + 1) * (AMX_PF_SOFTMAX - AMX_PF_SCORES) / N,
+                                      stride_bytes, row_bytes);
                     sumh[row] = sumh[row] * corr[j] + vsum(sum);
                     maxh[row] = new_max;
                 }
@@ -1016,6 +1049,8 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                         _tile_loadd(5, VP + (NS + sl + 1) * 256, 64);
                         _tile_dpbf16ps(7, 4, 5);
                     }
+                    amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_SOFTMAX + (sl + 2) * (AMX_GROUP - AMX_PF_SOFTMAX) / NS,
+                                      stride_bytes, row_bytes);
                     _tile_stored(6, O, 64);
                     _tile_stored(7, O + 256, 64);
                     for (int j = 0; j < N; ++j) {
@@ -1028,6 +1063,7 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                     }
                 }
             }
+            amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_GROUP, stride_bytes, row_bytes); /* rows no phase reached */
         }
         start = pos;
     }
