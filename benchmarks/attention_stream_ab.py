@@ -27,6 +27,8 @@ from pagedllm.kv import kernel_bench
 from pagedllm.native import cpu_ops
 
 LAYERS, BATCH, CONTEXT, ROUNDS = 30, 64, 340, 6
+
+
 def main() -> None:
     args = sys.argv[1:]
     layout = "shuffled"
