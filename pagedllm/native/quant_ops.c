@@ -448,6 +448,12 @@ static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, V
 #define VNNI_TILE_COLS 8  /* outputs per register tile: 8 int32 + 8 float accumulators */
 #define AVX2_TILE_ROWS 8  /* per ymm */
 #define AVX2_TILE_COLS 4  /* 4 int16 + 4 float accumulators of 16 ymm registers */
+#ifndef AVX2_WIDE_Q4
+#define AVX2_WIDE_Q4 0
+#endif
+#ifndef AVX2_Q8_WIDE
+#define AVX2_Q8_WIDE 1
+#endif
 #define MAX_TILE_OUT (VNNI_TILE_ROWS * VNNI_TILE_COLS)
 
 /* The activations of one call in the tiled kernels' order. Tile t holds rows
@@ -460,19 +466,22 @@ typedef struct {
     float *dx;   /* [tiles][blocks][tile_rows] the block's activation scale */
     float *xs;   /* [tiles][blocks][tile_rows] dx * xsum: the min term's activation side */
     int32_t *zc; /* [tiles][blocks][tile_rows] -zero * xsum: the zero-point correction */
+    int16_t *x16; /* wide kernels instead of x and x2: [tiles][Kp / 2][tile_rows][2] each row's
+                     activation as one int16, (first level << 8) + second (or the one level) */
 } RowTiles;
 
-static int row_tiles_alloc(RowTiles *t, int64_t tile_rows, int have_x2, int64_t rows, int64_t Kp) {
+static int row_tiles_alloc(RowTiles *t, int64_t tile_rows, int have_x2, int wide, int64_t rows, int64_t Kp) {
     const int64_t blocks = Kp / 32, tiles = (rows + tile_rows - 1) / tile_rows;
     t->tile_rows = tile_rows;
     t->num_tiles = tiles;
     t->num_blocks = blocks;
-    t->x = calloc((size_t)(tiles * tile_rows * Kp), 1);
-    t->x2 = have_x2 ? calloc((size_t)(tiles * tile_rows * Kp), 1) : 0;
+    t->x = wide ? 0 : calloc((size_t)(tiles * tile_rows * Kp), 1);
+    t->x2 = have_x2 && !wide ? calloc((size_t)(tiles * tile_rows * Kp), 1) : 0;
+    t->x16 = wide ? calloc((size_t)(tiles * tile_rows * Kp), sizeof(int16_t)) : 0;
     t->dx = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
     t->xs = calloc((size_t)(tiles * blocks * tile_rows), sizeof(float));
     t->zc = calloc((size_t)(tiles * blocks * tile_rows), sizeof(int32_t));
-    return t->x && (!have_x2 || t->x2) && t->dx && t->xs && t->zc;
+    return (wide ? t->x16 != 0 : t->x && (!have_x2 || t->x2)) && t->dx && t->xs && t->zc;
 }
 
 /* Rows [i0, i1) of the activations into t's order (row_tiles_alloc'ed). */
@@ -482,8 +491,16 @@ static void row_tiles_fill(RowTiles *t, const int8_t *xq, const int8_t *xq2, con
     for (int64_t i = i0; i < i1; i++) {
         const int64_t tile = i / tile_rows, lane = i % tile_rows;
         const int64_t at = tile * tile_rows * Kp + lane * 4;
-        for (int64_t l = 0; l < quads; l++) memcpy(t->x + at + l * tile_rows * 4, xq + i * Kp + 4 * l, 4);
-        for (int64_t l = 0; xq2 && l < quads; l++) memcpy(t->x2 + at + l * tile_rows * 4, xq2 + i * Kp + 4 * l, 4);
+        if (t->x16) { /* pair l of the row: lane `lane` of pair l's tile_rows x 2 */
+            int16_t *dst = t->x16 + tile * tile_rows * Kp + lane * 2;
+            const int8_t *a = xq + i * Kp, *b = xq2 ? xq2 + i * Kp : 0;
+            for (int64_t k = 0; k < Kp; k += 2) {
+                dst[k * tile_rows] = (int16_t)(b ? a[k] * 256 + b[k] : a[k]);
+                dst[k * tile_rows + 1] = (int16_t)(b ? a[k + 1] * 256 + b[k + 1] : a[k + 1]);
+            }
+        }
+        for (int64_t l = 0; t->x && l < quads; l++) memcpy(t->x + at + l * tile_rows * 4, xq + i * Kp + 4 * l, 4);
+        for (int64_t l = 0; t->x2 && xq2 && l < quads; l++) memcpy(t->x2 + at + l * tile_rows * 4, xq2 + i * Kp + 4 * l, 4);
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t at = (tile * blocks + b) * tile_rows + lane;
             const int32_t sum = xsum[i * blocks + b];
@@ -495,6 +512,7 @@ static void row_tiles_fill(RowTiles *t, const int8_t *xq, const int8_t *xq2, con
 }
 
 static void row_tiles_free(RowTiles *t) {
+    free(t->x16);
     free(t->x);
     free(t->x2);
     free(t->dx);
@@ -545,6 +563,41 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_
                 _mm256_storeu_si256((__m256i *)(dst + g * 64), _mm256_and_si256(packed, low4));
                 _mm256_storeu_si256((__m256i *)(dst + g * 64 + 32),
                                     _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
+            }
+        }
+        unpack_scales(c < count ? d + (n0 + c) * scales_per_row : 0, blocks, r, dw + c * blocks);
+        if (mw) unpack_scales(c < count ? m + (n0 + c) * scales_per_row : 0, blocks, r, mw + c * blocks);
+    }
+}
+
+/* unpack_outputs for the wide kernels: codes [cols][Kp] int16 (8-bit codes as q - 128, 4-bit
+ * ones as they are; outputs past count are zero). */
+__attribute__((target("avx2,fma,f16c"))) static void unpack_outputs16(const uint8_t *q, const uint16_t *d,
+                                                                      const uint16_t *m, int64_t n0, int64_t count,
+                                                                      int64_t cols, int64_t Kp, int bits, int r,
+                                                                      int16_t *codes, float *dw, float *mw) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+    const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, blocks = Kp / 32;
+    for (int64_t c = 0; c < cols; c++) {
+        int16_t *dst = codes + c * Kp;
+        const uint8_t *src = q + (n0 + c) * row_bytes;
+        if (c >= count) {
+            memset(dst, 0, (size_t)Kp * sizeof(int16_t));
+        } else if (bits == 8) {
+            for (int64_t k = 0; k < Kp; k += 32) {
+                const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + k)), flip);
+                _mm256_storeu_si256((__m256i *)(dst + k), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+                _mm256_storeu_si256((__m256i *)(dst + k + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
+            }
+        } else {
+            for (int64_t g = 0; g < Kp / 64; g++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(src + g * 32));
+                const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+                int16_t *o = dst + g * 64;
+                _mm256_storeu_si256((__m256i *)o, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)));
+                _mm256_storeu_si256((__m256i *)(o + 16), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)));
+                _mm256_storeu_si256((__m256i *)(o + 32), _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)));
+                _mm256_storeu_si256((__m256i *)(o + 48), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)));
             }
         }
         unpack_scales(c < count ? d + (n0 + c) * scales_per_row : 0, blocks, r, dw + c * blocks);
@@ -864,6 +917,48 @@ TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_
     else tile_avx2_q8_levels(rt, t, codes, dw, mw, Kp, 0, out);
 }
 
+/* AVX2, 8 rows x 4 outputs on int16 codes (unpack_outputs16) and int16 activations (x16):
+ * one vpmaddwd per 2 inputs of 8 rows, whatever the code width or level count. Its products
+ * are exact and its sums exact int32 (|sum| <= 32 x 32639 x 255 < 2^31), so each block's
+ * integer sum is the one the byte kernels above join from their levels: the same bits, at
+ * about half of tile_avx2_q8's instructions per product (Q8's sign trick and the second
+ * level's separate products are gone). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void tile_avx2_wide_codes(
+    const RowTiles *rt, int64_t t, const int16_t *codes, const float *dw, const float *mw, int64_t Kp, int zero,
+    float *out) {
+    const int64_t blocks = rt->num_blocks;
+    const int16_t *x = rt->x16 + t * AVX2_TILE_ROWS * Kp;
+    __m256 acc[AVX2_TILE_COLS];
+    for (int c = 0; c < AVX2_TILE_COLS; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t at = (t * blocks + b) * AVX2_TILE_ROWS;
+        __m256i sums[AVX2_TILE_COLS];
+        for (int c = 0; c < AVX2_TILE_COLS; c++) sums[c] = _mm256_setzero_si256();
+        for (int s = 0; s < 16; s++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (16 * b + s) * AVX2_TILE_ROWS * 2));
+            for (int c = 0; c < AVX2_TILE_COLS; c++) {
+                int32_t w2;
+                memcpy(&w2, codes + c * Kp + 32 * b + 2 * s, 4);
+                sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(xv, _mm256_set1_epi32(w2)));
+            }
+            keep_sums_avx2(sums, sums, 0);
+        }
+        if (zero) {
+            const __m256i zc = _mm256_loadu_si256((const __m256i *)(rt->zc + at));
+            for (int c = 0; c < AVX2_TILE_COLS; c++) sums[c] = _mm256_add_epi32(sums[c], zc);
+        }
+        tile_avx2_block_out(rt, at, b, blocks, dw, mw, sums, acc);
+    }
+    for (int c = 0; c < AVX2_TILE_COLS; c++) _mm256_storeu_ps(out + c * AVX2_TILE_ROWS, acc[c]);
+}
+
+TARGET_AVX2 static void tile_avx2_wide(const RowTiles *rt, int64_t t, const uint8_t *codes, const float *dw,
+                                       const float *mw, int64_t Kp, int zero, float *out) {
+    /* 8-bit codes come signed (their zero is in them); 4-bit ones take the zero point's correction */
+    if (zero && zero != 128) tile_avx2_wide_codes(rt, t, (const int16_t *)codes, dw, mw, Kp, 1, out);
+    else tile_avx2_wide_codes(rt, t, (const int16_t *)codes, dw, mw, Kp, 0, out);
+}
+
 /* A tile's outputs out[c * tile_rows + i] written to y[i * N + c] for rows i < num and
  * outputs c < count: one transposition in registers and one store per row instead of a
  * scalar store per value (16 x 8 of them for a VNNI tile, to rows far apart in y). */
@@ -930,11 +1025,13 @@ typedef struct {
     TileStore store;
     int64_t rows, cols; /* activation rows x outputs per call */
     int signed_codes;   /* 8-bit codes unpacked as q - 128 */
+    int wide;           /* int16 codes (unpack_outputs16) and activations (RowTiles.x16) */
 } TileShape;
 
-static const TileShape VNNI_TILE = {tile_vnni, tile_store_vnni, VNNI_TILE_ROWS, VNNI_TILE_COLS, 0};
-static const TileShape AVX2_Q4_TILE = {tile_avx2_q4, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 0};
-static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1};
+static const TileShape VNNI_TILE = {tile_vnni, tile_store_vnni, VNNI_TILE_ROWS, VNNI_TILE_COLS, 0, 0};
+static const TileShape AVX2_Q4_TILE = {tile_avx2_q4, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 0, 0};
+static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1, 0};
+static const TileShape AVX2_WIDE_TILE = {tile_avx2_wide, tile_store_avx2, AVX2_TILE_ROWS, AVX2_TILE_COLS, 1, 1};
 
 #ifndef TILE_BAND_BYTES
 #define TILE_BAND_BYTES (384 * 1024) /* activations per band of row tiles: half of a 768 KB-1 MB L2 */
@@ -948,17 +1045,17 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
                       const int32_t *xsum, int64_t rows, float *y) {
     const int64_t tile_rows = shape.rows, cols = shape.cols;
     RowTiles rt;
-    if (!row_tiles_alloc(&rt, tile_rows, xq2 != 0, rows, Kp)) {
+    if (!row_tiles_alloc(&rt, tile_rows, xq2 != 0, shape.wide, rows, Kp)) {
         row_tiles_free(&rt);
         return 0;
     }
     const int64_t num_groups = (N + cols - 1) / cols, blocks = Kp / 32;
-    const int64_t tile_bytes = tile_rows * Kp * (xq2 ? 2 : 1);
+    const int64_t tile_bytes = tile_rows * Kp * (xq2 || shape.wide ? 2 : 1);
     const int64_t band = TILE_BAND_BYTES / tile_bytes > 4 ? TILE_BAND_BYTES / tile_bytes : 4;
     int failed = 0;
     _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
     {
-        uint8_t *codes = malloc((size_t)(cols * Kp));
+        uint8_t *codes = malloc((size_t)(cols * Kp * (shape.wide ? 2 : 1)));
         float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
         float out[MAX_TILE_OUT];
         if (!codes || !dw) {
@@ -978,7 +1075,8 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
             for (int64_t g = 0; g < num_groups; g++) {
                 if (!codes || !dw) continue;
                 const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
-                unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, shape.signed_codes, codes, dw, mw);
+                if (shape.wide) unpack_outputs16(q, d, m, n0, count, cols, Kp, bits, r, (int16_t *)codes, dw, mw);
+                else unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, shape.signed_codes, codes, dw, mw);
                 for (int64_t step = 0; step < t1 - t0; step++) {
                     /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
                     const int64_t t = g % 2 ? t1 - 1 - step : t0 + step;
@@ -1699,8 +1797,9 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
-        if (rows >= tiled_min_rows && gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r,
-                                                 zero, xq, xq2, dx, xsum, rows, y))
+        const TileShape shape = bits == 4 ? (AVX2_WIDE_Q4 ? AVX2_WIDE_TILE : AVX2_Q4_TILE)
+                                          : (AVX2_Q8_WIDE ? AVX2_WIDE_TILE : AVX2_Q8_TILE);
+        if (rows >= tiled_min_rows && gemm_tiled(shape, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
             return;
         gemm_rows(AVX2_ROWS, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
         return;
