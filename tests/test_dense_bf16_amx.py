@@ -111,3 +111,33 @@ def test_layers_take_the_tiles_and_give_their_weight_back(monkeypatch):
     # float32 weights never take the bfloat16 kernel
     monkeypatch.delenv(linear.DENSE_BF16_AMX_ENV)
     assert not isinstance(linear.dense_matmul(w.float()), linear.AmxBf16Matmul)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("rows,n,k,with_bias", [(1, 40, 64, False), (64, 960, 576, True), (520, 16400, 64, False)])
+def test_float32_outputs_are_the_bfloat16_ones_widened(rows, n, k, with_bias):
+    # the last case takes the wide path (outputs of 32 KiB or more from 512 rows)
+    x, w, bias = _case(rows, n, k, seed=3)
+    bias = bias if with_bias else None
+    packed = quant_ops.dense_bf16_pack(w)
+    rounded = quant_ops.dense_bf16_linear(x, packed, n, bias)
+    widened = quant_ops.dense_bf16_linear(x, packed, n, bias, out_dtype=torch.float32)
+    assert widened.dtype == torch.float32 and widened.shape == (rows, n)
+    assert torch.equal(widened, rounded.float())
+
+
+@needs_amx_bf16
+def test_a_tied_lm_head_gives_float32_logits_of_its_bfloat16_matmul():
+    from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    gen = torch.Generator().manual_seed(4)
+    embedding = VocabParallelEmbedding(1000, 64)
+    embedding.weight.data = (torch.randn(1000, 64, generator=gen) * 0.05).bfloat16()
+    head = ParallelLMHead(1000, 64, tied=embedding)
+    head.bind(torch.device("cpu"), torch.bfloat16)
+    assert isinstance(head.matmul, linear.AmxBf16Matmul)
+    hidden = torch.randn(5, 64, generator=gen).bfloat16()
+    logits = head(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 1000)
+    assert torch.equal(logits, head.matmul(hidden, embedding.weight, None).float())
+    _within_one_step(logits.bfloat16(), hidden, embedding.weight.data, None)

@@ -85,6 +85,9 @@ class ParallelLMHead(PackedWeightHolder):
 
     def forward(self, hidden: Tensor) -> Tensor | None:
         """The full ``[N, vocab]`` on the first rank; None on the others, which only hand it their columns."""
+        float_output = getattr(self.matmul, "float_output", None)
+        if float_output is not None and self.tp.size == 1:  # float32 logits straight from the kernel
+            return float_output(hidden)
         logits = self.matmul(hidden, self.weight_tensor, None)  # [N, vocab_local]
         gathered = self.tp.gather_columns(logits, self.vocab_size)
         return None if gathered is None else gathered.float()

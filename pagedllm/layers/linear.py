@@ -116,6 +116,17 @@ class AmxBf16Matmul(_HeldMatmul):
             y = F.linear(x2, self.dense(), bias)
         return y.view(*shape[:-1], self.out_features)
 
+    def float_output(self, x: Tensor) -> Tensor:
+        """``self(x, ..., None).float()`` in one pass: the kernel writes the rounded bfloat16
+        outputs widened to float32 (an LM head's logits)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
+        y = quant_ops.dense_bf16_linear(x2, self.packed, self.out_features, None, out_dtype=torch.float32)
+        if y is None:
+            y = F.linear(x2, self.dense()).float()
+        return y.view(*x.shape[:-1], self.out_features)
+
     def dense(self) -> Tensor:
         return quant_ops.dense_bf16_unpack(self.packed, self.out_features, self.in_features)
 

@@ -1481,7 +1481,7 @@ TARGET_AMX_BF16 static void amx_bf16_configure(void) {
 TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
     const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t lda,
     const __m512 *bias, uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask32 mask, float *sums,
-    int64_t b0, int64_t b1, float *partial) {
+    int64_t b0, int64_t b1, float *partial, float *yf) {
     const uint16_t *p1 = p0 + 512 * blocks;
     if (b0 == 0) {
         _tile_zero(0);
@@ -1528,6 +1528,12 @@ TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
         for (int64_t row = 0; row < num; row++) {
             __m512 lo = _mm512_load_ps(sums + 16 * row), hi = two ? _mm512_load_ps(sums + 256 + 16 * row) : lo;
             if (bias) lo = _mm512_add_ps(lo, bias[0]), hi = _mm512_add_ps(hi, bias[1]);
+            if (yf) { /* the same bfloat16 values, widened: as a float32 copy of y would hold them */
+                float *dst = yf + (first + row) * N + n0;
+                _mm512_mask_storeu_ps(dst, (__mmask16)mask, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(lo)));
+                _mm512_mask_storeu_ps(dst + 16, (__mmask16)(mask >> 16), _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(hi)));
+                continue;
+            }
             _mm512_mask_storeu_epi16((void *)(y + (first + row) * N + n0), mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
@@ -1583,7 +1589,7 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
             if (count > 16) bf16_panel(q, d, m, n0 + 16, count - 16, Kp, bits, r, zero, panel + blocks * 512);
             for (int64_t t0 = 0; t0 < tiles; t0 += 2)
                 amx_bf16_2x2(panel, count > 16, bf16_rows_tile(&in, t0), t0 + 1 < tiles ? bf16_rows_tile(&in, t0 + 1) : 0,
-                             blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0);
+                             blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0, 0);
         }
         if (panel) _tile_release();
         free(panel);
@@ -1623,7 +1629,7 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
 TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uint16_t *w, int64_t blocks, int64_t Kp,
                                                    const uint16_t *bias, uint16_t *y, int64_t N, int64_t rows,
                                                    int64_t num_groups, int64_t gp, int64_t t_start, int64_t t_end,
-                                                   int64_t k_step, float *partial, float *sums) {
+                                                   int64_t k_step, float *partial, float *sums, float *yf) {
     const int64_t n0 = gp * 32, count = N - n0 < 32 ? N - n0 : 32;
     const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
     const int two = 2 * gp + 1 < num_groups;
@@ -1641,7 +1647,7 @@ TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uin
             amx_bf16_2x2(w + 2 * gp * blocks * 512, two, bf16_rows_tile(in, t0),
                          t0 + 1 < t_end ? bf16_rows_tile(in, t0 + 1) : 0, blocks, Kp, bias ? bias_v : 0, y,
                          N, 16 * t0, rows, n0, mask, sums, k0, k0 + k_step < blocks ? k0 + k_step : blocks,
-                         partial + (t0 - t_start) / 2 * 1024);
+                         partial + (t0 - t_start) / 2 * 1024, yf);
 }
 
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias [N] bfloat16, or NULL), w a dense
@@ -1650,7 +1656,7 @@ TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uin
  * inputs past K are zero). Each output is the float32 sum over the blocks in order, rounded
  * once, so a row's result does not depend on the other rows. Returns 0 when out of memory. */
 TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w,
-                                               int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y) {
+                                               int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y, float *yf) {
     if (rows <= 0 || N <= 0) return 1;
     const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16, num_groups = (N + 15) / 16;
     const int64_t pairs = (num_groups + 1) / 2;
@@ -1681,12 +1687,12 @@ TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, 
                 if (!wide) {
                     for (int64_t gp = c0; gp < c1; gp++)
                         dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, start, end, k_step,
-                                        partial, sums);
+                                        partial, sums, yf);
                 } else { /* each row pair through the chunk's outputs: 32 rows write at a time, not 256 */
                     for (int64_t t0 = start; t0 < end; t0 += 2)
                         for (int64_t gp = c0; gp < c1; gp++)
                             dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, t0,
-                                            t0 + 2 < end ? t0 + 2 : end, k_step, partial, sums);
+                                            t0 + 2 < end ? t0 + 2 : end, k_step, partial, sums, yf);
                 }
             }
         }
@@ -1860,7 +1866,19 @@ int quant_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t 
 int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                       const uint16_t *bias, uint16_t *y) {
 #ifdef QUANT_X86
-    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y);
+    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y, 0);
+#endif
+    (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
+    return 0;
+}
+
+/* dense_linear_bf16 with the outputs written as float32 (each the bfloat16 value dense_linear_bf16
+ * gives, widened exactly): an LM head's logits, which sampling wants in float32, without a
+ * second pass over them. */
+int dense_linear_bf16_f32(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
+                          const uint16_t *bias, float *y) {
+#ifdef QUANT_X86
+    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, 0, y);
 #endif
     (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
     return 0;

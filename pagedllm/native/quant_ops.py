@@ -135,8 +135,8 @@ def build_library() -> ctypes.CDLL:
     library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
     library.quant_amx_bf16.argtypes = []
-    library.dense_linear_bf16.argtypes = [p, i64, i64, p, i64, i64, p, p]
-    library.dense_linear_bf16.restype = c_int
+    library.dense_linear_bf16.argtypes = library.dense_linear_bf16_f32.argtypes = [p, i64, i64, p, i64, i64, p, p]
+    library.dense_linear_bf16.restype = library.dense_linear_bf16_f32.restype = c_int
     for fn in (library.quantize_activations, library.quant_gemm, library.quant_dequantize_rows):
         fn.restype = None
     return library
@@ -304,17 +304,22 @@ def dense_bf16_unpack(packed: torch.Tensor, out_features: int, in_features: int)
 def dense_bf16_linear(
     x: torch.Tensor,  # [T, K] bfloat16, contiguous
     packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-) -> torch.Tensor | None:  # [T, N] bfloat16
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor | None:  # [T, N] out_dtype
     """``x @ W^T (+ bias)`` on the AMX-BF16 tiles for ``packed = dense_bf16_pack(W)``: every output
     the float32 sum over 32-input blocks in order, rounded to bfloat16 once, so a row's result
-    does not depend on the other rows. None where the CPU has no AMX-BF16 (or memory ran out)."""
+    does not depend on the other rows. ``out_dtype=torch.float32`` writes those bfloat16 values
+    widened to float32 (what ``.float()`` of the bfloat16 result gives, without its pass). None
+    where the CPU has no AMX-BF16 (or memory ran out)."""
     assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+    assert out_dtype in (torch.bfloat16, torch.float32)
     rows, in_features = x.shape
     padded_in = packed.shape[1] * DENSE_BF16_BLOCK
-    y = torch.empty((rows, out_features), dtype=torch.bfloat16)
+    y = torch.empty((rows, out_features), dtype=out_dtype)
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    done = _library.dense_linear_bf16(
+    kernel = _library.dense_linear_bf16 if out_dtype == torch.bfloat16 else _library.dense_linear_bf16_f32
+    done = kernel(
         x.data_ptr(), rows, in_features, packed.data_ptr(), out_features, padded_in,
         None if bias is None else bias.data_ptr(), y.data_ptr(),
     )
