@@ -75,19 +75,20 @@ def build_read_ceiling() -> ctypes.CDLL | None:
     out = Path(tempfile.mkdtemp()) / "kv_read_ceiling.so"
     source = Path(__file__).with_name("kv_read_ceiling.c")
     try:
-        subprocess.run(["gcc", "-O2", "-mavx2", "-fopenmp", "-fPIC", "-shared", str(source), "-o", str(out)],
+        subprocess.run(["gcc", "-O2", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", str(source), "-o", str(out)],
                        check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError):
         return None
     library = ctypes.CDLL(str(out))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.read_kv_blocks.argtypes = [p, p, p, i64, p, i64, i64, i64, i64]
+    library.read_kv_blocks.argtypes = [p, p, p, i64, p, i64, i64, i64, i64, i64]
     library.read_kv_blocks.restype = ctypes.c_float
     return library
 
 
-def pattern_read_gbs(library: ctypes.CDLL, decode, kv_bytes: int, repeats: int) -> float:
-    """GB/s of reading every decode layer's K/V in the kernel's block order (a sum, no attention)."""
+def pattern_read_gbs(library: ctypes.CDLL, decode, kv_bytes: int, repeats: int, work: int = 0) -> float:
+    """GB/s of reading every decode layer's K/V in the kernel's block order (a sum, no attention;
+    ``work`` dependent FMAs per line read, kv_read_ceiling.c)."""
     args = []
     for b in decode:
         md = b.metadata
@@ -99,7 +100,7 @@ def pattern_read_gbs(library: ctypes.CDLL, decode, kv_bytes: int, repeats: int) 
     def all_layers():
         for b, tables, lens, token_bytes in args:
             library.read_kv_blocks(b.k_cache.data_ptr(), b.v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                   lens.data_ptr(), lens.numel(), b.k_cache.shape[1], token_bytes, 64 // BLOCK)
+                                   lens.data_ptr(), lens.numel(), b.k_cache.shape[1], token_bytes, 64 // BLOCK, work)
 
     all_layers()
     return kv_bytes / (best_of(all_layers, repeats) / len(decode)) / 1e9

@@ -1,56 +1,10 @@
-/* Streamed K/V reads with stand-in arithmetic, to see whether the reads overlap the work.
- * Built and called by kv_read_overlap.py (docs/benchmarks.md, "AVX2: 8-bit codes on vpmaddwd,
- * and why decode attention does not overlap its reads").
- * read_kv_work: the blocks of each sequence in address order (every head of a token together).
- * read_heads: the attention kernel's order (per group of G blocks, head after head).
- * Both do `work` dependent FMAs per 64-byte line read. */
+/* Streamed K/V reads in the AMX attention kernel's order, with stand-in arithmetic: the other
+ * side of kv_read_ceiling.c's address-order read (both called by kv_read_overlap.py; see
+ * docs/benchmarks.md, "AVX2: 8-bit codes on vpmaddwd, and why decode attention does not
+ * overlap its reads"). */
 #include <immintrin.h>
 #include <stdint.h>
-/* The pattern read with `work` dependent FMAs per 64-byte line (a stand-in for the kernel's arithmetic);
-   the next group (`group_blocks` blocks) prefetched into L2, spread (pf_mode 1) or per line (pf_mode 0). */
-float read_kv_work(const char *k_cache, const char *v_cache, const int32_t *tables, int64_t table_stride,
-                   const int32_t *seq_lens, int64_t num_seqs, int64_t block_size, int64_t token_bytes,
-                   int64_t group_blocks, int64_t work, int64_t pf_hint) {
-    float total = 0.0f;
-    const int64_t block_bytes = block_size * token_bytes;
-#pragma omp parallel for schedule(static) reduction(+ : total)
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int32_t *table = tables + s * table_stride;
-        const int64_t blocks = (seq_lens[s] + block_size - 1) / block_size;
-        __m256 acc = _mm256_setzero_ps(), w = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(0.999f);
-        for (int64_t b = 0; b < blocks; ++b) {
-            int64_t used = seq_lens[s] - b * block_size;
-            if (used > block_size) used = block_size;
-            const int64_t bytes = used * token_bytes;
-            const char *kb = k_cache + (int64_t)table[b] * block_bytes, *vb = v_cache + (int64_t)table[b] * block_bytes;
-            const char *nk = 0, *nv = 0;
-            if (b + group_blocks < blocks) {
-                nk = k_cache + (int64_t)table[b + group_blocks] * block_bytes;
-                nv = v_cache + (int64_t)table[b + group_blocks] * block_bytes;
-            } else if (s + 1 < num_seqs) {
-                const int32_t *t2 = table + table_stride;
-                int64_t bb = b + group_blocks - blocks;
-                nk = k_cache + (int64_t)t2[bb] * block_bytes;
-                nv = v_cache + (int64_t)t2[bb] * block_bytes;
-            }
-            for (int64_t x = 0; x + 32 <= bytes; x += 64) {
-                if (nk) {
-                    if (pf_hint == 1) { _mm_prefetch(nk + x, _MM_HINT_T1); _mm_prefetch(nv + x, _MM_HINT_T1); }
-                    else if (pf_hint == 0) { _mm_prefetch(nk + x, _MM_HINT_T0); _mm_prefetch(nv + x, _MM_HINT_T0); }
-                    else if (pf_hint == 2) { _mm_prefetch(nk + x, _MM_HINT_T2); _mm_prefetch(nv + x, _MM_HINT_T2); }
-                }
-                acc = _mm256_add_ps(acc, _mm256_loadu_ps((const float *)(kb + x)));
-                acc = _mm256_add_ps(acc, _mm256_loadu_ps((const float *)(vb + x)));
-                for (int64_t i = 0; i < work; ++i) { w = _mm256_fmadd_ps(w, c, c); __asm__("" : "+x"(w)); }
-            }
-        }
-        acc = _mm256_add_ps(acc, w);
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc);
-        for (int i = 0; i < 8; ++i) total += lanes[i];
-    }
-    return total;
-}
+
 /* The kernel's order: per group of G blocks, per head h, the head's 128 B of each token (K and V), `work`
    FMAs per line; prefetch (T1) mode 0: none; 1: the next group's same head lines (as the kernel);
    2: the whole next group (all heads, in address order) spread over head 0..2 of this group. */

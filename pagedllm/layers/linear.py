@@ -107,24 +107,20 @@ class AmxBf16Matmul(_HeldMatmul):
         self.packed = quant_ops.dense_bf16_pack(weight.detach())
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
-            x2 = x2.to(torch.bfloat16).contiguous()
-        y = quant_ops.dense_bf16_linear(x2, self.packed, self.out_features, bias)
-        if y is None:  # out of memory for the kernel's scratch: the same product through torch
-            y = F.linear(x2, self.dense(), bias)
-        return y.view(*shape[:-1], self.out_features)
+        return self._product(x, bias, torch.bfloat16)
 
     def float_output(self, x: Tensor) -> Tensor:
         """``self(x, ..., None).float()`` in one pass: the kernel writes the rounded bfloat16
         outputs widened to float32 (an LM head's logits)."""
+        return self._product(x, None, torch.float32)
+
+    def _product(self, x: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
             x2 = x2.to(torch.bfloat16).contiguous()
-        y = quant_ops.dense_bf16_linear(x2, self.packed, self.out_features, None, out_dtype=torch.float32)
-        if y is None:
-            y = F.linear(x2, self.dense()).float()
+        y = quant_ops.dense_bf16_linear(x2, self.packed, self.out_features, bias, out_dtype=out_dtype)
+        if y is None:  # out of memory for the kernel's scratch: the same product through torch
+            y = F.linear(x2, self.dense(), bias).to(out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dense(self) -> Tensor:
