@@ -141,3 +141,66 @@ def test_a_tied_lm_head_gives_float32_logits_of_its_bfloat16_matmul():
     assert logits.dtype == torch.float32 and logits.shape == (5, 1000)
     assert torch.equal(logits, head.matmul(hidden, embedding.weight, None).float())
     _within_one_step(logits.bfloat16(), hidden, embedding.weight.data, None)
+
+
+def test_glu_pack_pairs_the_halves_groups_and_round_trips():
+    for n, k in [(16, 32), (40, 70), (1536, 576), (17, 64)]:
+        w = torch.randn(2 * n, k).bfloat16()
+        packed = quant_ops.dense_bf16_pack_glu(w)
+        groups = -(-n // 16)
+        assert packed.shape == (2 * groups, -(-k // 32), 16, 16, 2)
+        assert torch.equal(quant_ops.dense_bf16_unpack_glu(packed, n, k), w)
+        # group 2 g holds gate rows 16 g .., group 2 g + 1 the up rows 16 g .. (n + 16 g ..)
+        g = groups - 1
+        assert torch.equal(packed[2 * g, 0, 0, 0], w[16 * g, :2])
+        assert torch.equal(packed[2 * g + 1, 0, 0, 0], w[n + 16 * g, :2])
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("rows,n,k", [(1, 1536, 576), (3, 40, 70), (64, 1536, 576), (33, 17, 64),
+                                      (600, 96, 96), (2048, 64, 576)])
+def test_fused_silu_gives_the_bits_of_the_product_then_silu_mul(rows, n, k):
+    from pagedllm.native import cpu_ops
+
+    assert cpu_ops.available()
+    gen = torch.Generator().manual_seed(rows + n)
+    w = (torch.randn(2 * n, k, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x[0, :8] = 40.0  # gates far out on both tails of the exponential
+    w[:8, :8] *= -1
+    two_passes = cpu_ops.silu_mul(quant_ops.dense_bf16_linear(x, quant_ops.dense_bf16_pack(w), 2 * n))
+    fused = quant_ops.dense_bf16_silu_mul(x, quant_ops.dense_bf16_pack_glu(w), n)
+    assert fused.shape == (rows, n) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, two_passes)
+
+
+@needs_amx_bf16
+def test_a_glu_projection_fuses_its_activation_and_keeps_its_weight():
+    from pagedllm.layers import SiluAndMul
+
+    gen = torch.Generator().manual_seed(8)
+    n, k = 40, 64
+    gate, up = (torch.randn(n, k, generator=gen) * 0.1).bfloat16(), (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    layer = linear.MergedColumnParallelLinear(k, [(0, n), (0, n)], False, linear.SINGLE_PROCESS, glu=True)
+    layer.to(torch.bfloat16)
+    layer.load_weight("weight", gate, 0, "gate")
+    layer.load_weight("weight", up, 1, "up")
+    layer.bind(gate.device, gate.dtype)
+    assert isinstance(layer.matmul, linear.AmxBf16Matmul) and layer.matmul.glu
+    assert torch.equal(layer.dense_weight(), torch.cat([gate, up]))  # the plain order, for state_dict and casts
+    act = SiluAndMul()
+    act.bind(gate.device, torch.bfloat16)
+    x = torch.randn(6, k, generator=gen).bfloat16()
+    plain = layer(x)  # the unfused product, back in [gate | up] order
+    assert plain.shape == (6, 2 * n)
+    _within_one_step(plain, x, torch.cat([gate, up]), None)
+    fused = act.after(layer, x)
+    assert fused.shape == (6, n) and torch.equal(fused, act(plain))
+    assert torch.equal(layer.matmul.silu_mul(x.view(2, 3, k)), fused.view(2, 3, n))  # leading dimensions kept
+    # without glu the same layer takes the plain kernel and the two steps
+    other = linear.MergedColumnParallelLinear(k, [(0, n), (0, n)], False, linear.SINGLE_PROCESS)
+    other.to(torch.bfloat16)
+    other.load_weight("weight", gate, 0, "gate")
+    other.load_weight("weight", up, 1, "up")
+    other.bind(gate.device, gate.dtype)
+    assert not other.matmul.glu and torch.equal(act.after(other, x), fused)

@@ -21,6 +21,15 @@ class SiluAndMul(nn.Module):
         """Pick the kernel for activations of this device and dtype (the layer has no weights)."""
         self.path = kernel_path(device, dtype)
 
+    def after(self, gate_up_proj: nn.Module, x: Tensor) -> Tensor:
+        """``self(gate_up_proj(x))``, in one pass where the projection's kernel fuses this
+        activation (the AMX-BF16 matmul of a ``glu`` weight: the same bits, without the
+        ``[T, 2n]`` product going to memory and back)."""
+        matmul = getattr(gate_up_proj, "matmul", None)
+        if self.path is KernelPath.NATIVE_CPU and getattr(matmul, "glu", False):
+            return matmul.silu_mul(x)
+        return self(gate_up_proj(x))
+
     def forward(self, gate_up: Tensor) -> Tensor:
         if self.path is KernelPath.NATIVE_CPU:
             return cpu_ops.silu_mul(gate_up)

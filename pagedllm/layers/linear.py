@@ -98,32 +98,67 @@ class AmxBf16Matmul(_HeldMatmul):
     (oneDNN's is not); and the decoder-layer stack calls the same kernel
     (pagedllm/quant/stack.py), so it gives the modules' bits. Chosen on CPUs
     with AMX-BF16 for bfloat16 weights; ``PAGEDLLM_DENSE_BF16_AMX=0`` keeps oneDNN.
+
+    With ``glu`` the weight is a SwiGLU's ``[gate | up]`` (no bias), stored with the
+    halves' groups of outputs in turn, and :meth:`silu_mul` gives ``silu(gate) * up``
+    in one pass: the bits of this product followed by ``cpu_ops.silu_mul``.
     """
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, weight: Tensor, glu: bool = False) -> None:
         if not quant_ops.dense_bf16_available():
             raise RuntimeError("the AMX-BF16 kernels do not run on this CPU (or PAGEDLLM_NATIVE_OPS=0)")
         self.out_features, self.in_features = weight.shape
-        self.packed = quant_ops.dense_bf16_pack(weight.detach())
+        self.glu = glu and self.out_features % 2 == 0
+        pack = quant_ops.dense_bf16_pack_glu if self.glu else quant_ops.dense_bf16_pack
+        self.packed = pack(weight.detach())
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if self.glu:
+            assert bias is None, "a fused gate/up weight has no bias"
+            return self._glu_columns(x)
         return self._product(x, bias, torch.bfloat16)
+
+    def _glu_columns(self, x: Tensor) -> Tensor:
+        """The plain ``[gate | up]`` product of a ``glu`` weight, whose halves' groups come out in turn."""
+        half, groups = self.out_features // 2, self.packed.shape[0] // 2
+        y = self._product(x, None, torch.bfloat16, 2 * groups * quant_ops.DENSE_BF16_GROUP)
+        y = y.unflatten(-1, (groups, 2, quant_ops.DENSE_BF16_GROUP))
+        return torch.cat([y[..., i, :].flatten(-2)[..., :half] for i in (0, 1)], dim=-1)
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        """``silu(gate(x)) * up(x)`` (``glu`` weights only): ``[..., out_features / 2]`` bfloat16."""
+        assert self.glu
+        half = self.out_features // 2
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
+        y = quant_ops.dense_bf16_silu_mul(x2, self.packed, half)
+        if y is None:  # out of memory for the kernel's scratch: the same bits in two passes
+            from pagedllm.native import cpu_ops
+
+            y = cpu_ops.silu_mul(self(x2, None, None))
+        return y.view(*x.shape[:-1], half)
 
     def float_output(self, x: Tensor) -> Tensor:
         """``self(x, ..., None).float()`` in one pass: the kernel writes the rounded bfloat16
         outputs widened to float32 (an LM head's logits)."""
         return self._product(x, None, torch.float32)
 
-    def _product(self, x: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    def _product(self, x: Tensor, bias: Tensor | None, out_dtype: torch.dtype, width: int | None = None) -> Tensor:
+        """The product with the packed weight's first ``width`` outputs (default: out_features), in its order."""
+        width = width or self.out_features
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
             x2 = x2.to(torch.bfloat16).contiguous()
-        y = quant_ops.dense_bf16_linear(x2, self.packed, self.out_features, bias, out_dtype=out_dtype)
+        y = quant_ops.dense_bf16_linear(x2, self.packed, width, bias, out_dtype=out_dtype)
         if y is None:  # out of memory for the kernel's scratch: the same product through torch
-            y = F.linear(x2, self.dense(), bias).to(out_dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+            plain = quant_ops.dense_bf16_unpack(self.packed, width, self.in_features)
+            y = F.linear(x2, plain, bias).to(out_dtype)
+        return y.view(*x.shape[:-1], width)
 
     def dense(self) -> Tensor:
+        if self.glu:
+            return quant_ops.dense_bf16_unpack_glu(self.packed, self.out_features // 2, self.in_features)
         return quant_ops.dense_bf16_unpack(self.packed, self.out_features, self.in_features)
 
 
@@ -136,11 +171,12 @@ def dense_bf16_amx_available() -> bool:
     return os.environ.get(DENSE_BF16_AMX_ENV, "1") != "0" and quant_ops.dense_bf16_available()
 
 
-def dense_matmul(weight: Tensor) -> _TorchMatmul | _HeldMatmul:
+def dense_matmul(weight: Tensor, glu: bool = False) -> _TorchMatmul | _HeldMatmul:
     """The kernel for a dense ``[out, in]`` weight: the AMX-BF16 tiles for bfloat16 where the CPU
-    has them, packed oneDNN on CPUs where it runs, ``F.linear`` otherwise."""
+    has them, packed oneDNN on CPUs where it runs, ``F.linear`` otherwise. ``glu``: the weight is
+    a SwiGLU's ``[gate | up]`` without bias, whose activation the AMX kernel may fuse."""
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and dense_bf16_amx_available():
-        return AmxBf16Matmul(weight)
+        return AmxBf16Matmul(weight, glu=glu)
     if weight.device.type == "cpu" and onednn_linear_available(weight.dtype):
         return _PackedMatmul(weight)
     return _TorchMatmul()
@@ -161,7 +197,7 @@ def bind_dense(module: nn.Module, weight: Tensor, *, release: bool) -> None:
     """
     if release and weight_released(module):
         return
-    module.matmul = dense_matmul(weight)
+    module.matmul = dense_matmul(weight, glu=getattr(module, "glu", False) and getattr(module, "bias", None) is None)
     if release and isinstance(module.matmul, _HeldMatmul):
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
@@ -256,14 +292,16 @@ class MergedColumnParallelLinear(LinearBase):
     """Several checkpoint matrices stacked by rows (gate|up, q|k|v), each split by rows across ranks.
 
     ``parts`` gives, per checkpoint matrix, the rows this rank holds:
-    ``(first row, number of rows)``; they are stacked in order.
+    ``(first row, number of rows)``; they are stacked in order. ``glu``: the two parts are a
+    SwiGLU's gate and up, so a dense kernel may fuse the activation (:meth:`silu_mul`).
     """
 
     def __init__(
         self, input_size: int, parts: list[tuple[int, int]], bias: bool, tp: TensorParallelGroup,
-        method: LinearMethod | None = None,
+        method: LinearMethod | None = None, glu: bool = False,
     ) -> None:
         super().__init__(input_size, sum(n for _, n in parts), bias, tp, method)
+        self.glu = glu and len(parts) == 2 and parts[0][1] == parts[1][1]
         self.parts = parts
         self.offsets = [sum(n for _, n in parts[:i]) for i in range(len(parts))]
         self.num_parts = len(parts)

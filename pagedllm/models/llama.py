@@ -155,13 +155,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         start, end = mlp_shard(config, tp)
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [(start, end - start), (start, end - start)], False, tp
+            config.hidden_size, [(start, end - start), (start, end - start)], False, tp, glu=True
         )
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp, input_range=(start, end))
 
     def forward(self, x: Tensor) -> Tensor:  # x: [T, hidden]
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act.after(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1395,17 +1395,48 @@ TARGET_AMX_BF16 static void amx_bf16_configure(void) {
     _tile_loadconfig(&c);
 }
 
+/* exp(x) in float32 by the very operations of cpu_ops.c's vexp_any (clamped to [-87, 88.7], 2^k
+ * times a degree-6 polynomial for 2^f), so that a fused SiLU gives silu_mul_bf16's bits. */
+TARGET_AMX_BF16 static inline __m512 exp_like_cpu_ops(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147180559945f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+TARGET_AMX_BF16 static inline __m512 round_to_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
+/* silu(gate) * up for 16 outputs, each operand first rounded to bfloat16 as the plain product
+ * stores it, then silu_mul_bf16's operations (silu rounded to bfloat16, the product rounded once
+ * more): the bits of the matmul followed by cpu_ops' silu_mul. */
+TARGET_AMX_BF16 static inline __m256i silu_mul_outputs(__m512 gate, __m512 up) {
+    const __m512 g = round_to_bf16(gate), u = round_to_bf16(up);
+    const __m512 e = exp_like_cpu_ops(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 act = round_to_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, u));
+}
+
 /* Row tiles a0 and a1 (NULL: none; rows lda inputs apart) times the panels of two consecutive
  * groups, p0 and the one after it in memory (two = 0: the first only): 2 x 2 tiles of sums, so
  * each tile loaded serves two products, over blocks [b0, b1) (partial: the sums of the blocks
  * before b0, and where b1 < blocks those through b1, kept for the next call). Once b1 reaches
  * blocks, each output (the float32 sum over all the blocks in order, plus bias: float32, or
  * NULL) is rounded to bfloat16 into row r0 + ... of y (the rows past `rows` are not written);
- * each row's 32 outputs n0 .. (under `mask`) go out as one 64-byte store. */
+ * each row's 32 outputs n0 .. (under `mask`) go out as one 64-byte store. With `glu` the two
+ * groups are a gate's and an up's 16 outputs, and silu(gate) * up goes out instead: 16 outputs
+ * n0 .. (under the mask's low half) of y, N wide. */
 TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
     const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t lda,
     const __m512 *bias, uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask32 mask, float *sums,
-    int64_t b0, int64_t b1, float *partial, float *yf) {
+    int64_t b0, int64_t b1, float *partial, float *yf, int glu) {
     const uint16_t *p1 = p0 + 512 * blocks;
     if (b0 == 0) {
         _tile_zero(0);
@@ -1452,6 +1483,10 @@ TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
         for (int64_t row = 0; row < num; row++) {
             __m512 lo = _mm512_load_ps(sums + 16 * row), hi = two ? _mm512_load_ps(sums + 256 + 16 * row) : lo;
             if (bias) lo = _mm512_add_ps(lo, bias[0]), hi = _mm512_add_ps(hi, bias[1]);
+            if (glu) {
+                _mm256_mask_storeu_epi16((void *)(y + (first + row) * N + n0), (__mmask16)mask, silu_mul_outputs(lo, hi));
+                continue;
+            }
             if (yf) { /* the same bfloat16 values, widened: as a float32 copy of y would hold them */
                 float *dst = yf + (first + row) * N + n0;
                 _mm512_mask_storeu_ps(dst, (__mmask16)mask, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(lo)));
@@ -1513,7 +1548,7 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
             if (count > 16) bf16_panel(q, d, m, n0 + 16, count - 16, Kp, bits, r, zero, panel + blocks * 512);
             for (int64_t t0 = 0; t0 < tiles; t0 += 2)
                 amx_bf16_2x2(panel, count > 16, bf16_rows_tile(&in, t0), t0 + 1 < tiles ? bf16_rows_tile(&in, t0 + 1) : 0,
-                             blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0, 0);
+                             blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0, 0, 0);
         }
         if (panel) _tile_release();
         free(panel);
@@ -1549,12 +1584,13 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
 #endif
 
 /* Row tiles [t_start, t_end) of y times group pair gp of the dense weight w, K-blocked (see
- * DENSE_BF16_K_BLOCKS; partial: a thread's buffer of 4 sum tiles per row-tile pair). */
+ * DENSE_BF16_K_BLOCKS; partial: a thread's buffer of 4 sum tiles per row-tile pair). With glu
+ * the pair is a gate group and an up group, for outputs 16 gp .. of y. */
 TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uint16_t *w, int64_t blocks, int64_t Kp,
                                                    const uint16_t *bias, uint16_t *y, int64_t N, int64_t rows,
                                                    int64_t num_groups, int64_t gp, int64_t t_start, int64_t t_end,
-                                                   int64_t k_step, float *partial, float *sums, float *yf) {
-    const int64_t n0 = gp * 32, count = N - n0 < 32 ? N - n0 : 32;
+                                                   int64_t k_step, float *partial, float *sums, float *yf, int glu) {
+    const int64_t width = glu ? 16 : 32, n0 = gp * width, count = N - n0 < width ? N - n0 : width;
     const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
     const int two = 2 * gp + 1 < num_groups;
     __m512 bias_v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -1571,18 +1607,21 @@ TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uin
             amx_bf16_2x2(w + 2 * gp * blocks * 512, two, bf16_rows_tile(in, t0),
                          t0 + 1 < t_end ? bf16_rows_tile(in, t0 + 1) : 0, blocks, Kp, bias ? bias_v : 0, y,
                          N, 16 * t0, rows, n0, mask, sums, k0, k0 + k_step < blocks ? k0 + k_step : blocks,
-                         partial + (t0 - t_start) / 2 * 1024, yf);
+                         partial + (t0 - t_start) / 2 * 1024, yf, glu);
 }
 
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias [N] bfloat16, or NULL), w a dense
  * bfloat16 weight stored as TDPBF16PS's B operand (dense_bf16_pack's layout: per group of 16
  * outputs, per block of 32 inputs, a [16 pairs][16 outputs][2] tile; outputs past N and
  * inputs past K are zero). Each output is the float32 sum over the blocks in order, rounded
- * once, so a row's result does not depend on the other rows. Returns 0 when out of memory. */
+ * once, so a row's result does not depend on the other rows. Returns 0 when out of memory.
+ * glu: w holds a gate's and an up's N outputs each, their groups of 16 in turn (gate group g
+ * is group 2 g, up group g is group 2 g + 1), and y [rows, N] gets silu(gate) * up (bias NULL). */
 TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w,
-                                               int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y, float *yf) {
+                                               int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y, float *yf,
+                                               int glu) {
     if (rows <= 0 || N <= 0) return 1;
-    const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16, num_groups = (N + 15) / 16;
+    const int64_t blocks = Kp / 32, tiles = (rows + 15) / 16, num_groups = (glu ? 2 : 1) * ((N + 15) / 16);
     const int64_t pairs = (num_groups + 1) / 2;
     /* as many row blocks as the size allows, all of about the same size (an even number of tiles) */
     int64_t most = DENSE_BF16_ROW_BLOCK_BYTES / (16 * Kp * 2);
@@ -1611,12 +1650,12 @@ TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, 
                 if (!wide) {
                     for (int64_t gp = c0; gp < c1; gp++)
                         dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, start, end, k_step,
-                                        partial, sums, yf);
+                                        partial, sums, yf, glu);
                 } else { /* each row pair through the chunk's outputs: 32 rows write at a time, not 256 */
                     for (int64_t t0 = start; t0 < end; t0 += 2)
                         for (int64_t gp = c0; gp < c1; gp++)
                             dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, t0,
-                                            t0 + 2 < end ? t0 + 2 : end, k_step, partial, sums, yf);
+                                            t0 + 2 < end ? t0 + 2 : end, k_step, partial, sums, yf, glu);
                 }
             }
         }
@@ -1789,7 +1828,7 @@ int quant_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t 
 int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                       const uint16_t *bias, uint16_t *y) {
 #ifdef QUANT_X86
-    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y, 0);
+    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y, 0, 0);
 #endif
     (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
     return 0;
@@ -1801,9 +1840,22 @@ int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t
 int dense_linear_bf16_f32(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                           const uint16_t *bias, float *y) {
 #ifdef QUANT_X86
-    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, 0, y);
+    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, 0, y, 0);
 #endif
     (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
+    return 0;
+}
+
+/* y [rows, N] bfloat16 = silu(x . gate^T) * (x . up^T) for a SwiGLU's gate and up weights ([N, K]
+ * each) packed by dense_bf16_pack_glu (their groups of 16 outputs in turn): the bits of
+ * dense_linear_bf16 on [gate | up] followed by cpu_ops' silu_mul_bf16, in one pass, without the
+ * [rows, 2 N] product going to memory and back. Returns 0 where dense_linear_bf16 would. */
+int dense_linear_bf16_silu_mul(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
+                               uint16_t *y) {
+#ifdef QUANT_X86
+    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, 0, y, 0, 1);
+#endif
+    (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)y;
     return 0;
 }
 
@@ -1839,6 +1891,7 @@ typedef struct {
     const void *bias; /* [N] or NULL: float32, or bfloat16 beside w16 */
     int64_t N, K, Kp, bits, r, zero, tiled_min_rows, levels;
     const uint16_t *w16; /* a dense bfloat16 weight in dense_bf16_pack's layout (the codes above unused), or NULL */
+    int64_t glu;         /* w16 is a SwiGLU's [gate | up] in dense_bf16_pack_glu's layout (gate_up only) */
 } StackLinear;
 
 typedef struct {
@@ -1918,9 +1971,13 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
         ok = stack_linear(s, &L->o, attn_out, rows, attn);
         if (!ok) break;
         rms_norm(residual, attn, L->post_norm, s->eps, rows, hidden, x);
-        ok = stack_linear(s, &L->gate_up, x, rows, gate_up);
+        if (L->gate_up.glu) { /* the product and silu_mul in one pass: the same bits */
+            ok = dense_linear_bf16_silu_mul(x, rows, L->gate_up.K, L->gate_up.w16, inter, L->gate_up.Kp, (uint16_t *)act);
+        } else {
+            ok = stack_linear(s, &L->gate_up, x, rows, gate_up);
+            if (ok) ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
+        }
         if (!ok) break;
-        ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
         ok = stack_linear(s, &L->down, act, rows, delta);
     }
     if (!given_scratch) free(scratch);

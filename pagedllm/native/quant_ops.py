@@ -137,6 +137,8 @@ def build_library() -> ctypes.CDLL:
     library.quant_amx_bf16.argtypes = []
     library.dense_linear_bf16.argtypes = library.dense_linear_bf16_f32.argtypes = [p, i64, i64, p, i64, i64, p, p]
     library.dense_linear_bf16.restype = library.dense_linear_bf16_f32.restype = c_int
+    library.dense_linear_bf16_silu_mul.argtypes = [p, i64, i64, p, i64, i64, p]
+    library.dense_linear_bf16_silu_mul.restype = c_int
     for fn in (library.quantize_activations, library.quant_gemm, library.quant_dequantize_rows):
         fn.restype = None
     return library
@@ -299,6 +301,45 @@ def dense_bf16_unpack(packed: torch.Tensor, out_features: int, in_features: int)
     groups, blocks = packed.shape[:2]
     w = packed.permute(0, 3, 1, 2, 4).reshape(groups * DENSE_BF16_GROUP, blocks * DENSE_BF16_BLOCK)
     return w[:out_features, :in_features].contiguous()
+
+
+def dense_bf16_pack_glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU's ``[2 n, K]`` bfloat16 ``[gate | up]`` weight in :func:`dense_bf16_silu_mul`'s layout:
+    :func:`dense_bf16_pack` of the two halves' groups of 16 rows in turn (gate group g, then up
+    group g; each half padded to whole groups), so that one pass over a pair of groups has a
+    gate's outputs and the matching up's side by side. Returns
+    ``[2 ceil(n / 16), ceil(K / 32), 16, 16, 2]`` bfloat16."""
+    assert gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[0] % 2 == 0
+    n, k = gate_up.shape[0] // 2, gate_up.shape[1]
+    groups = -(-n // DENSE_BF16_GROUP)
+    halves = [torch.nn.functional.pad(h.detach(), (0, 0, 0, groups * DENSE_BF16_GROUP - n))
+              for h in gate_up.split(n)]
+    paired = torch.stack([h.view(groups, DENSE_BF16_GROUP, k) for h in halves], dim=1)
+    return dense_bf16_pack(paired.reshape(2 * groups * DENSE_BF16_GROUP, k))
+
+
+def dense_bf16_unpack_glu(packed: torch.Tensor, half: int, in_features: int) -> torch.Tensor:
+    """The ``[2 half, in_features]`` ``[gate | up]`` weight back from :func:`dense_bf16_pack_glu` (a new tensor)."""
+    groups = packed.shape[0] // 2
+    paired = dense_bf16_unpack(packed, 2 * groups * DENSE_BF16_GROUP, in_features)
+    paired = paired.view(groups, 2, DENSE_BF16_GROUP, in_features)
+    return torch.cat([paired[:, i].reshape(-1, in_features)[:half] for i in (0, 1)])
+
+
+def dense_bf16_silu_mul(
+    x: torch.Tensor,  # [T, K] bfloat16, contiguous
+    packed: torch.Tensor, half: int,
+) -> torch.Tensor | None:  # [T, half] bfloat16
+    """``silu(x @ gate^T) * (x @ up^T)`` for ``packed = dense_bf16_pack_glu([gate | up])``: the bits of
+    :func:`dense_bf16_linear` on the plain weight followed by ``cpu_ops.silu_mul``, in one pass
+    (the ``[T, 2 half]`` product never goes to memory). None where :func:`dense_bf16_linear` would be."""
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+    rows, in_features = x.shape
+    y = torch.empty((rows, half), dtype=torch.bfloat16)
+    done = _library.dense_linear_bf16_silu_mul(
+        x.data_ptr(), rows, in_features, packed.data_ptr(), half, packed.shape[1] * DENSE_BF16_BLOCK, y.data_ptr()
+    )
+    return y if done else None
 
 
 def dense_bf16_linear(

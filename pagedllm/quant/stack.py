@@ -44,7 +44,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 class _Linear(ctypes.Structure):
     _fields_ = [("q", _p), ("d", _p), ("m", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("Kp", _i64),
                 ("bits", _i64), ("r", _i64), ("zero", _i64), ("tiled_min_rows", _i64), ("levels", _i64),
-                ("w16", _p)]
+                ("w16", _p), ("glu", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -76,7 +76,7 @@ def _linear(layer: nn.Module, weight: QuantizedWeight, isa: int) -> _Linear:
         None if bias is None else bias.data_ptr(), weight.out_features, weight.in_features, weight.padded_in,
         weight.bits, weight.group_size // 32, weight.zero,
         quant_ops.tiled_min_rows(weight.bits, isa, weight.activation_levels) or 2**62, weight.activation_levels,
-        None,
+        None, 0,
     )
 
 
@@ -89,7 +89,7 @@ def _dense_linear(layer: nn.Module, matmul: AmxBf16Matmul) -> _Linear:
     bias = layer.bias
     return _Linear(None, None, None, None if bias is None else bias.data_ptr(), matmul.out_features,
                    matmul.in_features, matmul.packed.shape[1] * quant_ops.DENSE_BF16_BLOCK, 0, 0, 0, 0, 0,
-                   matmul.packed.data_ptr())
+                   matmul.packed.data_ptr(), int(matmul.glu))
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
