@@ -1972,7 +1972,8 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
         if (!ok) break;
         rms_norm(residual, attn, L->post_norm, s->eps, rows, hidden, x);
         if (L->gate_up.glu) { /* the product and silu_mul in one pass: the same bits */
-            ok = dense_linear_bf16_silu_mul(x, rows, L->gate_up.K, L->gate_up.w16, inter, L->gate_up.Kp, (uint16_t *)act);
+            ok = dense_linear_bf16_silu_mul((const uint16_t *)x, rows, L->gate_up.K, L->gate_up.w16, inter, L->gate_up.Kp,
+                                            (uint16_t *)act);
         } else {
             ok = stack_linear(s, &L->gate_up, x, rows, gate_up);
             if (ok) ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
