@@ -32,7 +32,7 @@ from pagedllm.distributed import (
 )
 from pagedllm.errors import ModelLoadError
 from pagedllm.layers.dispatch import onednn_linear_available, private_mkldnn_op
-from pagedllm.native import quant_ops
+from pagedllm.native import cpu_ops, quant_ops
 
 
 class LinearMethod(ABC):
@@ -89,6 +89,14 @@ class _PackedMatmul(_HeldMatmul):
         return self.packed.to_dense()
 
 
+def _bf16_rows(x: Tensor) -> Tensor:
+    """``x`` as contiguous ``[rows, in]`` bfloat16, the AMX kernels' input."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+        x2 = x2.to(torch.bfloat16).contiguous()
+    return x2
+
+
 class AmxBf16Matmul(_HeldMatmul):
     """bfloat16 on the AMX-BF16 tiles (pagedllm/native/quant_ops.c, ``gemm_amx_bf16_dense``), the
     weight stored once as the tiles' B operand.
@@ -108,34 +116,24 @@ class AmxBf16Matmul(_HeldMatmul):
         if not quant_ops.dense_bf16_available():
             raise RuntimeError("the AMX-BF16 kernels do not run on this CPU (or PAGEDLLM_NATIVE_OPS=0)")
         self.out_features, self.in_features = weight.shape
-        self.glu = glu and self.out_features % 2 == 0
-        pack = quant_ops.dense_bf16_pack_glu if self.glu else quant_ops.dense_bf16_pack
+        self.glu = glu
+        pack = quant_ops.dense_bf16_pack_glu if glu else quant_ops.dense_bf16_pack
         self.packed = pack(weight.detach())
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if self.glu:
+        if self.glu:  # the packed order, its halves' groups in turn, put back as [gate | up]
             assert bias is None, "a fused gate/up weight has no bias"
-            return self._glu_columns(x)
+            width = self.packed.shape[0] * quant_ops.DENSE_BF16_GROUP
+            return quant_ops.glu_unpair(self._product(x, None, torch.bfloat16, width), self.out_features // 2)
         return self._product(x, bias, torch.bfloat16)
-
-    def _glu_columns(self, x: Tensor) -> Tensor:
-        """The plain ``[gate | up]`` product of a ``glu`` weight, whose halves' groups come out in turn."""
-        half, groups = self.out_features // 2, self.packed.shape[0] // 2
-        y = self._product(x, None, torch.bfloat16, 2 * groups * quant_ops.DENSE_BF16_GROUP)
-        y = y.unflatten(-1, (groups, 2, quant_ops.DENSE_BF16_GROUP))
-        return torch.cat([y[..., i, :].flatten(-2)[..., :half] for i in (0, 1)], dim=-1)
 
     def silu_mul(self, x: Tensor) -> Tensor:
         """``silu(gate(x)) * up(x)`` (``glu`` weights only): ``[..., out_features / 2]`` bfloat16."""
         assert self.glu
         half = self.out_features // 2
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
-            x2 = x2.to(torch.bfloat16).contiguous()
+        x2 = _bf16_rows(x)
         y = quant_ops.dense_bf16_silu_mul(x2, self.packed, half)
         if y is None:  # out of memory for the kernel's scratch: the same bits in two passes
-            from pagedllm.native import cpu_ops
-
             y = cpu_ops.silu_mul(self(x2, None, None))
         return y.view(*x.shape[:-1], half)
 
@@ -147,9 +145,7 @@ class AmxBf16Matmul(_HeldMatmul):
     def _product(self, x: Tensor, bias: Tensor | None, out_dtype: torch.dtype, width: int | None = None) -> Tensor:
         """The product with the packed weight's first ``width`` outputs (default: out_features), in its order."""
         width = width or self.out_features
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
-            x2 = x2.to(torch.bfloat16).contiguous()
+        x2 = _bf16_rows(x)
         y = quant_ops.dense_bf16_linear(x2, self.packed, width, bias, out_dtype=out_dtype)
         if y is None:  # out of memory for the kernel's scratch: the same product through torch
             plain = quant_ops.dense_bf16_unpack(self.packed, width, self.in_features)
@@ -197,7 +193,7 @@ def bind_dense(module: nn.Module, weight: Tensor, *, release: bool) -> None:
     """
     if release and weight_released(module):
         return
-    module.matmul = dense_matmul(weight, glu=getattr(module, "glu", False) and getattr(module, "bias", None) is None)
+    module.matmul = dense_matmul(weight, glu=getattr(module, "glu", False))
     if release and isinstance(module.matmul, _HeldMatmul):
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
@@ -293,7 +289,8 @@ class MergedColumnParallelLinear(LinearBase):
 
     ``parts`` gives, per checkpoint matrix, the rows this rank holds:
     ``(first row, number of rows)``; they are stacked in order. ``glu``: the two parts are a
-    SwiGLU's gate and up, so a dense kernel may fuse the activation (:meth:`silu_mul`).
+    SwiGLU's gate and up (equal, without bias), so a dense kernel may fuse the activation
+    (``AmxBf16Matmul.silu_mul``).
     """
 
     def __init__(
@@ -301,7 +298,7 @@ class MergedColumnParallelLinear(LinearBase):
         method: LinearMethod | None = None, glu: bool = False,
     ) -> None:
         super().__init__(input_size, sum(n for _, n in parts), bias, tp, method)
-        self.glu = glu and len(parts) == 2 and parts[0][1] == parts[1][1]
+        self.glu = glu and not bias and len(parts) == 2 and parts[0][1] == parts[1][1]
         self.parts = parts
         self.offsets = [sum(n for _, n in parts[:i]) for i in range(len(parts))]
         self.num_parts = len(parts)

@@ -318,12 +318,19 @@ def dense_bf16_pack_glu(gate_up: torch.Tensor) -> torch.Tensor:
     return dense_bf16_pack(paired.reshape(2 * groups * DENSE_BF16_GROUP, k))
 
 
+def glu_unpair(t: torch.Tensor, half: int, dim: int = -1) -> torch.Tensor:
+    """``[gate | up]`` (``half`` each) along ``dim`` of ``t``, whose entries along it are in
+    :func:`dense_bf16_pack_glu`'s order (gate and up groups of 16 in turn, each half padded to
+    whole groups): the weight's rows, or the outputs of its plain product. A new tensor."""
+    t = t.movedim(dim, -1)
+    paired = t.unflatten(-1, (-1, 2, DENSE_BF16_GROUP))
+    halves = [paired[..., i, :].flatten(-2)[..., :half] for i in (0, 1)]
+    return torch.cat(halves, dim=-1).movedim(-1, dim).contiguous()
+
+
 def dense_bf16_unpack_glu(packed: torch.Tensor, half: int, in_features: int) -> torch.Tensor:
     """The ``[2 half, in_features]`` ``[gate | up]`` weight back from :func:`dense_bf16_pack_glu` (a new tensor)."""
-    groups = packed.shape[0] // 2
-    paired = dense_bf16_unpack(packed, 2 * groups * DENSE_BF16_GROUP, in_features)
-    paired = paired.view(groups, 2, DENSE_BF16_GROUP, in_features)
-    return torch.cat([paired[:, i].reshape(-1, in_features)[:half] for i in (0, 1)])
+    return glu_unpair(dense_bf16_unpack(packed, packed.shape[0] * DENSE_BF16_GROUP, in_features), half, dim=0)
 
 
 def dense_bf16_silu_mul(
