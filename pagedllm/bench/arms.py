@@ -19,7 +19,6 @@ do not count).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import sys
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.bench import report
+from pagedllm.bench.stopping import run_async
 from pagedllm.errors import ConfigError
 
 KV_DIR = "{kv_dir}"
@@ -213,7 +213,7 @@ class ArmServer:
             self.startup_s = self._process.wait_ready(
                 self.base_url, self.settings.served_model_name, self.args.startup_timeout
             )
-            self.pool = asyncio.run(self._read_pool())
+            self.pool = run_async(self._read_pool())
         except BaseException:
             self._process.stop()
             raise
@@ -277,8 +277,8 @@ def run_serve_arms(args: argparse.Namespace, workload) -> int:
             kv_dir = fresh_dir(root, arm.name) if arm.uses_kv_dir else None
             with ArmServer(arm, settings, kv_dir, args) as server:
                 if args.warmup:
-                    asyncio.run(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
-                result = asyncio.run(run_load(
+                    run_async(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
+                result = run_async(run_load(
                     server.base_url, settings.served_model_name, workload, args.request_rate, args.max_concurrency,
                     seed=args.seed, timeout_s=args.timeout, metrics_interval_s=args.metrics_interval,
                 ))

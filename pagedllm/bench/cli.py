@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from pagedllm.bench import stopping
+
 BENCHMARKS = {
     "throughput": ("pagedllm.bench.throughput", "Offline throughput on a workload, optionally beside HF / vLLM"),
     "latency": ("pagedllm.bench.latency", "One request at a time: TTFT, TPOT, decode tok/s"),
@@ -36,18 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "bench") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _stop_cleanly_on_sigterm()
+    # SIGTERM (``kill``, ``timeout``) unwinds the bench like Ctrl-C, stopping the servers it started.
+    stopping.install()
     return int(importlib.import_module(args._bench_module).run(args) or 0)
-
-
-def _stop_cleanly_on_sigterm() -> None:
-    """SIGTERM (``kill``, ``timeout``) unwinds the bench like Ctrl-C, so the servers and
-    peer processes it started are stopped by their ``with`` blocks instead of outliving it."""
-    import signal
-    import threading
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt)

@@ -52,6 +52,7 @@ from pagedllm.bench.arms import (
     read_counters,
 )
 from pagedllm.bench.sessions import _WORDS, TurnRecord, stream_chat_turn
+from pagedllm.bench.stopping import run_async
 from pagedllm.errors import ConfigError
 
 DEFAULT_TARGET_ARMS = ("off", "on", "unlimited")
@@ -347,9 +348,9 @@ def run_arm(args: argparse.Namespace, arm: ServerArm, settings, plan: Plan,
     with ArmServer(arm, settings, kv_dir, args) as server:
         num_conversations = plan.fix_conversations(server.pool)
         if args.warmup:
-            asyncio.run(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
+            run_async(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
         histories: list[list[dict]] = [[] for _ in range(num_conversations)]
-        phase = asyncio.run(run_phase(server.base_url, settings.served_model_name, load, histories,
+        phase = run_async(run_phase(server.base_url, settings.served_model_name, load, histories,
                                       range(load.num_turns), args.metrics_interval))
         result = {**server.describe(), **phase}
         result["kv_vs_pool"] = ratio(phase["conversation_tokens"], server.pool.num_tokens if server.pool else None)
@@ -367,9 +368,9 @@ def run_restart(args: argparse.Namespace, arm: ServerArm, settings, load: Conver
     for label, directory in (("restarted", kv_dir), ("cold", fresh_dir(root, f"{arm.name}.cold") if kv_dir else None)):
         with ArmServer(arm, settings, directory, args, label=f"{arm.name}-{label}") as server:
             if args.warmup:
-                asyncio.run(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
+                run_async(warm_up(server.base_url, settings.served_model_name, settings.max_model_len))
             conversations = [list(h) for h in histories]  # both servers get the very same requests
-            phases[label] = {**server.describe(), **asyncio.run(run_phase(
+            phases[label] = {**server.describe(), **run_async(run_phase(
                 server.base_url, settings.served_model_name, load, conversations, returning, args.metrics_interval))}
         print(f"restart: {format_arm_line(phases[label])}", file=sys.stderr, flush=True)
     return {"arm": arm.name, "kv_dir_reused": kv_dir is not None, **phases}

@@ -40,7 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagedllm.bench import report
+from pagedllm.bench import report, stopping
+from pagedllm.bench.stopping import run_async
 from pagedllm.bench.throughput import PEER_PYTHON_ENV
 from pagedllm.bench.workloads import (
     WARMUP_OUTPUT_LEN,
@@ -496,6 +497,7 @@ class ServerProcess:
             self.launch.command, env=self.launch.env, cwd=self.launch.cwd,
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
+        stopping.register_server_group(self.process.pid)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -533,7 +535,7 @@ class ServerProcess:
             return
         pgid = self.pgid
         _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
+        deadline = time.monotonic() + stopping.stop_grace(self.stop_grace_s)
         # The leader's children (vLLM's engine processes) may outlive it in the group.
         while self._group_running(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -543,6 +545,7 @@ class ServerProcess:
             deadline = time.monotonic() + 10.0  # SIGKILL takes effect asynchronously
             while live_group_members(pgid) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        stopping.unregister_server_group(pgid)
         self._log.close()
 
     def _group_running(self, pgid: int) -> bool:
@@ -604,8 +607,8 @@ def bench_server(
         print(f"{system} answered after {startup_s:.1f} s", file=sys.stderr, flush=True)
         version = server_version(base_url)
         if args.warmup:
-            asyncio.run(warm_up(base_url, settings.served_model_name, settings.max_model_len))
-        result = asyncio.run(
+            run_async(warm_up(base_url, settings.served_model_name, settings.max_model_len))
+        result = run_async(
             run_load(
                 base_url, settings.served_model_name, workload, args.request_rate, args.max_concurrency,
                 seed=args.seed, timeout_s=args.timeout, metrics_interval_s=args.metrics_interval,
@@ -781,7 +784,7 @@ def run(args: argparse.Namespace) -> int:
         return run_soak_from_args(args, workload)
     if args.compare:
         return run_compare(args, workload)
-    result = asyncio.run(
+    result = run_async(
         run_load(
             args.base_url, args.model, workload, args.request_rate, args.max_concurrency,
             args.api_key, args.seed, args.timeout, metrics_interval_s=args.metrics_interval,
@@ -809,7 +812,7 @@ def run_soak_from_args(args: argparse.Namespace, workload: Workload) -> int:
         disconnect_fraction=args.disconnect_fraction, bad_request_rate=args.bad_request_rate,
         metrics_interval_s=args.metrics_interval or METRICS_INTERVAL_S,
     )
-    result = asyncio.run(
+    result = run_async(
         soak.run_soak(args.base_url, args.model, workload, settings, args.api_key, args.seed, args.timeout)
     )
     result["base_url"] = args.base_url

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.bench import report
 from pagedllm.bench.serve import sse_chunks
+from pagedllm.bench.stopping import run_async
 from pagedllm.errors import ConfigError
 
 # Words user turns are drawn from: common English, about one token each for a BPE vocabulary.
@@ -370,7 +371,7 @@ def run_launched(args: argparse.Namespace, load: SessionLoad, kv_policy: str) ->
     with ServerProcess(f"pagedllm serve ({kv_policy})", launch) as server:
         model = _served_name(args)
         started_s = server.wait_ready(base_url, model, timeout_s=600.0)
-        result = asyncio.run(run_sessions(base_url, load, server.pgid, args.num_kv_blocks))
+        result = run_async(run_sessions(base_url, load, server.pgid, args.num_kv_blocks))
         result.update(kv_policy=kv_policy, server_start_s=started_s)
     return result
 
@@ -410,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for policy in [None] if args.base_url else policies:
             if policy is None:
-                result = asyncio.run(run_sessions(args.base_url.rstrip("/"), load, None, args.num_kv_blocks))
+                result = run_async(run_sessions(args.base_url.rstrip("/"), load, None, args.num_kv_blocks))
             else:
                 result = run_launched(args, load, policy)
             results.append(result)

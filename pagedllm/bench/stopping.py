@@ -1,0 +1,118 @@
+"""How a bench stops when it is told to (SIGTERM from ``kill`` or ``timeout``).
+
+The benches start servers in their own sessions (``serve.ServerProcess``), so a signal
+to the bench does not reach them; the bench must stop them itself. On SIGTERM:
+
+- inside :func:`run_async` the running coroutine's task is cancelled, as asyncio's
+  own runner does for Ctrl-C, so that its ``async with`` blocks close their
+  connections, and the bench then unwinds with ``KeyboardInterrupt``;
+- elsewhere ``KeyboardInterrupt`` is raised at once;
+- either way the ``with ServerProcess`` blocks stop their servers on the way out,
+  with a short grace (:func:`stop_grace`);
+- a watchdog bounds the whole thing: whatever still runs ``WATCHDOG_S`` after the
+  signal is killed, every server group still registered as well, and the bench
+  exits with 128 + the signal's number. A second SIGTERM does that at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Seconds from the first SIGTERM until the bench gives up unwinding and exits.
+WATCHDOG_S = 60.0
+# While terminating, seconds a stopping server gets between SIGTERM and SIGKILL.
+TERMINATING_STOP_GRACE_S = 20.0
+
+_lock = threading.Lock()
+_server_groups: set[int] = set()
+_main_task: asyncio.Task | None = None
+_signal_number: int | None = None
+
+
+def terminating() -> bool:
+    """True once the bench has been told to stop."""
+    return _signal_number is not None
+
+
+def stop_grace(normal_s: float) -> float:
+    """The grace a stopping server gets: ``normal_s``, shortened while terminating."""
+    return min(normal_s, TERMINATING_STOP_GRACE_S) if terminating() else normal_s
+
+
+def register_server_group(pgid: int) -> None:
+    with _lock:
+        _server_groups.add(pgid)
+
+
+def unregister_server_group(pgid: int) -> None:
+    with _lock:
+        _server_groups.discard(pgid)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)`` whose task SIGTERM cancels; the bench then unwinds with
+    ``KeyboardInterrupt`` (also when the coroutine swallowed the cancellation)."""
+
+    async def main() -> T:
+        global _main_task
+        _main_task = asyncio.current_task()
+        try:
+            if terminating():  # the signal came between two runs
+                raise asyncio.CancelledError
+            return await coro
+        finally:
+            _main_task = None
+
+    try:
+        result = asyncio.run(main())
+    except asyncio.CancelledError:
+        if terminating():
+            raise KeyboardInterrupt(f"signal {_signal_number}") from None
+        raise
+    finally:
+        coro.close()  # never awaited when the signal came first; a no-op otherwise
+    if terminating():
+        raise KeyboardInterrupt(f"signal {_signal_number}")
+    return result
+
+
+def install() -> None:
+    """Route SIGTERM as described above (main thread only; elsewhere signals cannot be set)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    global _signal_number
+    if _signal_number is not None:  # told twice: stop now
+        _give_up()
+    _signal_number = signum
+    watchdog = threading.Timer(WATCHDOG_S, _give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    task = _main_task
+    if task is not None and not task.done():
+        # The handler runs between two bytecodes of the loop's own thread; cancel() only
+        # schedules, and the no-op callback wakes a loop that is waiting in select().
+        task.cancel()
+        task.get_loop().call_soon_threadsafe(lambda: None)
+        return
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _give_up() -> None:
+    with _lock:
+        groups = list(_server_groups)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    os._exit(128 + (_signal_number or signal.SIGTERM))

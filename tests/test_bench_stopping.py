@@ -1,0 +1,186 @@
+"""SIGTERM to a bench: its coroutine is cancelled and unwinds, and a watchdog bounds it all.
+
+Each case runs a small program in its own process (signal handlers are per process) and
+sends it a real SIGTERM once the program says it is ready.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+PRELUDE = textwrap.dedent(
+    """
+    import asyncio, subprocess, sys, time
+    from pagedllm.bench import stopping
+
+    def ready():
+        print("ready", flush=True)
+
+    stopping.install()
+    """
+)
+
+
+def _run(body: str, signals: int = 1, timeout_s: float = 60.0) -> tuple[int, str, float]:
+    """Run PRELUDE + body; SIGTERM it ``signals`` times after it prints "ready".
+    Returns (exit code, its output, seconds from the first signal to its exit)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.strip() == "ready":
+            break
+    else:
+        proc.wait()
+        raise AssertionError("the program ended before it was ready:\n" + "".join(lines))
+    start = time.monotonic()
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        proc.kill()
+    return proc.returncode, "".join(lines) + out, time.monotonic() - start
+
+
+def test_sigterm_cancels_the_running_coroutine_and_unwinds_it():
+    code, out, took = _run(
+        """
+        async def load():
+            try:
+                ready()
+                await asyncio.sleep(600)
+            except asyncio.CancelledError:
+                print("cancelled", flush=True)
+                raise
+            finally:
+                print("finally", flush=True)
+
+        try:
+            stopping.run_async(load())
+        except KeyboardInterrupt as exc:
+            print("interrupted:", exc, flush=True)
+            sys.exit(130)
+        print("returned normally", flush=True)
+        """
+    )
+    assert code == 130, out
+    assert "cancelled" in out and "finally" in out and "interrupted: signal 15" in out
+    assert "returned normally" not in out
+    assert took < 10
+
+
+def test_a_coroutine_that_swallows_the_cancellation_still_ends_the_bench():
+    code, out, _ = _run(
+        """
+        async def load():
+            ready()
+            try:
+                await asyncio.sleep(600)
+            except asyncio.CancelledError:
+                return "swallowed"
+
+        try:
+            print(stopping.run_async(load()), flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(130)
+        """
+    )
+    assert code == 130, out
+    assert "swallowed" not in out and "interrupted" in out
+
+
+def test_sigterm_outside_a_coroutine_interrupts_at_once():
+    code, out, took = _run(
+        """
+        try:
+            ready()
+            time.sleep(600)
+        except KeyboardInterrupt as exc:
+            print("interrupted:", exc, flush=True)
+            sys.exit(130)
+        """
+    )
+    assert code == 130 and "interrupted: signal 15" in out, out
+    assert took < 10
+
+
+def test_a_coroutine_started_after_the_signal_does_not_run():
+    code, out, _ = _run(
+        """
+        async def load():
+            print("ran", flush=True)
+
+        try:
+            ready()
+            time.sleep(600)
+        except KeyboardInterrupt:
+            pass  # a careless caller that goes on to the next phase
+        try:
+            stopping.run_async(load())
+        except KeyboardInterrupt:
+            sys.exit(130)
+        """
+    )
+    assert code == 130 and "ran" not in out, out
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie leader still answers; look at its state
+    try:
+        state = open(f"/proc/{pgid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _stuck_program(watchdog_s: float) -> str:
+    """A bench that ignores every interrupt, with a registered server group (a sleep)."""
+    return f"""
+        stopping.WATCHDOG_S = {watchdog_s}
+        server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        stopping.register_server_group(server.pid)
+        print("server", server.pid, flush=True)
+        ready()
+        while True:
+            try:
+                time.sleep(600)
+            except KeyboardInterrupt:
+                pass  # stuck: nothing unwinds
+        """
+
+
+def test_the_watchdog_kills_the_servers_and_exits_when_unwinding_hangs():
+    code, out, took = _run(_stuck_program(watchdog_s=2.0))
+    pid = int(next(line.split()[1] for line in out.splitlines() if line.startswith("server ")))
+    assert code == 128 + signal.SIGTERM, out
+    assert 1.5 < took < 20
+    deadline = time.monotonic() + 10
+    while _group_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(pid), "the registered server group outlived the bench"
+
+
+def test_a_second_sigterm_exits_at_once():
+    code, out, took = _run(_stuck_program(watchdog_s=600.0), signals=2)
+    pid = int(next(line.split()[1] for line in out.splitlines() if line.startswith("server ")))
+    assert code == 128 + signal.SIGTERM, out
+    assert took < 10
+    deadline = time.monotonic() + 10
+    while _group_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(pid)
