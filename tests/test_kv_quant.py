@@ -34,16 +34,29 @@ FORMAT_TOLERANCE = {torch.int8: 0.03, torch.float8_e4m3fn: 0.15, torch.float8_e5
 needs_native = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the native CPU kernels")
 
 
-@pytest.fixture(scope="module", params=cpu_ops.cpu_isa_paths())
+ISA_PATHS = cpu_ops.cpu_isa_paths() if cpu_ops.available() else []
+# Where the CPU has AMX-BF16, bfloat16 queries over int8 codes take the tiles on the
+# avx512_bf16 path; that path's vector kernels then run as a path of their own.
+AMX = "avx512_bf16" in ISA_PATHS and {"amx_tile", "amx_bf16"} <= cpu_ops.cpu_flags()
+VECTOR_ON_AMX = "avx512_bf16-vector"
+
+
+@pytest.fixture(scope="module", params=[*(ISA_PATHS or ["none"]), *([VECTOR_ON_AMX] if AMX else [])])
 def library(request):
     if not cpu_ops.available():
         pytest.skip("no C compiler for the native CPU kernels")
+    isa = request.param.removesuffix("-vector")
     try:
-        built = cpu_ops.build_library(isa=request.param)
+        built = cpu_ops.build_library(isa=isa)
     except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"compiler cannot build the {request.param} path: {exc}")
-    assert built.isa_name().decode() == request.param
-    return built
+        pytest.skip(f"compiler cannot build the {isa} path: {exc}")
+    assert built.isa_name().decode() == isa
+    if request.param == VECTOR_ON_AMX:
+        with cpu_ops.attention_amx_set(False, built) as on:
+            assert not on
+            yield built
+    else:
+        yield built
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -213,6 +226,36 @@ def test_native_attention_over_codes_matches_the_dense_oracles(
         assert (out.double() - over_floats).abs().max().item() <= FORMAT_TOLERANCE[code_dtype]
 
 
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16 tiles")
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", [(16, 9, 3, 64), (32, 8, 2, 128), (16, 24, 1, 64)])
+def test_int8_codes_on_the_tiles_agree_with_the_vector_kernels_and_the_tiles_really_run(
+    block_size, num_heads, num_kv_heads, head_dim
+):
+    """bfloat16 queries over int8 codes on the AMX tiles (codes widened to bfloat16 exactly,
+    each key's scale on its score, each value's on its softmax weight) against the same path's
+    vector kernels and the dense oracle over the dequantized codes: within bfloat16's
+    rounding, yet not the same bits (the tiles ran). Rows of 17+ query heads per KV head
+    take two passes."""
+    library = cpu_ops.build_library(isa="avx512_bf16")
+    batch, (k, v, ks, vs), dequantized = _quantized_batch(
+        torch.int8, torch.bfloat16, block_size, num_heads, num_kv_heads, head_dim, seed=head_dim + num_heads
+    )
+    md = batch.metadata
+    cpu_ops.write_kv_quantized(batch.new_key, batch.new_value, k, v, md.slot_mapping, ks, vs, library=library)
+    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host,
+                               cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim))
+    outs = {}
+    for on in (True, False):
+        with cpu_ops.attention_amx_set(on, library) as now:
+            assert now == on
+            outs[on] = cpu_ops.paged_attention(batch.query, k, v, md.block_tables, tiles, batch.scale,
+                                               library=library, k_scale=ks, v_scale=vs)
+    over_codes = naive_attention(batch.query.double(), dequantized)
+    for out in outs.values():
+        assert (out.double() - over_codes).abs().max().item() <= _tolerance_vs_dequantized(torch.bfloat16)
+    assert not torch.equal(outs[True], outs[False])
+
+
 @pytest.mark.parametrize("code_dtype", CODE_DTYPES)
 @pytest.mark.parametrize("dtype", QUERY_DTYPES)
 def test_torch_reference_attention_over_codes_matches_the_dense_oracles(dtype, code_dtype):
@@ -342,10 +385,12 @@ def test_native_fp8_rounding_matches_torch_on_every_code_and_midpoint(library, c
     assert torch.equal(_bytes(cache).view(rows, 1, head_dim), _bytes(x.to(code_dtype)))
 
 
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES)
 @pytest.mark.parametrize("code_dtype", CODE_DTYPES)
-def test_native_attention_decodes_every_code(library, code_dtype):
-    """A context of one token returns its value vector exactly: all 256 byte patterns
-    (non-finite ones replaced by 0) as values, read back through every ISA path."""
+def test_native_attention_decodes_every_code(library, code_dtype, query_dtype):
+    """A context of one token returns its value vector exactly (bfloat16 queries: rounded once,
+    to the output's dtype): all 256 byte patterns (non-finite ones replaced by 0) as values,
+    read back through every ISA path (and on the AMX tiles, for int8)."""
     head_dim, num_seqs = 64, 4
     codes = torch.arange(256, dtype=torch.uint8).view(code_dtype)
     if code_dtype != torch.int8:
@@ -355,11 +400,11 @@ def test_native_attention_decodes_every_code(library, code_dtype):
     scale = torch.tensor([0.5, 1.0, 2.0**-14, 3.0], dtype=torch.float16).view(num_seqs, 1, 1)
     tables = torch.arange(num_seqs, dtype=torch.int32).view(num_seqs, 1)
     tiles = cpu_ops.make_tiles([1] * num_seqs, [1] * num_seqs, 1)
-    query = torch.randn(num_seqs, 2, head_dim)
+    query = torch.randn(num_seqs, 2, head_dim).to(query_dtype)
     out = cpu_ops.paged_attention(query, k_cache, v_cache, tables, tiles, 0.125, library=library,
                                   k_scale=scale, v_scale=scale)
     want = kv_format.dequantize_kv(v_cache, scale).view(num_seqs, 1, head_dim).expand(num_seqs, 2, head_dim)
-    assert torch.equal(out, want)
+    assert torch.equal(out, want.to(query_dtype))
 
 
 @needs_native

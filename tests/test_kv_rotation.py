@@ -9,6 +9,7 @@ rotation for how much it buys.
 
 from __future__ import annotations
 
+import ctypes
 import json
 
 import pytest
@@ -65,6 +66,31 @@ def test_native_hadamard_equals_the_reference_bit_for_bit(library, head_dim, sca
     cpu_ops.hadamard_(x, scale, library=library)
     assert torch.equal(x, want)
     assert torch.equal(wide[:, 4 * head_dim + 3 :], untouched)  # nothing past the heads was written
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 128])
+def test_native_bfloat16_hadamard_is_the_modules_rotation(library, head_dim):
+    """hadamard_bf16 (the layer stack's rotation of bfloat16 rows): every head widened and
+    transformed as ``kv_format.rotate`` does, the first heads written back rounded to bfloat16
+    as ``.to(torch.bfloat16)`` does, all heads to float32 when asked; nothing else touched."""
+    gen = torch.Generator().manual_seed(head_dim)
+    rows, heads, narrow = 37, 5, 3
+    wide = (torch.randn(rows, heads * head_dim + 9, generator=gen) * 10).to(torch.bfloat16)
+    x = wide[:, : heads * head_dim].view(rows, heads, head_dim)
+    want_f32 = kv_format.hadamard(x.float(), 0.5)
+    untouched, tail = x[:, narrow:].clone(), wide[:, heads * head_dim :].clone()
+    y = torch.full((rows, heads * head_dim + 4), float("nan"))
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    library.hadamard_bf16.argtypes = [p, i64, i64, i64, i64, ctypes.c_float, i64, p, i64]
+    library.hadamard_bf16(x.data_ptr(), rows, wide.stride(0), heads, head_dim, 0.5, narrow, y.data_ptr(), y.stride(0))
+    assert torch.equal(y[:, : heads * head_dim].view(rows, heads, head_dim), want_f32)
+    assert torch.equal(x[:, :narrow], want_f32[:, :narrow].to(torch.bfloat16))
+    assert torch.equal(x[:, narrow:], untouched) and torch.equal(wide[:, heads * head_dim :], tail)
+    assert y[:, heads * head_dim :].isnan().all()  # y's row past the heads untouched
+    again = torch.randn(rows, heads, head_dim, generator=gen).to(torch.bfloat16)
+    want = kv_format.rotate(again, 1.0 / head_dim).to(torch.bfloat16)
+    library.hadamard_bf16(again.data_ptr(), rows, heads * head_dim, heads, head_dim, 1.0 / head_dim, heads, None, 0)
+    assert torch.equal(again, want)  # no float32 copy asked for: the attention output's way back
 
 
 def test_rotate_is_the_same_bits_on_either_path():

@@ -111,19 +111,25 @@ needs_amx_bf16 = pytest.mark.skipif(
 
 
 @needs_amx_bf16
-@pytest.mark.parametrize("biased", [False, True])
-def test_bfloat16_stack_equals_the_modules_bit_for_bit(tiny_dir, biased_dir, monkeypatch, biased):
-    # dense bfloat16 weights on the AMX-BF16 tiles: the stack calls the modules' very kernels
+@pytest.mark.parametrize("biased,kv_cache_dtype", [
+    (False, "auto"), (True, "auto"), (False, "int8"), (True, "int8"), (False, "fp8_e4m3"), (False, "fp8_e5m2"),
+])
+def test_bfloat16_stack_equals_the_modules_bit_for_bit(tiny_dir, biased_dir, monkeypatch, biased, kv_cache_dtype):
+    # dense bfloat16 weights on the AMX-BF16 tiles: the stack calls the modules' very kernels, over
+    # bfloat16 caches and 8-bit ones (int8's rotation in float32, as the modules do it)
     directory = biased_dir if biased else tiny_dir
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     sampled = SamplingParams(temperature=0.9, n=3, seed=7, max_tokens=16, ignore_eos=True, logprobs=2)
     results = []
+    want_cache = {"auto": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn,
+                  "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
     for stack in (True, False):
-        llm = _llm(directory, monkeypatch, stack, dtype="bfloat16", quantization="none")
+        llm = _llm(directory, monkeypatch, stack, dtype="bfloat16", quantization="none",
+                   kv_cache_dtype=kv_cache_dtype)
         if stack:
             runs = _counting_calls(llm)
         results.append([_results(llm, p) for p in (greedy, sampled)])
-        assert llm.llm_engine.worker.kv_cache.layers[0][0].dtype == torch.bfloat16
+        assert llm.llm_engine.worker.kv_cache.layers[0][0].dtype == want_cache
     assert runs[0] > 20
     assert results[0] == results[1]
 

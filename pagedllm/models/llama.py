@@ -112,7 +112,8 @@ class LlamaAttention(nn.Module):
             scale, dtype = self.scale, q.dtype
             rotated = kv_format.stores_rotated(k_cache.dtype, self.head_dim)
             if rotated:  # int8 holds H k and H v (kv_format): rotate q to match, and the output back
-                q, k, v = kv_format.rotate(q), kv_format.rotate(k), kv_format.rotate(v)
+                # (in float32; the query then takes the model's dtype again, as over any other cache)
+                q, k, v = kv_format.rotate(q).to(dtype), kv_format.rotate(k), kv_format.rotate(v)
                 scale = kv_format.rotated_attention_scale(scale, self.head_dim)
             self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale)
             out = self.backend.forward(

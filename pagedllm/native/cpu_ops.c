@@ -178,6 +178,9 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+/* 16 whole-number floats in [-128, 127] -> 16 int8 codes */
+static inline void vstore_i8(kv8_t *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
@@ -308,6 +311,13 @@ static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+/* 8 whole-number floats in [-128, 127] -> 8 int8 codes */
+static inline void vstore_i8(kv8_t *p, vf v) {
+    const __m256i w = _mm256_cvtps_epi32(v);
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(h, h));
+}
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
@@ -852,15 +862,27 @@ static inline __attribute__((always_inline)) void amx_prefetch_next(const char *
 #define AMX_PF_SOFTMAX 56
 #endif
 
-TARGET_AMX_ATTN static void tile_bf16_amx(
-    const bf16_t *q, int64_t q_stride, const bf16_t *k_cache, const bf16_t *v_cache, const uint16_t *k_scale,
+/* 32 int8 codes as 32 bfloat16 values (exact: |code| <= 128 needs 8 significant bits) */
+TARGET_AMX_ATTN static inline __attribute__((always_inline)) __m512i i8x32_to_bf16(const int8_t *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* The tile kernel for bfloat16 caches (I8 = 0) and int8 ones (I8 = 1, codes with a float16
+   scale per slot and KV head). int8 keys and values enter the tiles as bfloat16 (exact);
+   a key's scale multiplies its float32 score, and a value's scale its softmax weight before
+   that is rounded to bfloat16, so P V sums scale * weight * code. The softmax's sum is then
+   taken over the float32 weights. */
+TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
+    const bf16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
     const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
-    int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,
-    const int32_t *next_table, int64_t next_len, bf16_t *out) {
-    (void)k_scale, (void)v_scale, (void)NSUB;
-    const int64_t D = 16 * CH, G = num_heads / num_kv_heads, R = tile.rows * G;
+    int64_t num_kv_heads, const int CH, int64_t block_size, float scale, int64_t next_head,
+    const int32_t *next_table, int64_t next_len, bf16_t *out, const int I8) {
+    const int64_t D = 16 * CH, G = num_heads / num_kv_heads, R = tile.rows * G, es = I8 ? 1 : 2;
     const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;
-    const int64_t stride_bytes = tok_stride * 2, row_bytes = D * 2, DC = D / 32, NS = D / 16;
+    const int64_t stride_bytes = tok_stride * es, row_bytes = D * es, DC = D / 32, NS = D / 16;
+#define KV_AT(base, index) ((const char *)(base) + (index) * es)
     const int N = R < 16 ? (int)R : 16;
     const int64_t passes = (R + 15) / 16;
     /* Q^T per (head, pass, 32-dim chunk): [16 dim pairs][N] dwords; rows past R are zero.
@@ -872,6 +894,7 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
     bf16_t P[16 * AMX_GROUP] __attribute__((aligned(64)));     /* [N][64 keys] */
     uint32_t VP[2 * (AMX_MAX_HEAD_DIM / 16) * 16 * 16] __attribute__((aligned(64))); /* [half][slice][pair][16] */
     bf16_t KS[SUB][16 * AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* partial chunks' keys, zero-padded */
+    float ksv[SUB][16] __attribute__((aligned(64))), vsv[SUB][16] __attribute__((aligned(64))); /* int8 scales */
     float O[2 * 16 * 16] __attribute__((aligned(64)));
     const int64_t qt_unit = 16 * N * DC; /* dwords per (head, pass) */
     for (int64_t hh = 0; hh < nh; ++hh)
@@ -935,34 +958,60 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
             int64_t pf_at = 0;
             for (int sub = 0; sub < SUB; ++sub) {
                 const int64_t at = (next_slots[sub] * num_kv_heads + (next_h >= 0 ? next_h : h)) * D;
-                nk[sub] = (const char *)(k_cache + at), nv[sub] = (const char *)(v_cache + at);
+                nk[sub] = KV_AT(k_cache, at), nv[sub] = KV_AT(v_cache, at);
             }
-            /* keys: straight from the cache when a chunk is whole, else a zero-padded copy */
-            const bf16_t *kp[SUB];
+            if (I8) { /* these chunks' scales (0 past a chunk's end); the next chunks' scale lines, once */
+                for (int sub = 0; sub < SUB; ++sub)
+                    for (int t = 0; t < 16; ++t) {
+                        const int64_t at = (slots[sub] + t) * num_kv_heads + h;
+                        ksv[sub][t] = t < ns[sub] ? f16_to_f32(k_scale[at]) : 0.0f;
+                        vsv[sub][t] = t < ns[sub] ? f16_to_f32(v_scale[at]) : 0.0f;
+                    }
+                if (hh == 0)
+                    for (int sub = 0; sub < SUB; ++sub)
+                        if (ahead[sub] > 0) {
+                            const char *ks = (const char *)(k_scale + next_slots[sub] * num_kv_heads);
+                            const char *vs = (const char *)(v_scale + next_slots[sub] * num_kv_heads);
+                            const int64_t bytes = ahead[sub] * num_kv_heads * 2;
+                            for (int64_t b = 0; b < bytes + 63; b += 64) {
+                                _mm_prefetch(ks + b, PF_HINT);
+                                _mm_prefetch(vs + b, PF_HINT);
+                            }
+                        }
+            }
+            /* keys: straight from a bfloat16 cache when a chunk is whole, else a zero-padded
+               copy (int8: converted to bfloat16) */
+            const void *kp[SUB];
             int64_t kstride[SUB];
             for (int sub = 0; sub < SUB; ++sub) {
-                const bf16_t *kb = k_cache + (slots[sub] * num_kv_heads + h) * D;
-                if (ns[sub] == 16) {
+                const char *kb = KV_AT(k_cache, (slots[sub] * num_kv_heads + h) * D);
+                if (!I8 && ns[sub] == 16) {
                     kp[sub] = kb, kstride[sub] = stride_bytes;
                     continue;
                 }
-                kp[sub] = KS[sub], kstride[sub] = row_bytes;
+                kp[sub] = KS[sub], kstride[sub] = 2 * D;
                 for (int64_t t = 0; t < 16; ++t)
-                    for (int64_t d = 0; d < D; d += 32)
-                        _mm512_store_si512((void *)(KS[sub] + t * D + d),
-                                           t < ns[sub] ? _mm512_loadu_si512((const void *)(kb + t * tok_stride + d))
-                                                       : _mm512_setzero_si512());
+                    for (int64_t d = 0; d < D; d += 32) {
+                        const char *row = kb + t * stride_bytes;
+                        __m512i x = _mm512_setzero_si512();
+                        if (t < ns[sub])
+                            x = I8 ? i8x32_to_bf16((const int8_t *)row + d) : _mm512_loadu_si512((const void *)(row + 2 * d));
+                        _mm512_store_si512((void *)(KS[sub] + t * D + d), x);
+                    }
             }
             /* values as key pairs: VP[half][slice][pair] = 16 dwords (two keys' bf16 per dim) */
             for (int64_t g = 0; g < AMX_GROUP; g += 2) {
                 const int sub = (int)(g >> 4), t = (int)(g & 15);
-                const bf16_t *vb = v_cache + (slots[sub] * num_kv_heads + h) * D + t * tok_stride;
+                const char *vb = KV_AT(v_cache, (slots[sub] * num_kv_heads + h) * D) + t * stride_bytes;
                 const int64_t half = g >> 5, pair = (g & 31) >> 1;
                 amx_prefetch_next(nk, nv, ahead, &pf_at, (g + 2) * AMX_PF_REPACK / AMX_GROUP, stride_bytes, row_bytes);
                 for (int64_t z = 0; z < DC; ++z) {
-                    const __m512i a = t < ns[sub] ? _mm512_loadu_si512((const void *)(vb + 32 * z)) : _mm512_setzero_si512();
-                    const __m512i b = t + 1 < ns[sub] ? _mm512_loadu_si512((const void *)(vb + tok_stride + 32 * z))
-                                                      : _mm512_setzero_si512();
+                    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+                    if (t < ns[sub])
+                        a = I8 ? i8x32_to_bf16((const int8_t *)vb + 32 * z) : _mm512_loadu_si512((const void *)(vb + 64 * z));
+                    if (t + 1 < ns[sub])
+                        b = I8 ? i8x32_to_bf16((const int8_t *)(vb + stride_bytes) + 32 * z)
+                               : _mm512_loadu_si512((const void *)(vb + stride_bytes + 64 * z));
                     uint32_t *dst = VP + ((half * NS + 2 * z) * 16 + pair) * 16;
                     _mm512_store_si512((void *)dst, _mm512_unpacklo_epi16(a, b));
                     _mm512_store_si512((void *)(dst + 16 * 16), _mm512_unpackhi_epi16(a, b));
@@ -976,7 +1025,7 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                     if (ns[sub] == 0) continue;
                     _tile_zero(2);
                     for (int64_t dc = 0; dc < DC; ++dc) {
-                        _tile_loadd(0, kp[sub] + 32 * dc, kstride[sub]);
+                        _tile_loadd(0, (const char *)kp[sub] + 64 * dc, kstride[sub]);
                         _tile_loadd(1, qt + dc * 16 * N, 4 * N);
                         _tile_dpbf16ps(2, 0, 1);
                     }
@@ -1013,6 +1062,7 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                             continue;
                         }
                         s[sub] = vmul(N > 4 ? cols[sub][j] : _mm512_i32gather_ps(gather_n, ST[sub] + j, 4), vscale);
+                        if (I8) s[sub] = vmul(s[sub], vload(ksv[sub]));
                         top = vmax(top, vselect(mask[sub], s[sub], vset1(-INFINITY)));
                     }
                     const float block_max = vmaxall(top);
@@ -1022,8 +1072,8 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
                     vf sum = vzero();
                     for (int sub = 0; sub < SUB; ++sub) {
                         const vf w = vselect(mask[sub], vexp(vsub(s[sub], shift)), vzero());
-                        const __m256i wb = (__m256i)_mm512_cvtneps_pbh(w);
-                        sum = vadd(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(wb), 16)));
+                        const __m256i wb = (__m256i)_mm512_cvtneps_pbh(I8 ? vmul(w, vload(vsv[sub])) : w);
+                        sum = vadd(sum, I8 ? w : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(wb), 16)));
                         _mm256_store_si256((__m256i *)(prow + 16 * sub), wb);
                     }
                     amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_SCORES + (j + 1) * (AMX_PF_SOFTMAX - AMX_PF_SCORES) / N,
@@ -1076,6 +1126,27 @@ TARGET_AMX_ATTN static void tile_bf16_amx(
             for (int c = 0; c < 16; ++c) row[AMX_DIM(sl, c)] = acc[r * D + 16 * sl + c];
         for (int64_t d = 0; d < D; d += 16) vstoreu_bf16(dst + d, vmul(vload(row + d), vset1(inv)));
     }
+}
+#undef KV_AT
+
+TARGET_AMX_ATTN static void tile_bf16_amx(
+    const bf16_t *q, int64_t q_stride, const bf16_t *k_cache, const bf16_t *v_cache, const uint16_t *k_scale,
+    const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
+    int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,
+    const int32_t *next_table, int64_t next_len, bf16_t *out) {
+    (void)NSUB;
+    tile_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, tile, h0, nh, num_heads, num_kv_heads, CH,
+             block_size, scale, next_head, next_table, next_len, out, 0);
+}
+
+TARGET_AMX_ATTN static void tile_bf16_i8_amx(
+    const bf16_t *q, int64_t q_stride, const kv8_t *k_cache, const kv8_t *v_cache, const uint16_t *k_scale,
+    const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
+    int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,
+    const int32_t *next_table, int64_t next_len, bf16_t *out) {
+    (void)NSUB;
+    tile_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, tile, h0, nh, num_heads, num_kv_heads, CH,
+             block_size, scale, next_head, next_table, next_len, out, 1);
 }
 
 /* AMX-BF16 attention usable here: the CPU has the tile unit and its bf16 part, and the
@@ -1433,7 +1504,9 @@ DEFINE_ENTRY(paged_attention_f32, float, float, tile_f32)
 #ifdef AMX_ATTN
 DEFINE_ENTRY(paged_attention_bf16_vector, bf16_t, bf16_t, tile_bf16)
 DEFINE_ENTRY(paged_attention_bf16_amx, bf16_t, bf16_t, tile_bf16_amx)
-/* Whether bfloat16 caches take the AMX tiles: where the CPU has them, unless
+DEFINE_ENTRY(paged_attention_bf16_i8_vector, bf16_t, kv8_t, tile_bf16_i8)
+DEFINE_ENTRY(paged_attention_bf16_i8_amx, bf16_t, kv8_t, tile_bf16_i8_amx)
+/* Whether bfloat16 and int8 caches take the AMX tiles (bfloat16 queries): where the CPU has them, unless
    PAGEDLLM_ATTENTION_AMX=0 (set_attention_amx switches at run time, for tests and benches). */
 int attention_amx(void) {
     if (amx_attention_on < 0) {
@@ -1459,13 +1532,27 @@ void paged_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k_cac
                                     num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale, split_heads,
                                     out);
 }
+void paged_attention_bf16_i8(const bf16_t *q, int64_t q_stride, const kv8_t *k_cache, const kv8_t *v_cache,
+                             const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,
+                             int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                             int32_t split_heads, bf16_t *out) {
+    if (head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx())
+        paged_attention_bf16_i8_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, tiles,
+                                    num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale, split_heads,
+                                    out);
+    else
+        paged_attention_bf16_i8_vector(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride,
+                                       tiles, num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                       split_heads, out);
+}
 #else
 DEFINE_ENTRY(paged_attention_bf16, bf16_t, bf16_t, tile_bf16)
+DEFINE_ENTRY(paged_attention_bf16_i8, bf16_t, kv8_t, tile_bf16_i8)
 int attention_amx(void) { return 0; }
 int set_attention_amx(int on) { (void)on; return 0; }
 #endif
 DEFINE_ENTRY(paged_attention_f32_i8, float, kv8_t, tile_f32_i8)
-DEFINE_ENTRY(paged_attention_bf16_i8, bf16_t, kv8_t, tile_bf16_i8)
 DEFINE_ENTRY(paged_attention_f32_e4m3, float, kv8_t, tile_f32_e4m3)
 DEFINE_ENTRY(paged_attention_bf16_e4m3, bf16_t, kv8_t, tile_bf16_e4m3)
 DEFINE_ENTRY(paged_attention_f32_e5m2, float, kv8_t, tile_f32_e5m2)
@@ -1491,8 +1578,24 @@ DEFINE_WRITE_KV(write_kv_bf16, bf16_t)
    QMAX) raised to 2^-14, code = ENCODE(clamp(x / scale)); as kv_format.quantize_kv. */
 static inline void quantize_head_f32(const float *x, int64_t D, float qmax, kv8_t (*encode)(float),
                                      kv8_t *codes, uint16_t *scale) {
+#if VW == 16 || VW == 8
+    if (encode == encode_i8 && D % VW == 0) { /* the same arithmetic in registers (rint: nearest even) */
+        vf top = vzero();
+        for (int64_t d = 0; d < D; d += VW) top = vmax(top, vabs(vloadu_f32(x + d)));
+        uint16_t s16 = f32_to_f16(vmaxall(top) / qmax);
+        if (s16 < MIN_SCALE_F16) s16 = MIN_SCALE_F16;
+        const vf s = vset1(f16_to_f32(s16)), hi = vset1(qmax), lo = vset1(-qmax);
+        for (int64_t d = 0; d < D; d += VW)
+            vstore_i8(codes + d, vround_int(vmin(vmax(vdiv(vloadu_f32(x + d), s), lo), hi)));
+        *scale = s16;
+        return;
+    }
+#endif
     float absmax = 0.0f;
-    for (int64_t d = 0; d < D; ++d) absmax = fmaxf(absmax, fabsf(x[d]));
+    for (int64_t d = 0; d < D; ++d) {
+        const float a = fabsf(x[d]);
+        absmax = a > absmax ? a : absmax;
+    }
     uint16_t s16 = f32_to_f16(absmax / qmax);
     if (s16 < MIN_SCALE_F16) s16 = MIN_SCALE_F16;
     const float s = f16_to_f32(s16);
@@ -1531,37 +1634,64 @@ DEFINE_WRITE_KV_Q(write_kv_bf16_e5m2, bf16_t, bf16_to_f32, encode_e5m2, 57344.0f
    butterflies run from the widest stride to 1, one rounding per add, so the result is bit for
    bit that of kv_format.hadamard's PyTorch version. int8 KV caches store their vectors so
    rotated (kv_format.py): the rotation spreads a head's few large channels over all of them. */
+static inline void hadamard_head(float *v, int64_t head_dim, float scale) {
+#if VW > 1
+    if (head_dim >= VW) { /* strides of a register or more across registers, then the rest within */
+        for (int64_t half = head_dim / 2; half >= VW; half /= 2)
+            for (int64_t base = 0; base < head_dim; base += 2 * half)
+                for (int64_t j = base; j < base + half; j += VW) {
+                    const vf a = vloadu_f32(v + j), b = vloadu_f32(v + j + half);
+                    vstoreu_f32(v + j, vadd(a, b));
+                    vstoreu_f32(v + j + half, vsub(a, b));
+                }
+        const vf vs = vset1(scale);
+        for (int64_t j = 0; j < head_dim; j += VW) {
+            const vf y = vhadamard_lanes(vloadu_f32(v + j));
+            vstoreu_f32(v + j, scale != 1.0f ? vmul(y, vs) : y);
+        }
+        return;
+    }
+#endif
+    for (int64_t half = head_dim / 2; half >= 1; half /= 2)
+        for (int64_t base = 0; base < head_dim; base += 2 * half)
+            for (int64_t j = base; j < base + half; ++j) {
+                const float a = v[j], b = v[j + half];
+                v[j] = a + b;
+                v[j + half] = a - b;
+            }
+    if (scale != 1.0f)
+        for (int64_t d = 0; d < head_dim; ++d) v[d] *= scale;
+}
+
 void hadamard_f32(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, float scale) {
     _Pragma("omp parallel for schedule(static) if(rows * heads * head_dim >= 262144)")
     for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h) hadamard_head(x + r * row_stride + h * head_dim, head_dim, scale);
+}
+
+/* hadamard_f32 for bfloat16 rows, as the modules do it (kv_format.rotate): each head of x
+   [rows][row_stride] widened to float32, transformed, times scale; then the first
+   narrow_heads heads written back to x rounded to bfloat16 (torch's .to), and, when y is
+   given, every head to y [rows][y_stride] in float32. One pass over the rows. */
+void hadamard_bf16(bf16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, float scale,
+                   int64_t narrow_heads, float *y, int64_t y_stride) {
+    _Pragma("omp parallel for schedule(static) if(rows * heads * head_dim >= 65536)")
+    for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
-            float *v = x + r * row_stride + h * head_dim;
+            bf16_t *v16 = x + r * row_stride + h * head_dim;
+            float buf[MAX_HEAD_DIM], *v = y ? y + r * y_stride + h * head_dim : buf;
+            int64_t d0 = 0;
 #if VW > 1
-            if (head_dim >= VW) { /* strides of a register or more across registers, then the rest within */
-                for (int64_t half = head_dim / 2; half >= VW; half /= 2)
-                    for (int64_t base = 0; base < head_dim; base += 2 * half)
-                        for (int64_t j = base; j < base + half; j += VW) {
-                            const vf a = vloadu_f32(v + j), b = vloadu_f32(v + j + half);
-                            vstoreu_f32(v + j, vadd(a, b));
-                            vstoreu_f32(v + j + half, vsub(a, b));
-                        }
-                const vf vs = vset1(scale);
-                for (int64_t j = 0; j < head_dim; j += VW) {
-                    const vf y = vhadamard_lanes(vloadu_f32(v + j));
-                    vstoreu_f32(v + j, scale != 1.0f ? vmul(y, vs) : y);
-                }
-                continue;
-            }
+            for (; d0 + VW <= head_dim; d0 += VW) vstoreu_f32(v + d0, vloadu_bf16(v16 + d0));
 #endif
-            for (int64_t half = head_dim / 2; half >= 1; half /= 2)
-                for (int64_t base = 0; base < head_dim; base += 2 * half)
-                    for (int64_t j = base; j < base + half; ++j) {
-                        const float a = v[j], b = v[j + half];
-                        v[j] = a + b;
-                        v[j + half] = a - b;
-                    }
-            if (scale != 1.0f)
-                for (int64_t d = 0; d < head_dim; ++d) v[d] *= scale;
+            for (int64_t d = d0; d < head_dim; ++d) v[d] = bf16_to_f32(v16[d]);
+            hadamard_head(v, head_dim, scale);
+            if (h >= narrow_heads) continue;
+            d0 = 0;
+#if VW > 1
+            for (; d0 + VW <= head_dim; d0 += VW) vstoreu_bf16(v16 + d0, vloadu_f32(v + d0));
+#endif
+            for (int64_t d = d0; d < head_dim; ++d) v16[d] = f32_to_bf16(v[d]);
         }
 }
 

@@ -551,6 +551,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.set_attention_amx.restype = ctypes.c_int
     library.hadamard_f32.argtypes = [pointer, i64, i64, i64, i64, f32]
     library.hadamard_f32.restype = None
+    library.hadamard_bf16.argtypes = [pointer, i64, i64, i64, i64, f32, i64, pointer, i64]
+    library.hadamard_bf16.restype = None
     library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer]
     library.row_argmax_logsumexp.restype = None
     for name, argtypes in signatures.items():

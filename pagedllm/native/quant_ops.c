@@ -1882,6 +1882,8 @@ typedef void (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache
                             const int32_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, int32_t split_heads, void *out);
 typedef void (*SiluMulFn)(const void *gate_up, int64_t rows, int64_t n, void *out);
+typedef void (*Hadamard16Fn)(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                             float scale, int64_t narrow_heads, float *y, int64_t y_stride);
 typedef void (*HadamardFn)(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                            float scale);
 
@@ -1908,6 +1910,7 @@ typedef struct {
     void *hadamard; /* cpu_ops' hadamard_f32 */
     int64_t rotate; /* the cache holds Hadamard-rotated vectors (int8 KV, see kv_format.py) */
     int64_t elem;   /* bytes per activation: 4 (float32, packed codes) or 2 (bfloat16, dense w16 weights) */
+    void *hadamard16; /* cpu_ops' hadamard_bf16 */
 } LayerStack;
 
 static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x, int64_t rows, void *y) {
@@ -1934,7 +1937,8 @@ static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x
 int64_t quant_stack_scratch_floats(const LayerStack *s, int64_t rows) {
     const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
     const int64_t qkv_width = (H + 2 * KH) * D, inter = s->intermediate;
-    return rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter);
+    const int64_t rotated16 = s->rotate && s->elem == 2 ? qkv_width : 0; /* float32 rows to rotate bfloat16 ones in */
+    return rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter + rotated16);
 }
 
 int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *delta, const int64_t *positions,
@@ -1955,9 +1959,14 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
         ok = stack_linear(s, &L->qkv, x, rows, qkv);
         if (!ok) break;
         ((RotaryFn)s->rotary)(qkv, rows, qkv_width, H + KH, D, positions, cos_table, sin_table);
-        if (s->rotate) /* q, k and v rotated as the modules do: H + 2 KH heads per row (float32 only) */
-            ((HadamardFn)s->hadamard)((float *)qkv, rows, qkv_width, H + 2 * KH, D, 1.0f);
         const char *k = qkv + H * D * e, *v = qkv + (H + KH) * D * e;
+        if (s->rotate && e == 4) /* q, k and v rotated as the modules do: H + 2 KH heads per row */
+            ((HadamardFn)s->hadamard)((float *)qkv, rows, qkv_width, H + 2 * KH, D, 1.0f);
+        if (s->rotate && e == 2) { /* rotated in float32; q back to bfloat16, k and v quantized from float32 */
+            float *rot = (float *)(act + rows * inter * e);
+            ((Hadamard16Fn)s->hadamard16)((uint16_t *)qkv, rows, qkv_width, H + 2 * KH, D, 1.0f, H, rot, qkv_width);
+            k = (const char *)(rot + H * D), v = (const char *)(rot + (H + KH) * D);
+        }
         if (s->kv8)
             ((WriteKv8Fn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH, D, L->k_cache, L->v_cache,
                                       L->k_scale, L->v_scale);
@@ -1967,7 +1976,9 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
                                     table_stride, tiles, num_tiles, H, KH, D, s->block_size,
                                     s->rotate ? s->scale / (float)D : s->scale, split_heads, attn_out);
         if (num_rows < rows) memset(attn_out + num_rows * H * D * e, 0, (size_t)((rows - num_rows) * H * D * e));
-        if (s->rotate) ((HadamardFn)s->hadamard)((float *)attn_out, rows, H * D, H, D, 1.0f / (float)D);
+        if (s->rotate && e == 4) ((HadamardFn)s->hadamard)((float *)attn_out, rows, H * D, H, D, 1.0f / (float)D);
+        if (s->rotate && e == 2) /* the output rotated back in float32, then bfloat16 */
+            ((Hadamard16Fn)s->hadamard16)((uint16_t *)attn_out, rows, H * D, H, D, 1.0f / (float)D, H, NULL, 0);
         ok = stack_linear(s, &L->o, attn_out, rows, attn);
         if (!ok) break;
         rms_norm(residual, attn, L->post_norm, s->eps, rows, hidden, x);

@@ -57,7 +57,7 @@ class _Stack(ctypes.Structure):
                 ("isa", _i64), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
                 ("kv8", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", _p),
-                ("hadamard", _p), ("rotate", _i64), ("elem", _i64)]
+                ("hadamard", _p), ("rotate", _i64), ("elem", _i64), ("hadamard16", _p)]
 
 
 def _address(fn) -> int:
@@ -163,7 +163,7 @@ class LayerStack:
             None, _address(getattr(library, f"silu_mul_{suffix}")), self.isa, len(layers), attn.o_proj.output_size,
             self.num_heads, self.num_kv_heads, self.head_dim, first.mlp.down_proj.input_size, 0, 0, self.eps,
             attn.scale, ctypes.addressof(self._layers), _address(library.hadamard_f32), 0,
-            torch.empty((), dtype=self.dtype).element_size(),
+            torch.empty((), dtype=self.dtype).element_size(), _address(library.hadamard_bf16),
         )
         self._cache_tensors: list[tuple[Tensor, ...]] | None = None  # the caches the layers point at now
         self._run = quant_ops._library.quant_run_layers
@@ -179,11 +179,11 @@ class LayerStack:
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> bool:
-        """Point the layers at this KV cache (float32 activations: 8-bit or float32; bfloat16: bfloat16);
-        False where the modules' path must run."""
+        """Point the layers at this KV cache (8-bit, or of the activations' dtype); False where the
+        modules' path must run."""
         first = kv_caches[0]
         kv8 = len(first) == 4
-        if kv8 and (self.dtype != torch.float32 or first[0].dtype not in cpu_ops._CODE_SUFFIX):
+        if kv8 and first[0].dtype not in cpu_ops._CODE_SUFFIX:
             return False
         if not kv8 and first[0].dtype != self.dtype:
             return False
@@ -196,16 +196,19 @@ class LayerStack:
         ) or (kv8 and not all(s.dtype == torch.float16 for layer in kv_caches for s in layer[2:])):
             return False
         library = self._library
+        # int8 caches hold Hadamard-rotated vectors (kv_format), as the modules write them: rotated
+        # in float32, K and V are quantized from float32 whatever the activations' dtype
+        rotate = kv8 and kv_format.stores_rotated(first[0].dtype, self.head_dim)
         if kv8:
             suffix = cpu_ops._CODE_SUFFIX[first[0].dtype]
-            self._stack.write_kv = _address(getattr(library, f"write_kv_f32_{suffix}"))
-            self._stack.attention = _address(getattr(library, f"paged_attention_f32_{suffix}"))
+            writer = "f32" if rotate else self._suffix
+            self._stack.write_kv = _address(getattr(library, f"write_kv_{writer}_{suffix}"))
+            self._stack.attention = _address(getattr(library, f"paged_attention_{self._suffix}_{suffix}"))
         else:
             self._stack.write_kv = _address(getattr(library, f"write_kv_{self._suffix}"))
             self._stack.attention = _address(getattr(library, f"paged_attention_{self._suffix}"))
         self._stack.kv8 = int(kv8)
-        # int8 caches hold Hadamard-rotated vectors (kv_format), as the modules write them
-        self._stack.rotate = int(kv8 and kv_format.stores_rotated(first[0].dtype, self.head_dim))
+        self._stack.rotate = int(rotate)
         self._stack.block_size = first[0].shape[1]
         for layer, tensors in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = tensors[0].data_ptr(), tensors[1].data_ptr()
