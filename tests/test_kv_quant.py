@@ -12,11 +12,11 @@ Every native kernel runs once per ISA path this CPU can run.
 from __future__ import annotations
 
 import copy
-import subprocess
 
 import pytest
 import torch
 from attention_reference import make_paged_batch, naive_attention
+from native_paths import AMX, LIBRARY_PARAMS, built_library
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.errors import ConfigError
@@ -34,29 +34,9 @@ FORMAT_TOLERANCE = {torch.int8: 0.03, torch.float8_e4m3fn: 0.15, torch.float8_e5
 needs_native = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the native CPU kernels")
 
 
-ISA_PATHS = cpu_ops.cpu_isa_paths() if cpu_ops.available() else []
-# Where the CPU has AMX-BF16, bfloat16 queries over int8 codes take the tiles on the
-# avx512_bf16 path; that path's vector kernels then run as a path of their own.
-AMX = "avx512_bf16" in ISA_PATHS and {"amx_tile", "amx_bf16"} <= cpu_ops.cpu_flags()
-VECTOR_ON_AMX = "avx512_bf16-vector"
-
-
-@pytest.fixture(scope="module", params=[*(ISA_PATHS or ["none"]), *([VECTOR_ON_AMX] if AMX else [])])
+@pytest.fixture(scope="module", params=LIBRARY_PARAMS)
 def library(request):
-    if not cpu_ops.available():
-        pytest.skip("no C compiler for the native CPU kernels")
-    isa = request.param.removesuffix("-vector")
-    try:
-        built = cpu_ops.build_library(isa=isa)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"compiler cannot build the {isa} path: {exc}")
-    assert built.isa_name().decode() == isa
-    if request.param == VECTOR_ON_AMX:
-        with cpu_ops.attention_amx_set(False, built) as on:
-            assert not on
-            yield built
-    else:
-        yield built
+    yield from built_library(request.param)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

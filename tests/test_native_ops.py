@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_reference import make_paged_batch, naive_attention
+from native_paths import AMX, ISA_PATHS, LIBRARY_PARAMS, built_library
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.errors import ConfigError
@@ -28,28 +29,9 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler f
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-ISA_PATHS = cpu_ops.cpu_isa_paths()
-# The AMX tiles take bfloat16 attention on the avx512_bf16 path where the CPU has them; the
-# same path's vector kernels then run as a path of their own ("avx512_bf16-vector").
-AMX = "avx512_bf16" in ISA_PATHS and {"amx_tile", "amx_bf16"} <= cpu_ops.cpu_flags()
-VECTOR_ON_AMX = "avx512_bf16-vector"
-
-
-@pytest.fixture(scope="module", params=[*ISA_PATHS, *([VECTOR_ON_AMX] if AMX else [])])
+@pytest.fixture(scope="module", params=LIBRARY_PARAMS)
 def library(request):
-    isa = request.param.removesuffix("-vector")
-    try:
-        built = cpu_ops.build_library(isa=isa)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"compiler cannot build the {isa} path: {exc}")
-    assert built.isa_name().decode() == isa
-    if request.param == VECTOR_ON_AMX:
-        with cpu_ops.attention_amx_set(False, built) as on:
-            assert not on
-            yield built
-    else:
-        assert bool(built.attention_amx()) == (AMX and isa == "avx512_bf16")
-        yield built
+    yield from built_library(request.param)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -1129,25 +1129,19 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
 }
 #undef KV_AT
 
-TARGET_AMX_ATTN static void tile_bf16_amx(
-    const bf16_t *q, int64_t q_stride, const bf16_t *k_cache, const bf16_t *v_cache, const uint16_t *k_scale,
-    const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
-    int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,
-    const int32_t *next_table, int64_t next_len, bf16_t *out) {
-    (void)NSUB;
-    tile_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, tile, h0, nh, num_heads, num_kv_heads, CH,
-             block_size, scale, next_head, next_table, next_len, out, 0);
+/* The entry points' tile functions, one per cache type (NSUB is the vector kernels') */
+#define DEFINE_TILE_AMX(NAME, T, I8)                                                              \
+TARGET_AMX_ATTN static void NAME(                                                                 \
+    const bf16_t *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale, \
+    const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh,     \
+    int64_t num_heads, int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size,     \
+    float scale, int64_t next_head, const int32_t *next_table, int64_t next_len, bf16_t *out) {  \
+    (void)NSUB;                                                                                   \
+    tile_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, tile, h0, nh, num_heads,     \
+             num_kv_heads, CH, block_size, scale, next_head, next_table, next_len, out, I8);      \
 }
-
-TARGET_AMX_ATTN static void tile_bf16_i8_amx(
-    const bf16_t *q, int64_t q_stride, const kv8_t *k_cache, const kv8_t *v_cache, const uint16_t *k_scale,
-    const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
-    int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,
-    const int32_t *next_table, int64_t next_len, bf16_t *out) {
-    (void)NSUB;
-    tile_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, tile, h0, nh, num_heads, num_kv_heads, CH,
-             block_size, scale, next_head, next_table, next_len, out, 1);
-}
+DEFINE_TILE_AMX(tile_bf16_amx, bf16_t, 0)
+DEFINE_TILE_AMX(tile_bf16_i8_amx, kv8_t, 1)
 
 /* AMX-BF16 attention usable here: the CPU has the tile unit and its bf16 part, and the
    kernel lets this process use tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once). */
