@@ -34,3 +34,19 @@ def built_library(param: str) -> Iterator:
     else:
         assert bool(built.attention_amx()) == (AMX and isa == "avx512_bf16")
         yield built
+
+
+def amx_and_vector_outputs(library, query, k_cache, v_cache, metadata, scale, **scales) -> dict:
+    """One paged-attention call of ``library`` (an avx512_bf16 build) with the AMX tiles on and
+    one with them off: {True: tiles' output, False: vector kernels' output}. ``scales``:
+    k_scale and v_scale for 8-bit caches."""
+    num_heads, head_dim = query.shape[-2:]
+    tiles = cpu_ops.make_tiles(metadata.seq_lens_host, metadata.query_lens_host,
+                               cpu_ops.tile_tokens(num_heads, k_cache.shape[-2], head_dim))
+    outs = {}
+    for on in (True, False):
+        with cpu_ops.attention_amx_set(on, library) as now:
+            assert now == on
+            outs[on] = cpu_ops.paged_attention(query, k_cache, v_cache, metadata.block_tables, tiles, scale,
+                                               library=library, **scales)
+    return outs

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 from attention_reference import make_paged_batch, naive_attention
-from native_paths import AMX, LIBRARY_PARAMS, built_library
+from native_paths import AMX, LIBRARY_PARAMS, amx_and_vector_outputs, built_library
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.errors import ConfigError
@@ -222,14 +222,7 @@ def test_int8_codes_on_the_tiles_agree_with_the_vector_kernels_and_the_tiles_rea
     )
     md = batch.metadata
     cpu_ops.write_kv_quantized(batch.new_key, batch.new_value, k, v, md.slot_mapping, ks, vs, library=library)
-    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host,
-                               cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim))
-    outs = {}
-    for on in (True, False):
-        with cpu_ops.attention_amx_set(on, library) as now:
-            assert now == on
-            outs[on] = cpu_ops.paged_attention(batch.query, k, v, md.block_tables, tiles, batch.scale,
-                                               library=library, k_scale=ks, v_scale=vs)
+    outs = amx_and_vector_outputs(library, batch.query, k, v, md, batch.scale, k_scale=ks, v_scale=vs)
     over_codes = naive_attention(batch.query.double(), dequantized)
     for out in outs.values():
         assert (out.double() - over_codes).abs().max().item() <= _tolerance_vs_dequantized(torch.bfloat16)

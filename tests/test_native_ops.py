@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_reference import make_paged_batch, naive_attention
-from native_paths import AMX, ISA_PATHS, LIBRARY_PARAMS, built_library
+from native_paths import AMX, ISA_PATHS, LIBRARY_PARAMS, amx_and_vector_outputs, built_library
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.errors import ConfigError
@@ -258,14 +258,7 @@ def test_amx_and_vector_attention_agree_and_the_tiles_really_run(num_heads, num_
                              head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + num_heads)
     md = batch.metadata
     TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, md.slot_mapping)
-    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host,
-                               cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim))
-    outs = {}
-    for on in (True, False):
-        with cpu_ops.attention_amx_set(on, library) as now:
-            assert now == on
-            outs[on] = cpu_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, tiles,
-                                               batch.scale, library=library)
+    outs = amx_and_vector_outputs(library, batch.query, batch.k_cache, batch.v_cache, md, batch.scale)
     expected = naive_attention(batch.query.double(), batch)
     for out in outs.values():
         assert (out.double() - expected).abs().max().item() <= 2e-2

@@ -1513,33 +1513,20 @@ int set_attention_amx(int on) {
     amx_attention_on = on && amx_attention_probe();
     return amx_attention_on;
 }
-void paged_attention_bf16(const bf16_t *q, int64_t q_stride, const bf16_t *k_cache, const bf16_t *v_cache,
-                          const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,
-                          int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          int32_t split_heads, bf16_t *out) {
-    if (head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx())
-        paged_attention_bf16_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, tiles,
-                                 num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale, split_heads, out);
-    else
-        paged_attention_bf16_vector(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, tiles,
-                                    num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale, split_heads,
-                                    out);
+/* bfloat16 queries over a cache of T: the tiles where they run, else the vector kernels */
+#define DEFINE_AMX_DISPATCH(NAME, T)                                                              \
+void NAME(const bf16_t *q, int64_t q_stride, const T *k_cache, const T *v_cache,                  \
+          const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,                \
+          int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,        \
+          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,                \
+          int32_t split_heads, bf16_t *out) {                                                     \
+    const int amx = head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx();       \
+    (amx ? NAME##_amx : NAME##_vector)(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables,  \
+                                       table_stride, tiles, num_tiles, num_heads, num_kv_heads,   \
+                                       head_dim, block_size, scale, split_heads, out);            \
 }
-void paged_attention_bf16_i8(const bf16_t *q, int64_t q_stride, const kv8_t *k_cache, const kv8_t *v_cache,
-                             const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,
-                             int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                             int32_t split_heads, bf16_t *out) {
-    if (head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx())
-        paged_attention_bf16_i8_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, tiles,
-                                    num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale, split_heads,
-                                    out);
-    else
-        paged_attention_bf16_i8_vector(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride,
-                                       tiles, num_tiles, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                       split_heads, out);
-}
+DEFINE_AMX_DISPATCH(paged_attention_bf16, bf16_t)
+DEFINE_AMX_DISPATCH(paged_attention_bf16_i8, kv8_t)
 #else
 DEFINE_ENTRY(paged_attention_bf16, bf16_t, bf16_t, tile_bf16)
 DEFINE_ENTRY(paged_attention_bf16_i8, bf16_t, kv8_t, tile_bf16_i8)
