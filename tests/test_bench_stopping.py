@@ -13,6 +13,8 @@ import sys
 import textwrap
 import time
 
+from pagedllm.bench.serve import live_group_members
+
 PRELUDE = textwrap.dedent(
     """
     import asyncio, subprocess, sys, time
@@ -184,3 +186,73 @@ def test_a_second_sigterm_exits_at_once():
     while _group_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _group_alive(pid)
+
+
+# A bench running a peer in its own process group: a shell whose child (a sleep) is a
+# grandchild of the bench, as vLLM's engine processes are of its offline script.
+PEER = textwrap.dedent("""
+    with stopping.process_group(["bash", "-c", "sleep 600 & wait"]) as peer:
+        print("group", peer.pid, flush=True)
+        time.sleep(0.5)  # the shell has started its child
+        THEN
+    print("left the block", flush=True)
+""")
+
+
+def _group_of(out: str) -> int:
+    return int(next(line.split()[1] for line in out.splitlines() if line.startswith("group ")))
+
+
+def _gone(pgid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while live_group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not live_group_members(pgid)
+
+
+def test_sigterm_kills_a_peer_process_group_with_its_children():
+    program = "try:\n" + textwrap.indent(PEER.replace("THEN", "ready(); time.sleep(600)"), "    ") + (
+        "except KeyboardInterrupt:\n    sys.exit(130)\n"
+    )
+    code, out, took = _run(program)
+    assert code == 130, out
+    assert "left the block" not in out and took < 10
+    assert _gone(_group_of(out)), "the peer's process group outlived the bench"
+
+
+def test_a_peer_group_that_outlives_its_leader_is_cleaned_up_after_a_normal_exit():
+    # the leader ends, its child does not; the block then ends normally
+    code, out, _ = _run(PEER.replace("THEN", "peer.terminate(); peer.wait()") + "ready()\ntime.sleep(600)\n")
+    assert "left the block" in out
+    assert _gone(_group_of(out)), "a member that outlived the peer's leader was left running"
+
+
+def test_sigterm_passes_through_a_child_bench_to_the_peer_group_it_started(tmp_path):
+    """A bench that runs each backend in a child bench process (``run_child``): SIGTERM to the
+    parent reaches the child as SIGTERM, and the child kills the peer group it started."""
+    group_file = tmp_path / "group"
+    child = PRELUDE + textwrap.dedent(f"""
+        with stopping.process_group(["bash", "-c", "sleep 600 & wait"]) as peer:
+            open({str(group_file)!r}, "w").write(str(peer.pid))
+            time.sleep(600)
+        """)
+    code, out, took = _run(
+        f"""
+        import pathlib
+        ready_file = pathlib.Path({str(group_file)!r})
+        try:
+            import threading
+            def announce():
+                while not ready_file.exists():
+                    time.sleep(0.05)
+                time.sleep(0.3)
+                ready()
+            threading.Thread(target=announce, daemon=True).start()
+            stopping.run_child([sys.executable, "-c", {child!r}])
+        except KeyboardInterrupt:
+            sys.exit(130)
+        """
+    )
+    assert code == 130, out
+    assert took < 30
+    assert _gone(int(group_file.read_text())), "the child bench's peer group outlived the parent"

@@ -224,6 +224,7 @@ def _run_vllm_script(workload, python: str, model: str | None, dtype: str, extra
     (with ``peak_rss_bytes``, the peak summed over its process tree, when ``sample_rss``)."""
     import tempfile
 
+    from pagedllm.bench import stopping
     from pagedllm.errors import ConfigError
 
     if not Path(python).exists():
@@ -244,8 +245,10 @@ def _run_vllm_script(workload, python: str, model: str | None, dtype: str, extra
         if "--rope-scaling" in extra_args:
             # vLLM checks max_model_len against max_position_embeddings unscaled for YaRN and llama3.
             env.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-        with tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=tmp)
+        # its own process group, killed with its workers if the bench is stopped meanwhile
+        with tempfile.TemporaryFile("w+") as err, stopping.process_group(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=tmp
+        ) as proc:
             if sample_rss:
                 peak_rss = _wait_sampling_rss(proc)
             else:

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -54,6 +56,44 @@ def register_server_group(pgid: int) -> None:
 def unregister_server_group(pgid: int) -> None:
     with _lock:
         _server_groups.discard(pgid)
+
+
+@contextmanager
+def process_group(cmd: list[str], **popen_kwargs) -> Iterator[subprocess.Popen]:
+    """``subprocess.Popen(cmd)`` in a session of its own (a peer such as vLLM's offline run, with
+    the worker processes it starts), registered for the watchdog. Leaving the block kills
+    whatever of the group still runs: at once when the block raises (KeyboardInterrupt from
+    SIGTERM or Ctrl-C included), and, after a normal exit, the members that outlived the leader."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+    register_server_group(proc.pid)
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        unregister_server_group(proc.pid)
+
+
+def run_child(cmd: list[str], **popen_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a child that is itself a bench
+    (one backend's run in its own process). If this bench is stopped meanwhile, the child gets
+    SIGTERM first, so that it stops what it started (a peer's process group, a server), and
+    SIGKILL only if it has not ended ``TERMINATING_STOP_GRACE_S`` later; ``subprocess.run``
+    would kill it at once and orphan those."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs) as proc:
+        try:
+            out, err = proc.communicate()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=TERMINATING_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

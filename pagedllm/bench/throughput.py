@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedllm.bench import rank_times, report
+from pagedllm.bench import rank_times, report, stopping
 from pagedllm.bench.workloads import (
     WARMUP_OUTPUT_LEN,
     Workload,
@@ -233,7 +232,7 @@ def compare(args: argparse.Namespace, workload: Workload) -> list[dict]:
             cmd += engine_argv(args) + extra  # a variant's flags come last and win
             env = {**os.environ, **isa_environment(isa)} if isa else None
             print(f"running {label} ...", file=sys.stderr, flush=True)
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            done = stopping.run_child(cmd, env=env)
             if done.returncode != 0 or not out.is_file():
                 raise ConfigError(
                     f"the {label} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
