@@ -8,7 +8,9 @@ to the bench does not reach them; the bench must stop them itself. On SIGTERM:
   connections, and the bench then unwinds with ``KeyboardInterrupt``;
 - elsewhere ``KeyboardInterrupt`` is raised at once;
 - either way the ``with ServerProcess`` blocks stop their servers on the way out,
-  with a short grace (:func:`stop_grace`);
+  with a short grace (:func:`stop_grace`), :func:`process_group` blocks kill the
+  peers they started (vLLM's offline run and its engine processes), and a child
+  bench run by :func:`run_child` is passed the SIGTERM before it is killed;
 - a watchdog bounds the whole thing: whatever still runs ``WATCHDOG_S`` after the
   signal is killed, every server group still registered as well, and the bench
   exits with 128 + the signal's number. A second SIGTERM does that at once.
