@@ -207,7 +207,9 @@ def test_native_attention_over_codes_matches_the_dense_oracles(
 
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16 tiles")
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", [(16, 9, 3, 64), (32, 8, 2, 128), (16, 24, 1, 64)])
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", [
+    (16, 9, 3, 64), (32, 8, 2, 128), (16, 24, 1, 64), (16, 8, 4, 64), (16, 16, 8, 64),
+])  # up to 4 KV heads a chunk's scales are picked by a permute, past that one by one
 def test_int8_codes_on_the_tiles_agree_with_the_vector_kernels_and_the_tiles_really_run(
     block_size, num_heads, num_kv_heads, head_dim
 ):

@@ -961,12 +961,35 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                 nk[sub] = KV_AT(k_cache, at), nv[sub] = KV_AT(v_cache, at);
             }
             if (I8) { /* these chunks' scales (0 past a chunk's end); the next chunks' scale lines, once */
-                for (int sub = 0; sub < SUB; ++sub)
-                    for (int t = 0; t < 16; ++t) {
-                        const int64_t at = (slots[sub] + t) * num_kv_heads + h;
-                        ksv[sub][t] = t < ns[sub] ? f16_to_f32(k_scale[at]) : 0.0f;
-                        vsv[sub][t] = t < ns[sub] ? f16_to_f32(v_scale[at]) : 0.0f;
+                if (num_kv_heads <= 4) {
+                    /* a chunk's scales are 16 x KH contiguous halves: two masked loads, and
+                       every KH-th picked by one permute */
+                    const __m512i pick = _mm512_add_epi16(
+                        _mm512_mullo_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+                                                            17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi16((short)num_kv_heads)),
+                        _mm512_set1_epi16((short)h));
+                    for (int sub = 0; sub < SUB; ++sub) {
+                        const int64_t n = ns[sub] * num_kv_heads;
+                        const __mmask32 m0 = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1);
+                        const __mmask32 m1 = n <= 32 ? 0u : n >= 64 ? 0xffffffffu : (__mmask32)((1ull << (n - 32)) - 1);
+                        const uint16_t *ks = k_scale + slots[sub] * num_kv_heads, *vs = v_scale + slots[sub] * num_kv_heads;
+                        const __m512i k16 = _mm512_permutex2var_epi16(_mm512_maskz_loadu_epi16(m0, ks), pick,
+                                                                      _mm512_maskz_loadu_epi16(m1, ks + 32));
+                        const __m512i v16 = _mm512_permutex2var_epi16(_mm512_maskz_loadu_epi16(m0, vs), pick,
+                                                                      _mm512_maskz_loadu_epi16(m1, vs + 32));
+                        const vmask live = vfirst(ns[sub]);
+                        vstore(ksv[sub], _mm512_maskz_cvtph_ps(live, _mm512_castsi512_si256(k16)));
+                        vstore(vsv[sub], _mm512_maskz_cvtph_ps(live, _mm512_castsi512_si256(v16)));
                     }
+                } else {
+                    for (int sub = 0; sub < SUB; ++sub)
+                        for (int t = 0; t < 16; ++t) {
+                            const int64_t at = (slots[sub] + t) * num_kv_heads + h;
+                            ksv[sub][t] = t < ns[sub] ? f16_to_f32(k_scale[at]) : 0.0f;
+                            vsv[sub][t] = t < ns[sub] ? f16_to_f32(v_scale[at]) : 0.0f;
+                        }
+                }
                 if (hh == 0)
                     for (int sub = 0; sub < SUB; ++sub)
                         if (ahead[sub] > 0) {
