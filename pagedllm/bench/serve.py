@@ -497,7 +497,7 @@ class ServerProcess:
             self.launch.command, env=self.launch.env, cwd=self.launch.cwd,
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
-        stopping.register_server_group(self.process.pid)
+        stopping.register_group(self.process.pid)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -545,7 +545,7 @@ class ServerProcess:
             deadline = time.monotonic() + 10.0  # SIGKILL takes effect asynchronously
             while live_group_members(pgid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        stopping.unregister_server_group(pgid)
+        stopping.unregister_group(pgid)
         self._log.close()
 
     def _group_running(self, pgid: int) -> bool:

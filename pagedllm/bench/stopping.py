@@ -35,7 +35,7 @@ WATCHDOG_S = 60.0
 TERMINATING_STOP_GRACE_S = 20.0
 
 _lock = threading.Lock()
-_server_groups: set[int] = set()
+_groups: set[int] = set()
 _main_task: asyncio.Task | None = None
 _signal_number: int | None = None
 
@@ -50,14 +50,15 @@ def stop_grace(normal_s: float) -> float:
     return min(normal_s, TERMINATING_STOP_GRACE_S) if terminating() else normal_s
 
 
-def register_server_group(pgid: int) -> None:
+def register_group(pgid: int) -> None:
+    """A process group (a server's, a peer's) for the watchdog to kill if the bench hangs."""
     with _lock:
-        _server_groups.add(pgid)
+        _groups.add(pgid)
 
 
-def unregister_server_group(pgid: int) -> None:
+def unregister_group(pgid: int) -> None:
     with _lock:
-        _server_groups.discard(pgid)
+        _groups.discard(pgid)
 
 
 @contextmanager
@@ -67,7 +68,7 @@ def process_group(cmd: list[str], **popen_kwargs) -> Iterator[subprocess.Popen]:
     whatever of the group still runs: at once when the block raises (KeyboardInterrupt from
     SIGTERM or Ctrl-C included), and, after a normal exit, the members that outlived the leader."""
     proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
-    register_server_group(proc.pid)
+    register_group(proc.pid)
     try:
         yield proc
     finally:
@@ -76,7 +77,7 @@ def process_group(cmd: list[str], **popen_kwargs) -> Iterator[subprocess.Popen]:
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
-        unregister_server_group(proc.pid)
+        unregister_group(proc.pid)
 
 
 def run_child(cmd: list[str], **popen_kwargs) -> subprocess.CompletedProcess:
@@ -151,7 +152,7 @@ def _on_sigterm(signum: int, frame) -> None:
 
 def _give_up() -> None:
     with _lock:
-        groups = list(_server_groups)
+        groups = list(_groups)
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)

@@ -863,10 +863,8 @@ static inline __attribute__((always_inline)) void amx_prefetch_next(const char *
 #endif
 
 /* 32 int8 codes as 32 bfloat16 values (exact: |code| <= 128 needs 8 significant bits) */
-TARGET_AMX_ATTN static inline __attribute__((always_inline)) __m512i i8x32_to_bf16(const int8_t *p) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+TARGET_AMX_ATTN static inline __attribute__((always_inline)) __m512i i8x32_to_bf16(const kv8_t *p) {
+    return (__m512i)_mm512_cvtne2ps_pbh(vloadu_i8(p + 16), vloadu_i8(p));
 }
 
 /* The tile kernel for bfloat16 caches (I8 = 0) and int8 ones (I8 = 1, codes with a float16
@@ -1018,7 +1016,7 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                         const char *row = kb + t * stride_bytes;
                         __m512i x = _mm512_setzero_si512();
                         if (t < ns[sub])
-                            x = I8 ? i8x32_to_bf16((const int8_t *)row + d) : _mm512_loadu_si512((const void *)(row + 2 * d));
+                            x = I8 ? i8x32_to_bf16((const kv8_t *)row + d) : _mm512_loadu_si512((const void *)(row + 2 * d));
                         _mm512_store_si512((void *)(KS[sub] + t * D + d), x);
                     }
             }
@@ -1031,9 +1029,9 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                 for (int64_t z = 0; z < DC; ++z) {
                     __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
                     if (t < ns[sub])
-                        a = I8 ? i8x32_to_bf16((const int8_t *)vb + 32 * z) : _mm512_loadu_si512((const void *)(vb + 64 * z));
+                        a = I8 ? i8x32_to_bf16((const kv8_t *)vb + 32 * z) : _mm512_loadu_si512((const void *)(vb + 64 * z));
                     if (t + 1 < ns[sub])
-                        b = I8 ? i8x32_to_bf16((const int8_t *)(vb + stride_bytes) + 32 * z)
+                        b = I8 ? i8x32_to_bf16((const kv8_t *)(vb + stride_bytes) + 32 * z)
                                : _mm512_loadu_si512((const void *)(vb + stride_bytes + 64 * z));
                     uint32_t *dst = VP + ((half * NS + 2 * z) * 16 + pair) * 16;
                     _mm512_store_si512((void *)dst, _mm512_unpacklo_epi16(a, b));

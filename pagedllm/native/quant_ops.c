@@ -1951,6 +1951,7 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
     if (!scratch) return 0;
     char *x = (char *)scratch, *qkv = x + rows * hidden * e, *attn_out = qkv + rows * qkv_width * e;
     char *attn = attn_out + rows * H * D * e, *gate_up = attn + rows * hidden * e, *act = gate_up + rows * 2 * inter * e;
+    float *rot = (float *)(act + rows * inter * e); /* rotated bfloat16 rows in float32 (quant_stack_scratch_floats) */
     RmsNormFn rms_norm = (RmsNormFn)s->rms_norm;
     int ok = 1;
     for (int64_t i = 0; i < s->num_layers && ok; i++) {
@@ -1963,7 +1964,6 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
         if (s->rotate && e == 4) /* q, k and v rotated as the modules do: H + 2 KH heads per row */
             ((HadamardFn)s->hadamard)((float *)qkv, rows, qkv_width, H + 2 * KH, D, 1.0f);
         if (s->rotate && e == 2) { /* rotated in float32; q back to bfloat16, k and v quantized from float32 */
-            float *rot = (float *)(act + rows * inter * e);
             ((Hadamard16Fn)s->hadamard16)((uint16_t *)qkv, rows, qkv_width, H + 2 * KH, D, 1.0f, H, rot, qkv_width);
             k = (const char *)(rot + H * D), v = (const char *)(rot + (H + KH) * D);
         }
