@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# Test files run in parallel worker processes (pytest-xdist), one per core up to 4; a file
+# stays on one worker, so its module fixtures are built once. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install demo test test-fast lint
 
@@ -20,10 +24,10 @@ demo: install
 	$(VENV)/bin/pagedllm generate "The three most useful things to know about paged attention are" --max-tokens 64
 
 test: install
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: install
 	$(PY) -m pip install -q ruff && $(PY) -m ruff check pagedllm tests

@@ -8,6 +8,13 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test`) each worker process takes one core's share of the
+# machine: a worker's own torch and native kernels run on one thread unless a test asks
+# for more, so two workers on two cores do not oversubscribe them. Servers and engines
+# that tests start in their own processes keep their defaults.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 _kernels_reimported = False
 
 

@@ -31,17 +31,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from pagedllm.native.build_cache import compiled
 
 logger = logging.getLogger("pagedllm")
 
@@ -567,22 +567,4 @@ def _build(compiler: str, flags: list[str]) -> Path:
 
     The flags name the instruction set, not this CPU model, so the file is keyed
     on the source, the compiler and the flags."""
-    source = _SOURCE_PATH.read_text()
-    key = hashlib.sha256("\0".join([source, compiler, *flags]).encode()).hexdigest()[:16]
-    from pagedllm.models.paths import cache_dir as pagedllm_cache_dir
-
-    cache_dir = pagedllm_cache_dir()  # ~/.cache/pagedllm, or $PAGEDLLM_CACHE
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / f"cpu_ops-{key}.so"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        source_file = Path(tmp) / "cpu_ops.c"
-        source_file.write_text(source)
-        built = Path(tmp) / "cpu_ops.so"
-        subprocess.run(
-            [compiler, *flags, str(source_file), "-o", str(built), "-lm"],
-            check=True, capture_output=True, timeout=120,
-        )
-        os.replace(built, target)  # atomic: concurrent builders never see a partial file
-    return target
+    return compiled("cpu_ops", _SOURCE_PATH.read_text(), compiler, flags)

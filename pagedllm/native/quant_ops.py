@@ -16,18 +16,17 @@ then compute on their dequantized weight.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from pagedllm.native.build_cache import compiled
 from pagedllm.native.cpu_ops import _compiler
 
 logger = logging.getLogger("pagedllm")
@@ -145,23 +144,7 @@ def build_library() -> ctypes.CDLL:
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    from pagedllm.models.paths import cache_dir
-
-    source = _SOURCE_PATH.read_text()
-    key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"quant_ops-{key}.so"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        source_file = Path(tmp) / "quant_ops.c"
-        source_file.write_text(source)
-        built = Path(tmp) / "quant_ops.so"
-        subprocess.run([compiler, *flags, str(source_file), "-o", str(built), "-lm"],
-                       check=True, capture_output=True, timeout=120)
-        os.replace(built, target)
-    return target
+    return compiled("quant_ops", _SOURCE_PATH.read_text(), compiler, flags, (_cpu_signature(),))
 
 
 def _cpu_signature() -> str:
