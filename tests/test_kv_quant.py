@@ -231,6 +231,45 @@ def test_int8_codes_on_the_tiles_agree_with_the_vector_kernels_and_the_tiles_rea
     assert not torch.equal(outs[True], outs[False])
 
 
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles")
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", [
+    (16, 9, 3, 64), (8, 8, 2, 128), (16, 8, 8, 64), (32, 12, 2, 64), (16, 6, 1, 96),
+])  # a decode row's group: 3, 4, 1, 6, 6 rows (scores as S^T up to 4, as S past that); 96: a padded chunk
+def test_int8_on_the_tiles_gives_a_row_the_same_bits_in_any_tile(block_size, num_heads, num_kv_heads, head_dim):
+    """int8 scores on the tiles take a decode token's rows as S^T and a prefill tile's as S:
+    a position's output as a decode token, in a prefill tile and in a later chunk is equal
+    bit for bit, decode heads together or one by one too, and it matches the oracle."""
+    library = cpu_ops.build_library(isa="avx512_bf16")
+    length = 70
+    batch = make_paged_batch([(0, length)], block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + num_heads)
+    md = batch.metadata
+    k, ks = kv_format.quantize_kv(batch.k_cache, torch.int8)
+    v, vs = kv_format.quantize_kv(batch.v_cache, torch.int8)
+    cpu_ops.write_kv_quantized(batch.new_key, batch.new_value, k, v, md.slot_mapping, ks, vs, library=library)
+    per_tile = cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim)
+
+    def attend(first: int, count: int, split_heads: bool = False) -> torch.Tensor:
+        tiles = cpu_ops.make_tiles([first + count], [count], per_tile)
+        return cpu_ops.paged_attention(batch.query[first : first + count].contiguous(), k, v, md.block_tables,
+                                       tiles, batch.scale, library=library, split_heads=split_heads,
+                                       k_scale=ks, v_scale=vs)
+
+    with cpu_ops.attention_amx_set(True, library) as on:
+        assert on
+        whole = attend(0, length)
+        assert torch.equal(attend(23, length - 23), whole[23:])
+        for position in (0, 5, 15, 16, 31, 47, length - 1):
+            assert torch.equal(attend(position, 1)[0], whole[position]), position
+            assert torch.equal(attend(position, 1, split_heads=True)[0], whole[position]), position
+    dequantized = copy.copy(batch)
+    dequantized.dense_keys = [kv_format.dequantize_kv(*kv_format.quantize_kv(x, torch.int8)) for x in batch.dense_keys]
+    dequantized.dense_values = [kv_format.dequantize_kv(*kv_format.quantize_kv(x, torch.int8))
+                                for x in batch.dense_values]
+    assert (whole.double() - naive_attention(batch.query.double(), dequantized)).abs().max().item() \
+        <= _tolerance_vs_dequantized(torch.bfloat16)
+
+
 @pytest.mark.parametrize("code_dtype", CODE_DTYPES)
 @pytest.mark.parametrize("dtype", QUERY_DTYPES)
 def test_torch_reference_attention_over_codes_matches_the_dense_oracles(dtype, code_dtype):

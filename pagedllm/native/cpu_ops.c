@@ -796,7 +796,7 @@ DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m
 #include <unistd.h>
 #include <cpuid.h>
 #include <stdlib.h>
-#define TARGET_AMX_ATTN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
+#define TARGET_AMX_ATTN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16,amx-int8")))
 #define AMX_ATTN 1
 #define AMX_MAX_HEAD_DIM 128
 #define AMX_GROUP (SUB * 16) /* keys per softmax update */
@@ -807,15 +807,16 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) amx_attn_cfg_t;
 
-/* Tiles: 0 keys [16][64 B]; 1 Q^T [16][4N B]; 2 S^T [16][4N B]; 3, 4 P halves [N][64 B];
-   5 V' [16][64 B]; 6, 7 O [N][64 B] (two slices). */
-TARGET_AMX_ATTN static void amx_attn_configure(int n) {
+/* Tiles: 0 keys [16][64 B]; 1 Q^T [16][4NQ B]; 2 S^T [16][4NQ B]; 3, 4 P halves [N][64 B];
+   5 V' [16][64 B]; 6, 7 O [N][64 B] (two slices). NQ, the score tile's columns: N for
+   bfloat16 queries, two per query row (its two int8 parts) over int8 codes. */
+TARGET_AMX_ATTN static void amx_attn_configure(int n, int nq) {
     amx_attn_cfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     c.rows[0] = 16, c.colsb[0] = 64;
-    c.rows[1] = 16, c.colsb[1] = (uint16_t)(4 * n);
-    c.rows[2] = 16, c.colsb[2] = (uint16_t)(4 * n);
+    c.rows[1] = 16, c.colsb[1] = (uint16_t)(4 * nq);
+    c.rows[2] = 16, c.colsb[2] = (uint16_t)(4 * nq);
     c.rows[3] = (uint8_t)n, c.colsb[3] = 64;
     c.rows[4] = (uint8_t)n, c.colsb[4] = 64;
     c.rows[5] = 16, c.colsb[5] = 64;
@@ -868,10 +869,21 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) __m512i i8x32_to_bf
 }
 
 /* The tile kernel for bfloat16 caches (I8 = 0) and int8 ones (I8 = 1, codes with a float16
-   scale per slot and KV head). int8 keys and values enter the tiles as bfloat16 (exact);
-   a key's scale multiplies its float32 score, and a value's scale its softmax weight before
-   that is rounded to bfloat16, so P V sums scale * weight * code. The softmax's sum is then
-   taken over the float32 weights. */
+   scale per slot and KV head).
+   int8 scores run on the int8 unit (TDPBSSD) with the key codes loaded straight from the
+   cache: a query row enters as two int8 vectors, q = s (q1 + q2 / 254) with s = absmax / 127,
+   q1 = round(q / s) and q2 = round(254 (q / s - q1)), an error of at most s / 508 per dim
+   (under half a bfloat16 ulp for every dim of at least absmax / 126). The two exact integer
+   sums per key are combined in float32 and scaled by s / 254, the softmax scale and the
+   key's scale. Up to 4 rows (a decode token's) the keys are the tile's A operand, straight
+   from the cache, and the rows' parts the B operand (S^T, 2N columns); with more rows each
+   chunk's codes are transposed once (as dwords: four codes of a key stay together) into the
+   B operand and the rows' parts are A (S), so no pass transposes scores. A row's
+   quantization depends on that row alone, integer sums on no order, and both ways combine
+   the sums with the same float operations: a row's scores are the same in any tile. int8 values enter the tiles as
+   bfloat16 (exact); a value's scale multiplies its softmax weight before that is rounded
+   to bfloat16, so P V sums scale * weight * code. The softmax's sum is then taken over the
+   float32 weights. */
 TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
     const bf16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
     const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads,
@@ -883,19 +895,66 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
 #define KV_AT(base, index) ((const char *)(base) + (index) * es)
     const int N = R < 16 ? (int)R : 16;
     const int64_t passes = (R + 15) / 16;
+    /* int8: scores as S^T (up to 4 rows, two columns each) or as S; 64-dim chunks */
+    const int ST_I8 = I8 && N <= 4, S_I8 = I8 && N > 4, NQ = ST_I8 ? 2 * N : N;
+    const int64_t DC8 = (D + 63) / 64, D8 = 64 * DC8;
     /* Q^T per (head, pass, 32-dim chunk): [16 dim pairs][N] dwords; rows past R are zero.
        heads x passes x N <= 2 x heads x R <= 2 x MAX_ROWS */
     uint32_t QT[2 * MAX_ROWS * (AMX_MAX_HEAD_DIM / 2)] __attribute__((aligned(64)));
+    /* int8, per (head, pass), in the same array: up to 4 rows Q^T per 64-dim chunk as
+       [16 dim quads][2N] dwords (a row's q1 in column j, its q2 in N + j); past that the rows'
+       q1 then q2 as [N][D8] bytes each. qrow: s / 254 x the softmax scale per row. */
+    float qrow[MAX_ROWS];
+    int32_t ST8[SUB][16 * 16] __attribute__((aligned(64)));       /* S^T: [16 keys][2N] */
+    int32_t S8[2][SUB][16 * 16] __attribute__((aligned(64)));     /* S: q1 and q2 sums, [N][16 keys] */
+    uint32_t KT8[SUB][(AMX_MAX_HEAD_DIM / 64) * 16 * 16] __attribute__((aligned(64))); /* codes as [dim quad][16 keys] */
     float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [nh][R][D], dims in AMX_DIM order */
     float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[16];
     float ST[SUB][16 * 16] __attribute__((aligned(64)));       /* S^T per chunk, 64-byte rows */
     bf16_t P[16 * AMX_GROUP] __attribute__((aligned(64)));     /* [N][64 keys] */
     uint32_t VP[2 * (AMX_MAX_HEAD_DIM / 16) * 16 * 16] __attribute__((aligned(64))); /* [half][slice][pair][16] */
     bf16_t KS[SUB][16 * AMX_MAX_HEAD_DIM] __attribute__((aligned(64))); /* partial chunks' keys, zero-padded */
+    int8_t KS8[SUB][16 * AMX_MAX_HEAD_DIM] __attribute__((aligned(64)));  /* the same of int8 codes, rows of D8 */
     float ksv[SUB][16] __attribute__((aligned(64))), vsv[SUB][16] __attribute__((aligned(64))); /* int8 scales */
     float O[2 * 16 * 16] __attribute__((aligned(64)));
-    const int64_t qt_unit = 16 * N * DC; /* dwords per (head, pass) */
-    for (int64_t hh = 0; hh < nh; ++hh)
+    const int64_t qt_unit = I8 ? N * D8 / 2 : 16 * N * DC; /* dwords per (head, pass) */
+    if (I8)
+        for (int64_t hh = 0; hh < nh; ++hh)
+            for (int64_t p = 0; p < passes; ++p)
+                    for (int j = 0; j < N; ++j) {
+                        const int64_t r = 16 * p + j;
+                        int8_t q1[AMX_MAX_HEAD_DIM] __attribute__((aligned(64))), q2[AMX_MAX_HEAD_DIM] __attribute__((aligned(64)));
+                        memset(q1, 0, sizeof q1);
+                        memset(q2, 0, sizeof q2);
+                        if (r < R) {
+                            const bf16_t *src = q + (tile.q_row + r / G) * q_stride + ((h0 + hh) * G + r % G) * D;
+                            vf top = vzero();
+                            for (int64_t d = 0; d < D; d += 16) top = vmax(top, vabs(vloadu_bf16(src + d)));
+                            const float amax = vmaxall(top);
+                            const vf inv = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
+                            for (int64_t d = 0; d < D; d += 16) {
+                                const vf x = vmul(vloadu_bf16(src + d), inv);
+                                const __m512i a = _mm512_cvtps_epi32(x);
+                                const __m512i b = _mm512_cvtps_epi32(vmul(vsub(x, _mm512_cvtepi32_ps(a)), vset1(254.0f)));
+                                _mm_store_si128((__m128i *)(q1 + d), _mm512_cvtsepi32_epi8(a));
+                                _mm_store_si128((__m128i *)(q2 + d), _mm512_cvtsepi32_epi8(b));
+                            }
+                            qrow[hh * R + r] = amax / (127.0f * 254.0f) * scale;
+                        }
+                        uint32_t *qt = QT + (hh * passes + p) * qt_unit;
+                        if (S_I8) {
+                            memcpy((int8_t *)qt + j * D8, q1, (size_t)D8);
+                            memcpy((int8_t *)qt + (N + j) * D8, q2, (size_t)D8);
+                            continue;
+                        }
+                        for (int64_t k = 0; k < D8 / 4; ++k) { /* k: quad k of chunk k / 16 */
+                            uint32_t w1, w2;
+                            memcpy(&w1, q1 + 4 * k, 4);
+                            memcpy(&w2, q2 + 4 * k, 4);
+                            qt[k * NQ + j] = w1, qt[k * NQ + N + j] = w2;
+                        }
+                    }
+    for (int64_t hh = 0; hh < nh && !I8; ++hh)
         for (int64_t p = 0; p < passes; ++p)
             for (int64_t dc = 0; dc < DC; ++dc) {
                 uint32_t *qt = QT + (hh * passes + p) * qt_unit + dc * 16 * N;
@@ -914,7 +973,7 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
     const vf vscale = vset1(scale);
     const __m512i gather_n = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                 _mm512_set1_epi32(16));
-    amx_attn_configure(N);
+    amx_attn_configure(N, NQ);
     for (int64_t start = 0; start < max_len;) {
         int64_t ns[SUB], offs[SUB], slots[SUB], pos = start;
         for (int sub = 0; sub < SUB; ++sub) {
@@ -1000,14 +1059,24 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                             }
                         }
             }
-            /* keys: straight from a bfloat16 cache when a chunk is whole, else a zero-padded
-               copy (int8: converted to bfloat16) */
+            /* keys: straight from the cache when a chunk is whole (int8: and its rows are whole
+               64-byte chunks), else a zero-padded copy */
             const void *kp[SUB];
             int64_t kstride[SUB];
             for (int sub = 0; sub < SUB; ++sub) {
                 const char *kb = KV_AT(k_cache, (slots[sub] * num_kv_heads + h) * D);
-                if (!I8 && ns[sub] == 16) {
+                if (ns[sub] == 16 && (!I8 || D == D8)) {
                     kp[sub] = kb, kstride[sub] = stride_bytes;
+                    continue;
+                }
+                if (I8) {
+                    kp[sub] = KS8[sub], kstride[sub] = D8;
+                    for (int64_t t = 0; t < 16; ++t)
+                        for (int64_t d = 0; d < D8; d += 32) {
+                            const __mmask32 m = t < ns[sub] && d < D ? 0xffffffffu : 0u; /* D: a multiple of 32 */
+                            _mm256_store_si256((__m256i *)(KS8[sub] + t * D8 + d),
+                                               _mm256_maskz_loadu_epi8(m, kb + t * stride_bytes + d));
+                        }
                     continue;
                 }
                 kp[sub] = KS[sub], kstride[sub] = 2 * D;
@@ -1020,6 +1089,17 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                         _mm512_store_si512((void *)(KS[sub] + t * D + d), x);
                     }
             }
+            if (S_I8) /* each chunk's codes as the B operand: rows of 16 keys' dwords */
+                for (int sub = 0; sub < SUB; ++sub) {
+                    if (ns[sub] == 0) continue;
+                    for (int64_t dc = 0; dc < DC8; ++dc) {
+                        vf rows[16];
+                        for (int t = 0; t < 16; ++t)
+                            rows[t] = _mm512_castsi512_ps(_mm512_loadu_si512((const void *)((const char *)kp[sub] + t * kstride[sub] + 64 * dc)));
+                        vtranspose(rows);
+                        for (int k = 0; k < 16; ++k) _mm512_store_ps((float *)(KT8[sub] + (dc * 16 + k) * 16), rows[k]);
+                    }
+                }
             /* values as key pairs: VP[half][slice][pair] = 16 dwords (two keys' bf16 per dim) */
             for (int64_t g = 0; g < AMX_GROUP; g += 2) {
                 const int sub = (int)(g >> 4), t = (int)(g & 15);
@@ -1042,7 +1122,33 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                 const int64_t r0 = 16 * p;
                 if (r0 + N <= r_first) continue; /* no row of this pass sees these chunks */
                 const uint32_t *qt = QT + (hh * passes + p) * qt_unit;
-                for (int sub = 0; sub < SUB; ++sub) {
+                for (int sub = 0; sub < SUB && I8; ++sub) {
+                    if (ns[sub] == 0) continue;
+                    if (ST_I8) { /* S^T = K Q^T: tiles 0 (keys), 1 (Q^T), 2 */
+                        _tile_zero(2);
+                        for (int64_t dc = 0; dc < DC8; ++dc) {
+                            _tile_loadd(0, (const char *)kp[sub] + 64 * dc, kstride[sub]);
+                            _tile_loadd(1, qt + dc * 16 * NQ, 4 * NQ);
+                            _tile_dpbssd(2, 0, 1);
+                        }
+                        _tile_stored(2, ST8[sub], 64);
+                    } else { /* S = Q K^T: tiles 3, 4 (q1, q2 rows), 5 (K^T), 6, 7 (their sums) */
+                        _tile_zero(6);
+                        _tile_zero(7);
+                        for (int64_t dc = 0; dc < DC8; ++dc) {
+                            _tile_loadd(3, (const int8_t *)qt + 64 * dc, D8);
+                            _tile_loadd(4, (const int8_t *)qt + N * D8 + 64 * dc, D8);
+                            _tile_loadd(5, KT8[sub] + dc * 256, 64);
+                            _tile_dpbssd(6, 3, 5);
+                            _tile_dpbssd(7, 4, 5);
+                        }
+                        _tile_stored(6, S8[0][sub], 64);
+                        _tile_stored(7, S8[1][sub], 64);
+                    }
+                    amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_REPACK + (sub + 1) * (AMX_PF_SCORES - AMX_PF_REPACK) / SUB,
+                                      stride_bytes, row_bytes);
+                }
+                for (int sub = 0; sub < SUB && !I8; ++sub) {
                     if (ns[sub] == 0) continue;
                     _tile_zero(2);
                     for (int64_t dc = 0; dc < DC; ++dc) {
@@ -1056,7 +1162,7 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                 }
                 /* scores of row r0 + j: column j of each S^T */
                 vf cols[SUB][16];
-                if (N > 4)
+                if (N > 4 && !I8)
                     for (int sub = 0; sub < SUB; ++sub) {
                         if (ns[sub] == 0) continue;
                         for (int t = 0; t < 16; ++t) cols[sub][t] = vload(ST[sub] + 16 * t);
@@ -1082,8 +1188,17 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                             s[sub] = vzero();
                             continue;
                         }
-                        s[sub] = vmul(N > 4 ? cols[sub][j] : _mm512_i32gather_ps(gather_n, ST[sub] + j, 4), vscale);
-                        if (I8) s[sub] = vmul(s[sub], vload(ksv[sub]));
+                        if (I8) { /* q1 and q2 sums: columns j and N + j of S^T, or rows j of S */
+                            const __m512i c1 = ST_I8 ? _mm512_i32gather_epi32(gather_n, ST8[sub] + j, 4)
+                                                     : _mm512_load_si512((const void *)(S8[0][sub] + 16 * j));
+                            const __m512i c2 = ST_I8 ? _mm512_i32gather_epi32(gather_n, ST8[sub] + N + j, 4)
+                                                     : _mm512_load_si512((const void *)(S8[1][sub] + 16 * j));
+                            s[sub] = vmul(vfmadd(_mm512_cvtepi32_ps(c1), vset1(254.0f), _mm512_cvtepi32_ps(c2)),
+                                          vset1(qrow[hh * R + row]));
+                            s[sub] = vmul(s[sub], vload(ksv[sub]));
+                        } else {
+                            s[sub] = vmul(N > 4 ? cols[sub][j] : _mm512_i32gather_ps(gather_n, ST[sub] + j, 4), vscale);
+                        }
                         top = vmax(top, vselect(mask[sub], s[sub], vset1(-INFINITY)));
                     }
                     const float block_max = vmaxall(top);
@@ -1172,6 +1287,15 @@ static int amx_attention_probe(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 static int amx_attention_on = -1; /* -1: not probed yet */
+/* The int8 part of the tile unit (the int8 cache's scores), beside the bfloat16 one */
+static int amx_int8_unit(void) {
+    static int on = -1;
+    if (on < 0) {
+        unsigned a, b, c, d;
+        on = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+    }
+    return on;
+}
 #endif
 
 #define DISPATCH_NSUB(TILE_FN, CH_VALUE, NSUB_VALUE)                                               \
@@ -1535,19 +1659,19 @@ int set_attention_amx(int on) {
     return amx_attention_on;
 }
 /* bfloat16 queries over a cache of T: the tiles where they run, else the vector kernels */
-#define DEFINE_AMX_DISPATCH(NAME, T)                                                              \
+#define DEFINE_AMX_DISPATCH(NAME, T, UNIT)                                                        \
 void NAME(const bf16_t *q, int64_t q_stride, const T *k_cache, const T *v_cache,                  \
           const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,                \
           int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,        \
           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,                \
           int32_t split_heads, bf16_t *out) {                                                     \
-    const int amx = head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx();       \
+    const int amx = head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx() && (UNIT); \
     (amx ? NAME##_amx : NAME##_vector)(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables,  \
                                        table_stride, tiles, num_tiles, num_heads, num_kv_heads,   \
                                        head_dim, block_size, scale, split_heads, out);            \
 }
-DEFINE_AMX_DISPATCH(paged_attention_bf16, bf16_t)
-DEFINE_AMX_DISPATCH(paged_attention_bf16_i8, kv8_t)
+DEFINE_AMX_DISPATCH(paged_attention_bf16, bf16_t, 1)
+DEFINE_AMX_DISPATCH(paged_attention_bf16_i8, kv8_t, amx_int8_unit())
 #else
 DEFINE_ENTRY(paged_attention_bf16, bf16_t, bf16_t, tile_bf16)
 DEFINE_ENTRY(paged_attention_bf16_i8, bf16_t, kv8_t, tile_bf16_i8)
