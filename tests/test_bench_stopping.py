@@ -137,15 +137,20 @@ def test_a_coroutine_started_after_the_signal_does_not_run():
 
 
 def _stuck_program(watchdog_s: float) -> str:
-    """A bench that ignores every interrupt, with a registered server group (a sleep)."""
+    """A bench that ignores every interrupt, with a registered server group (a sleep). It says
+    it is ready inside the loop that swallows the interrupts, so a signal that comes at once
+    cannot end it before it is stuck."""
     return f"""
         stopping.WATCHDOG_S = {watchdog_s}
-        server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        server = subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL)
         stopping.register_group(server.pid)
         print("server", server.pid, flush=True)
-        ready()
+        said = False
         while True:
             try:
+                if not said:
+                    said = True
+                    ready()
                 time.sleep(600)
             except KeyboardInterrupt:
                 pass  # stuck: nothing unwinds
