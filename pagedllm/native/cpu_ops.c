@@ -925,7 +925,8 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
     int32_t S8[2][SUB][16 * 16] __attribute__((aligned(64)));     /* S: q1 and q2 sums, [N][16 keys] */
     uint32_t KT8[SUB][(AMX_MAX_HEAD_DIM / 64) * 16 * 16] __attribute__((aligned(64))); /* codes as [dim quad][16 keys] */
     float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [nh][R][D], dims in AMX_DIM order */
-    float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[16];
+    float run_max[MAX_ROWS], run_sum[MAX_ROWS], rsum[16];
+    float corr[16] __attribute__((aligned(64))), dmax[16] __attribute__((aligned(64)));
     float ST[SUB][16 * 16] __attribute__((aligned(64)));       /* S^T per chunk, 64-byte rows */
     bf16_t P[16 * AMX_GROUP] __attribute__((aligned(64)));     /* [N][64 keys] */
     uint32_t VP[2 * (AMX_MAX_HEAD_DIM / 16) * 16 * 16] __attribute__((aligned(64))); /* [half][slice][pair][16] */
@@ -1188,7 +1189,7 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                     const int64_t row = r0 + j;
                     bf16_t *prow = P + j * AMX_GROUP;
                     if (row >= R || row < r_first) { /* sees none of these keys */
-                        corr[j] = 1.0f;
+                        dmax[j] = 0.0f; /* corr 1 */
                         for (int g = 0; g < AMX_GROUP; g += 32) _mm512_store_si512((void *)(prow + g), _mm512_setzero_si512());
                         continue;
                     }
@@ -1219,7 +1220,7 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                     }
                     const float block_max = vmaxall(top);
                     const float new_max = block_max > maxh[row] ? block_max : maxh[row];
-                    corr[j] = expf(maxh[row] - new_max);
+                    dmax[j] = maxh[row] - new_max; /* -inf on a row's first keys */
                     const vf shift = vset1(new_max);
                     vf sum = vzero();
                     for (int sub = 0; sub < SUB; ++sub) {
@@ -1230,8 +1231,15 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                     }
                     amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_SCORES + (j + 1) * (AMX_PF_SOFTMAX - AMX_PF_SCORES) / N,
                                       stride_bytes, row_bytes);
-                    sumh[row] = sumh[row] * corr[j] + vsum(sum);
+                    rsum[j] = vsum(sum);
                     maxh[row] = new_max;
+                }
+                /* the rows' corrections in one exp (-inf: 0 to within float's range, and it
+                   only ever scales zeros) */
+                vstore(corr, vexp4(_mm512_maskz_load_ps(vfirst(N), dmax)));
+                for (int j = 0; j < N; ++j) {
+                    const int64_t row = r0 + j;
+                    if (row < R && row >= r_first) sumh[row] = sumh[row] * corr[j] + rsum[j];
                 }
                 /* acc = acc * corr + P V, two 16-dim slices at a time (tiles 6 and 7: tiles are
                    not renamed, so one accumulator would put every slice in one chain) */
