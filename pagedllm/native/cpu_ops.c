@@ -454,38 +454,26 @@ static inline vf vhadamard_lanes(vf x) {
 
 #define CH_MAX (MAX_HEAD_DIM / VW)
 
-/* exp(x) for x <= 0 (softmax arguments): 2^k * 2^f, f in [-1/2, 1/2], with a
-   degree-6 polynomial for 2^f (relative error below 3e-7). */
-static inline vf vexp(vf x) {
+/* exp(x) for x <= 0 (softmax arguments): 2^k * e^f, f in [-ln2/2, ln2/2], with the Taylor
+   polynomial of e^f to the given degree (a constant: the loop unrolls). */
+static inline __attribute__((always_inline)) vf vexp_degree(vf x, const int degree) {
+    static const float coef[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
     x = vmax(x, vset1(-87.0f));
     const vf t = vmul(x, vset1(1.44269504088896341f));
     const vf k = vround_int(t);
     const vf f = vmul(vsub(t, k), vset1(0.693147180559945f));
-    vf p = vset1(1.0f / 720.0f);
-    p = vfmadd(p, f, vset1(1.0f / 120.0f));
-    p = vfmadd(p, f, vset1(1.0f / 24.0f));
-    p = vfmadd(p, f, vset1(1.0f / 6.0f));
-    p = vfmadd(p, f, vset1(0.5f));
-    p = vfmadd(p, f, vset1(1.0f));
-    p = vfmadd(p, f, vset1(1.0f));
+    vf p = vset1(coef[6 - degree]);
+    for (int i = 7 - degree; i < 7; ++i) p = vfmadd(p, f, vset1(coef[i]));
     return vscale2(p, k);
 }
 
-/* exp to within 6e-5 relative (degree 4 on [-ln2/2, ln2/2], against vexp's degree 6): for
-   the tile kernels' softmax weights, which enter the value product rounded to bfloat16
-   (2e-3), so the shorter polynomial costs no accuracy that survives the rounding */
-static inline vf vexp4(vf x) {
-    x = vmax(x, vset1(-87.0f));
-    const vf t = vmul(x, vset1(1.44269504088896341f));
-    const vf k = vround_int(t);
-    const vf f = vmul(vsub(t, k), vset1(0.693147180559945f));
-    vf p = vset1(1.0f / 24.0f);
-    p = vfmadd(p, f, vset1(1.0f / 6.0f));
-    p = vfmadd(p, f, vset1(0.5f));
-    p = vfmadd(p, f, vset1(1.0f));
-    p = vfmadd(p, f, vset1(1.0f));
-    return vscale2(p, k);
-}
+/* degree 6: relative error below 3e-7 */
+static inline vf vexp(vf x) { return vexp_degree(x, 6); }
+
+/* degree 4: within 6e-5 relative. For the tile kernels' softmax weights, which enter the
+   value product rounded to bfloat16 (2e-3), so the shorter polynomial costs no accuracy
+   that survives the rounding. */
+static inline vf vexp4(vf x) { return vexp_degree(x, 4); }
 
 static inline vf vexp_any(vf x) { /* exp for any x: overflow gives inf, underflow 0 */
     return vexp(vmin(x, vset1(88.7f)));
