@@ -27,6 +27,7 @@ QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 # packed-weight activations per 32-block: two int8 levels (16-bit fixed point) or one
 QUANT_ACTIVATIONS = ("int16", "int8")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the per-step token budget when max_num_batched_tokens is None
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 # Tokens of growth per running sequence kept free when admitting (one block at
 # the default block size); measured in docs/benchmarks.md, "KV memory audit".
@@ -225,6 +226,12 @@ class EngineConfig:
             raise ConfigError(
                 f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}"
             )
+
+    @property
+    def step_token_budget(self) -> int:
+        """The most tokens one step schedules: ``max_num_batched_tokens``, else 2,048 or
+        ``max_num_seqs`` where that is larger."""
+        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
     @property
     def swap_space(self) -> float:

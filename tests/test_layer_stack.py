@@ -8,6 +8,8 @@ q/k/v/o biases. Where a step is one the stack does not take, the modules run.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from tiny_models import save_tiny_llama
@@ -132,6 +134,23 @@ def test_bfloat16_stack_equals_the_modules_bit_for_bit(tiny_dir, biased_dir, mon
         assert llm.llm_engine.worker.kv_cache.layers[0][0].dtype == want_cache
     assert runs[0] > 20
     assert results[0] == results[1]
+
+
+@needs_kernels
+def test_prefault_reserves_the_largest_steps_activations(tiny_dir, monkeypatch):
+    # kv_cache_prefault makes the stack's activations for the step budget (64 tokens here)
+    # resident at start-up, so no step maps fresh pages; the outputs are the same bits
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    lazy = _llm(tiny_dir, monkeypatch, True)
+    assert lazy.llm_engine.worker.model.layer_stack._scratch.numel() == 0  # grown by the first step
+    llm = _llm(tiny_dir, monkeypatch, True, kv_cache_prefault=True)
+    stack = llm.llm_engine.worker.model.layer_stack
+    needed = stack._scratch_floats(ctypes.addressof(stack._stack), 64)
+    assert needed > stack._scratch_floats(ctypes.addressof(stack._stack), 63)
+    assert stack._scratch.numel() >= needed
+    address = stack._scratch.data_ptr()
+    assert _results(llm, params) == _results(lazy, params)
+    assert stack._scratch.data_ptr() == address  # no step needed a larger one
 
 
 @needs_kernels

@@ -173,10 +173,9 @@ class LLMEngine:
             block_nbytes=layout_nbytes(layout),
             tier_times=self.worker.tier_times,
         )
-        budget = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget,
+            max_num_batched_tokens=config.step_token_budget,
             max_model_len=self.max_model_len,
             preemption_mode=config.preemption_mode,
             kv_policy=config.kv_policy,

@@ -225,6 +225,14 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack = layer_stack(self)  # every layer in one native call, where all its kernels are native
         self._bound = True
 
+    def reserve_activations(self, rows: int) -> None:
+        """Make the native layer stack's activations for a ``rows``-row step resident now (where
+        the stack runs; see :meth:`LayerStack.reserve`)."""
+        if not self._bound:
+            self.bind_kernels()
+        if self.layer_stack is not None:
+            self.layer_stack.reserve(rows)
+
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / to_empty(): the packed weights and kernel choices are stale
         self._bound = False

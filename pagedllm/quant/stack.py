@@ -178,6 +178,14 @@ class LayerStack:
         # and mapped on every step.
         self._scratch = torch.empty(0, dtype=torch.float32)
 
+    def reserve(self, rows: int) -> None:
+        """Hold the activations of a ``rows``-row step now, every page resident (zero-filled), so
+        the first large step does not pay for mapping tens of megabytes page by page."""
+        needed = self._scratch_floats(ctypes.addressof(self._stack), rows)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(0, dtype=torch.float32)  # the old one freed first
+            (self._scratch,) = host_memory.host_tensors([((needed,), torch.float32)], zero=True)
+
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> bool:
         """Point the layers at this KV cache (8-bit, or of the activations' dtype); False where the
         modules' path must run."""

@@ -40,7 +40,7 @@ from pagedllm.distributed import (
 )
 from pagedllm.errors import EngineDeadError
 from pagedllm.step import StepInput, StepResult
-from pagedllm.worker.worker import DEFAULT_MAX_NUM_BATCHED_TOKENS, Worker, resolve_device
+from pagedllm.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger("pagedllm")
 
@@ -117,7 +117,7 @@ def _attach_shared_memory(worker: Worker, tp: TensorParallelGroup) -> None:
     if worker.device.type != "cpu":
         return
     config, model = worker.config, worker.model_config
-    tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    tokens = config.step_token_budget
     width = model.hidden_size
     if config.quantization == "gguf":
         width = max(width, model.intermediate_size, model.num_heads * model.head_dim)

@@ -25,7 +25,11 @@ import numpy as np
 import torch
 
 from pagedllm.attention.base import get_attention_backend
-from pagedllm.config import DEFAULT_CUDA_KV_HOST_CACHE_MEMORY, EngineConfig
+from pagedllm.config import (  # noqa: F401 (re-exported)
+    DEFAULT_CUDA_KV_HOST_CACHE_MEMORY,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+)
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.errors import ConfigError
 from pagedllm.kv import kv_format, memory_budget
@@ -61,7 +65,6 @@ from pagedllm.worker.input_batch import BatchChunk, InputBatch, SeqState
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_CPU_KV_MEMORY = 4 * 2**30
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def resolve_device(name: str) -> torch.device:
@@ -208,7 +211,7 @@ class Worker:
     def _kv_memory_for_utilization(self, utilization: float) -> int:
         mc, cfg = self.model_config, self.config
         reserve = memory_budget.activation_reserve_bytes(
-            num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, cfg.max_num_seqs),
+            num_batched_tokens=self.config.step_token_budget,
             max_num_seqs=cfg.max_num_seqs, hidden_size=mc.hidden_size,
             intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size,
         )
@@ -229,6 +232,12 @@ class Worker:
             num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks,
             prefault=self.config.kv_cache_prefault, **self._kv_shape(),
         )
+        if self.config.kv_cache_prefault and self.device.type == "cpu":
+            # the largest step's activations resident too, as the pools are: its first run then
+            # maps no fresh pages (about 67 MB for the default model's 2,048-token chunks)
+            reserve = getattr(self.model, "reserve_activations", None)
+            if reserve is not None:
+                reserve(self.config.step_token_budget)
         if self.tp.size > 1 and self.config.kv_cache_dir is not None and self.config.enable_prefix_caching:
             mc = self.model_config  # the disk tier: whole blocks through rank 0
             self.block_shards = BlockShards(self.tp, block_layout(self.kv_cache.block_tensors()),
