@@ -121,7 +121,8 @@ class EngineConfig:
     so that they are resident from the start instead of growing the process
     block by block as they are first used (``pagedllm serve`` turns it on), and
     on 2 MiB pages where Linux grants them (faster decode attention; see
-    pagedllm/native/host_memory.py).
+    pagedllm/native/host_memory.py); on the CPU the native layer stack's
+    activations for a step of ``step_token_budget`` tokens are made resident too.
     """
 
     model: str | None = None
