@@ -47,6 +47,12 @@ DEFAULT_CUDA_KV_HOST_CACHE_MEMORY = 4 * GIB
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+def step_token_budget(max_num_batched_tokens: int | None, max_num_seqs: int) -> int:
+    """The most tokens one step schedules: ``max_num_batched_tokens``, else 2,048 or
+    ``max_num_seqs`` where that is larger (a step can then decode every running sequence)."""
+    return max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+
+
 def _choice(name: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
@@ -230,9 +236,8 @@ class EngineConfig:
 
     @property
     def step_token_budget(self) -> int:
-        """The most tokens one step schedules: ``max_num_batched_tokens``, else 2,048 or
-        ``max_num_seqs`` where that is larger."""
-        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        """The most tokens one step schedules (see :func:`step_token_budget`)."""
+        return step_token_budget(self.max_num_batched_tokens, self.max_num_seqs)
 
     @property
     def swap_space(self) -> float:

@@ -370,7 +370,8 @@ def settings_from_args(args: argparse.Namespace, workload: Workload) -> ServerSe
 def server_settings(args: argparse.Namespace, max_model_len: int) -> ServerSettings:
     """The engine options of ``args`` for servers of ``max_model_len`` tokens."""
     from pagedllm.bench.peers import resolve_dtype_name
-    from pagedllm.engine.llm_engine import DEFAULT_CPU_KV_MEMORY, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from pagedllm.config import step_token_budget
+    from pagedllm.engine.llm_engine import DEFAULT_CPU_KV_MEMORY
     from pagedllm.models.paths import model_display_name, resolve_model_path
 
     return ServerSettings(
@@ -380,9 +381,7 @@ def server_settings(args: argparse.Namespace, max_model_len: int) -> ServerSetti
         max_model_len=max_model_len,
         kv_cache_bytes=args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=(
-            args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
-        ),
+        max_num_batched_tokens=step_token_budget(args.max_num_batched_tokens, args.max_num_seqs),
         enable_prefix_caching=args.enable_prefix_caching,
     )
 
