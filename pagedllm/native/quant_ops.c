@@ -1424,6 +1424,45 @@ TARGET_AMX_BF16 static inline __m256i silu_mul_outputs(__m512 gate, __m512 up) {
     return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, u));
 }
 
+/* Rows of a finished 2 x 2 (outputs n0 .. of rows r0 ..) whose float32 sums wait to be rounded
+ * and written. The dense kernel leaves each pair's epilogue here and does it a few rows at a
+ * time inside the next pair's block loop, where the vector work runs beside the tile products
+ * instead of after them; every output gets the same operations as written at once. */
+#ifndef DENSE_BF16_PENDING_ROWS
+#define DENSE_BF16_PENDING_ROWS 4 /* rows written per block of the next 2 x 2 */
+#endif
+typedef struct {
+    float sums[4 * 256] __attribute__((aligned(64))); /* row tile i: group 0 at 512 i, group 1 at 512 i + 256 */
+    __m512 bias[2];
+    uint16_t *y;
+    float *yf;
+    int64_t N, r0, n0, num, done; /* rows [0, num) of the pair; those before `done` are written */
+    __mmask32 mask;
+    int two, has_bias, glu;
+} Bf16Pending;
+
+/* Write the pending rows up to `upto` (the rest stay pending). */
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void pending_rows(Bf16Pending *p, int64_t upto) {
+    if (upto > p->num) upto = p->num;
+    for (; p->done < upto; p->done++) {
+        const int64_t row = p->done, at = p->r0 + row;
+        const float *s = p->sums + 512 * (row >> 4) + 16 * (row & 15);
+        __m512 lo = _mm512_load_ps(s), hi = p->two ? _mm512_load_ps(s + 256) : lo;
+        if (p->has_bias) lo = _mm512_add_ps(lo, p->bias[0]), hi = _mm512_add_ps(hi, p->bias[1]);
+        if (p->glu) {
+            _mm256_mask_storeu_epi16((void *)(p->y + at * p->N + p->n0), (__mmask16)p->mask, silu_mul_outputs(lo, hi));
+            continue;
+        }
+        if (p->yf) {
+            float *dst = p->yf + at * p->N + p->n0;
+            _mm512_mask_storeu_ps(dst, (__mmask16)p->mask, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(lo)));
+            _mm512_mask_storeu_ps(dst + 16, (__mmask16)(p->mask >> 16), _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(hi)));
+            continue;
+        }
+        _mm512_mask_storeu_epi16((void *)(p->y + at * p->N + p->n0), p->mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
 /* Row tiles a0 and a1 (NULL: none; rows lda inputs apart) times the panels of two consecutive
  * groups, p0 and the one after it in memory (two = 0: the first only): 2 x 2 tiles of sums, so
  * each tile loaded serves two products, over blocks [b0, b1) (partial: the sums of the blocks
@@ -1436,7 +1475,7 @@ TARGET_AMX_BF16 static inline __m256i silu_mul_outputs(__m512 gate, __m512 up) {
 TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
     const uint16_t *p0, int two, const uint16_t *a0, const uint16_t *a1, int64_t blocks, int64_t lda,
     const __m512 *bias, uint16_t *y, int64_t N, int64_t r0, int64_t rows, int64_t n0, __mmask32 mask, float *sums,
-    int64_t b0, int64_t b1, float *partial, float *yf, int glu) {
+    int64_t b0, int64_t b1, float *partial, float *yf, int glu, Bf16Pending *pend) {
     const uint16_t *p1 = p0 + 512 * blocks;
     if (b0 == 0) {
         _tile_zero(0);
@@ -1462,12 +1501,26 @@ TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
             _tile_dpbf16ps(2, 5, 6);
             if (two) _tile_dpbf16ps(3, 5, 7);
         }
+        if (pend && pend->done < pend->num) pending_rows(pend, pend->done + DENSE_BF16_PENDING_ROWS);
     }
     if (b1 < blocks) { /* more blocks to come: keep the sums (exactly: float32 in, float32 out) */
         _tile_stored(0, partial, 64);
         if (two) _tile_stored(1, partial + 256, 64);
         if (a1) _tile_stored(2, partial + 512, 64);
         if (a1 && two) _tile_stored(3, partial + 768, 64);
+        return;
+    }
+    if (pend) { /* this 2 x 2's epilogue waits for the next one's block loop */
+        pending_rows(pend, pend->num); /* the previous one's rows that its loop did not reach */
+        _tile_stored(0, pend->sums, 64);
+        if (two) _tile_stored(1, pend->sums + 256, 64);
+        if (a1) _tile_stored(2, pend->sums + 512, 64);
+        if (a1 && two) _tile_stored(3, pend->sums + 768, 64);
+        pend->has_bias = bias != 0;
+        if (bias) pend->bias[0] = bias[0], pend->bias[1] = bias[1];
+        pend->y = y, pend->yf = yf, pend->N = N, pend->r0 = r0, pend->n0 = n0, pend->mask = mask;
+        pend->two = two, pend->glu = glu, pend->done = 0;
+        pend->num = rows - r0 < (a1 ? 32 : 16) ? rows - r0 : (a1 ? 32 : 16);
         return;
     }
     for (int64_t i = 0; i < (a1 ? 2 : 1); i++) {
@@ -1548,7 +1601,7 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
             if (count > 16) bf16_panel(q, d, m, n0 + 16, count - 16, Kp, bits, r, zero, panel + blocks * 512);
             for (int64_t t0 = 0; t0 < tiles; t0 += 2)
                 amx_bf16_2x2(panel, count > 16, bf16_rows_tile(&in, t0), t0 + 1 < tiles ? bf16_rows_tile(&in, t0 + 1) : 0,
-                             blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0, 0, 0);
+                             blocks, Kp, 0, y, N, 16 * t0, rows, n0, mask, sums, 0, blocks, 0, 0, 0, 0);
         }
         if (panel) _tile_release();
         free(panel);
@@ -1586,10 +1639,11 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
 /* Row tiles [t_start, t_end) of y times group pair gp of the dense weight w, K-blocked (see
  * DENSE_BF16_K_BLOCKS; partial: a thread's buffer of 4 sum tiles per row-tile pair). With glu
  * the pair is a gate group and an up group, for outputs 16 gp .. of y. */
-TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uint16_t *w, int64_t blocks, int64_t Kp,
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void dense_bf16_pair(const Bf16Rows *in, const uint16_t *w, int64_t blocks, int64_t Kp,
                                                    const uint16_t *bias, uint16_t *y, int64_t N, int64_t rows,
                                                    int64_t num_groups, int64_t gp, int64_t t_start, int64_t t_end,
-                                                   int64_t k_step, float *partial, float *sums, float *yf, int glu) {
+                                                   int64_t k_step, float *partial, float *sums, float *yf, int glu,
+                                                   Bf16Pending *pend) {
     const int64_t width = glu ? 16 : 32, n0 = gp * width, count = N - n0 < width ? N - n0 : width;
     const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
     const int two = 2 * gp + 1 < num_groups;
@@ -1607,7 +1661,7 @@ TARGET_AMX_BF16 static inline void dense_bf16_pair(const Bf16Rows *in, const uin
             amx_bf16_2x2(w + 2 * gp * blocks * 512, two, bf16_rows_tile(in, t0),
                          t0 + 1 < t_end ? bf16_rows_tile(in, t0 + 1) : 0, blocks, Kp, bias ? bias_v : 0, y,
                          N, 16 * t0, rows, n0, mask, sums, k0, k0 + k_step < blocks ? k0 + k_step : blocks,
-                         partial + (t0 - t_start) / 2 * 1024, yf, glu);
+                         partial + (t0 - t_start) / 2 * 1024, yf, glu, pend);
 }
 
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias [N] bfloat16, or NULL), w a dense
@@ -1635,6 +1689,8 @@ TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, 
         float sums[2 * 16 * 16] __attribute__((aligned(64)));
         const int64_t k_step = DENSE_BF16_K_BLOCKS > 0 && DENSE_BF16_K_BLOCKS < blocks ? DENSE_BF16_K_BLOCKS : blocks;
         float *partial = k_step < blocks ? aligned_alloc(64, (size_t)((block_tiles + 1) / 2 * 1024) * 4) : 0;
+        Bf16Pending pend;
+        pend.num = pend.done = 0;
         amx_bf16_configure();
         /* each thread its own share of the outputs (its slice of the weight stays in its L2), and
          * every row block through it in turn */
@@ -1649,16 +1705,21 @@ TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, 
                 const int64_t start = rb * block_tiles, end = start + block_tiles < tiles ? start + block_tiles : tiles;
                 if (!wide) {
                     for (int64_t gp = c0; gp < c1; gp++)
-                        dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, start, end, k_step,
-                                        partial, sums, yf, glu);
+                        if (glu) /* apart, so the plain products' loop has no pending rows to look at */
+                            dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, start, end, k_step,
+                                            partial, sums, yf, 1, &pend);
+                        else
+                            dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, start, end, k_step,
+                                            partial, sums, yf, 0, 0);
                 } else { /* each row pair through the chunk's outputs: 32 rows write at a time, not 256 */
                     for (int64_t t0 = start; t0 < end; t0 += 2)
                         for (int64_t gp = c0; gp < c1; gp++)
                             dense_bf16_pair(&in, w, blocks, Kp, bias, y, N, rows, num_groups, gp, t0,
-                                            t0 + 2 < end ? t0 + 2 : end, k_step, partial, sums, yf, glu);
+                                            t0 + 2 < end ? t0 + 2 : end, k_step, partial, sums, yf, glu, 0);
                 }
             }
         }
+        pending_rows(&pend, pend.num); /* the last pair's rows */
         _tile_release();
         free(partial);
     }
