@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig  # noqa: F401 (re-exported)
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, Sequence
@@ -35,7 +35,6 @@ from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.worker.worker import (  # noqa: F401  (re-exported: the defaults and resolvers are imported from here)
     DEFAULT_CPU_KV_MEMORY,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     Worker,
     apply_memory_ops,
     resolve_device,

@@ -1130,17 +1130,9 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                 const int64_t r0 = 16 * p;
                 if (r0 + N <= r_first) continue; /* no row of this pass sees these chunks */
                 const uint32_t *qt = QT + (hh * passes + p) * qt_unit;
-                for (int sub = 0; sub < SUB && I8; ++sub) {
+                for (int sub = 0; sub < SUB; ++sub) {
                     if (ns[sub] == 0) continue;
-                    if (ST_I8) { /* S^T = K Q^T: tiles 0 (keys), 1 (Q^T), 2 */
-                        _tile_zero(2);
-                        for (int64_t dc = 0; dc < DC8; ++dc) {
-                            _tile_loadd(0, (const char *)kp[sub] + 64 * dc, kstride[sub]);
-                            _tile_loadd(1, qt + dc * 16 * NQ, 4 * NQ);
-                            _tile_dpbssd(2, 0, 1);
-                        }
-                        _tile_stored(2, ST8[sub], 64);
-                    } else { /* S = Q K^T: tiles 3, 4 (q1, q2 rows), 5 (K^T), 6, 7 (their sums) */
+                    if (S_I8) { /* S = Q K^T: tiles 3, 4 (q1, q2 rows), 5 (K^T), 6, 7 (their sums) */
                         _tile_zero(6);
                         _tile_zero(7);
                         for (int64_t dc = 0; dc < DC8; ++dc) {
@@ -1152,19 +1144,16 @@ TARGET_AMX_ATTN static inline __attribute__((always_inline)) void tile_amx(
                         }
                         _tile_stored(6, S8[0][sub], 64);
                         _tile_stored(7, S8[1][sub], 64);
+                    } else { /* S^T = K Q^T: tiles 0 (keys, 64-byte chunks), 1 (Q^T, NQ columns), 2 */
+                        _tile_zero(2);
+                        for (int64_t dc = 0; dc < (I8 ? DC8 : DC); ++dc) {
+                            _tile_loadd(0, (const char *)kp[sub] + 64 * dc, kstride[sub]);
+                            _tile_loadd(1, qt + dc * 16 * NQ, 4 * NQ);
+                            if (I8) _tile_dpbssd(2, 0, 1);
+                            else _tile_dpbf16ps(2, 0, 1);
+                        }
+                        _tile_stored(2, I8 ? (void *)ST8[sub] : (void *)ST[sub], 64);
                     }
-                    amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_REPACK + (sub + 1) * (AMX_PF_SCORES - AMX_PF_REPACK) / SUB,
-                                      stride_bytes, row_bytes);
-                }
-                for (int sub = 0; sub < SUB && !I8; ++sub) {
-                    if (ns[sub] == 0) continue;
-                    _tile_zero(2);
-                    for (int64_t dc = 0; dc < DC; ++dc) {
-                        _tile_loadd(0, (const char *)kp[sub] + 64 * dc, kstride[sub]);
-                        _tile_loadd(1, qt + dc * 16 * N, 4 * N);
-                        _tile_dpbf16ps(2, 0, 1);
-                    }
-                    _tile_stored(2, ST[sub], 64);
                     amx_prefetch_next(nk, nv, ahead, &pf_at, AMX_PF_REPACK + (sub + 1) * (AMX_PF_SCORES - AMX_PF_REPACK) / SUB,
                                       stride_bytes, row_bytes);
                 }

@@ -1424,6 +1424,22 @@ TARGET_AMX_BF16 static inline __m256i silu_mul_outputs(__m512 gate, __m512 up) {
     return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, u));
 }
 
+/* One row's outputs n0 .. of a 2 x 2 (its float32 sums lo, hi, bias added) into row `at` of y:
+ * 32 outputs rounded to bfloat16 under `mask` (into yf: those values widened, as a float32 copy
+ * of y would hold them), or with `glu` silu(lo) * hi, 16 outputs under the mask's low half. */
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void bf16_store_row(
+    uint16_t *y, float *yf, int64_t at, int64_t N, int64_t n0, __mmask32 mask, __m512 lo, __m512 hi, int glu) {
+    if (glu) {
+        _mm256_mask_storeu_epi16((void *)(y + at * N + n0), (__mmask16)mask, silu_mul_outputs(lo, hi));
+    } else if (yf) {
+        float *dst = yf + at * N + n0;
+        _mm512_mask_storeu_ps(dst, (__mmask16)mask, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(lo)));
+        _mm512_mask_storeu_ps(dst + 16, (__mmask16)(mask >> 16), _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(hi)));
+    } else {
+        _mm512_mask_storeu_epi16((void *)(y + at * N + n0), mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
 /* Rows of a finished 2 x 2 (outputs n0 .. of rows r0 ..) whose float32 sums wait to be rounded
  * and written. The dense kernel leaves each pair's epilogue here and does it a few rows at a
  * time inside the next pair's block loop, where the vector work runs beside the tile products
@@ -1449,17 +1465,7 @@ TARGET_AMX_BF16 static inline __attribute__((always_inline)) void pending_rows(B
         const float *s = p->sums + 512 * (row >> 4) + 16 * (row & 15);
         __m512 lo = _mm512_load_ps(s), hi = p->two ? _mm512_load_ps(s + 256) : lo;
         if (p->has_bias) lo = _mm512_add_ps(lo, p->bias[0]), hi = _mm512_add_ps(hi, p->bias[1]);
-        if (p->glu) {
-            _mm256_mask_storeu_epi16((void *)(p->y + at * p->N + p->n0), (__mmask16)p->mask, silu_mul_outputs(lo, hi));
-            continue;
-        }
-        if (p->yf) {
-            float *dst = p->yf + at * p->N + p->n0;
-            _mm512_mask_storeu_ps(dst, (__mmask16)p->mask, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(lo)));
-            _mm512_mask_storeu_ps(dst + 16, (__mmask16)(p->mask >> 16), _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(hi)));
-            continue;
-        }
-        _mm512_mask_storeu_epi16((void *)(p->y + at * p->N + p->n0), p->mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        bf16_store_row(p->y, p->yf, at, p->N, p->n0, p->mask, lo, hi, p->glu);
     }
 }
 
@@ -1536,17 +1542,7 @@ TARGET_AMX_BF16 static inline __attribute__((always_inline)) void amx_bf16_2x2(
         for (int64_t row = 0; row < num; row++) {
             __m512 lo = _mm512_load_ps(sums + 16 * row), hi = two ? _mm512_load_ps(sums + 256 + 16 * row) : lo;
             if (bias) lo = _mm512_add_ps(lo, bias[0]), hi = _mm512_add_ps(hi, bias[1]);
-            if (glu) {
-                _mm256_mask_storeu_epi16((void *)(y + (first + row) * N + n0), (__mmask16)mask, silu_mul_outputs(lo, hi));
-                continue;
-            }
-            if (yf) { /* the same bfloat16 values, widened: as a float32 copy of y would hold them */
-                float *dst = yf + (first + row) * N + n0;
-                _mm512_mask_storeu_ps(dst, (__mmask16)mask, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(lo)));
-                _mm512_mask_storeu_ps(dst + 16, (__mmask16)(mask >> 16), _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(hi)));
-                continue;
-            }
-            _mm512_mask_storeu_epi16((void *)(y + (first + row) * N + n0), mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            bf16_store_row(y, yf, first + row, N, n0, mask, lo, hi, glu);
         }
     }
 }

@@ -181,10 +181,14 @@ class LayerStack:
     def reserve(self, rows: int) -> None:
         """Hold the activations of a ``rows``-row step now, every page resident (zero-filled), so
         the first large step does not pay for mapping tens of megabytes page by page."""
+        self._grow_scratch(rows, zero=True)
+
+    def _grow_scratch(self, rows: int, zero: bool) -> None:
+        """At least a ``rows``-row step's activations in ``_scratch`` (the old buffer freed first)."""
         needed = self._scratch_floats(ctypes.addressof(self._stack), rows)
         if self._scratch.numel() < needed:
-            self._scratch = torch.empty(0, dtype=torch.float32)  # the old one freed first
-            (self._scratch,) = host_memory.host_tensors([((needed,), torch.float32)], zero=True)
+            self._scratch = torch.empty(0, dtype=torch.float32)
+            (self._scratch,) = host_memory.host_tensors([((needed,), torch.float32)], zero=zero)
 
     def _bind_caches(self, kv_caches: list[tuple[Tensor, ...]]) -> bool:
         """Point the layers at this KV cache (8-bit, or of the activations' dtype); False where the
@@ -244,10 +248,7 @@ class LayerStack:
         slots = metadata.slot_mapping.contiguous()
         delta = torch.empty_like(residual)
         split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
-        needed = self._scratch_floats(ctypes.addressof(self._stack), rows)
-        if self._scratch.numel() < needed:
-            self._scratch = torch.empty(0, dtype=torch.float32)  # the old one freed first
-            (self._scratch,) = host_memory.host_tensors([((needed,), torch.float32)], zero=False)
+        self._grow_scratch(rows, zero=False)
         done = self._run(
             ctypes.addressof(self._stack), rows, residual.data_ptr(), delta.data_ptr(), positions.data_ptr(),
             cos_table.data_ptr(), sin_table.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),

@@ -25,11 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.base import get_attention_backend
-from pagedllm.config import (  # noqa: F401 (re-exported)
-    DEFAULT_CUDA_KV_HOST_CACHE_MEMORY,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    EngineConfig,
-)
+from pagedllm.config import DEFAULT_CUDA_KV_HOST_CACHE_MEMORY, EngineConfig
 from pagedllm.distributed import TensorParallelGroup
 from pagedllm.errors import ConfigError
 from pagedllm.kv import kv_format, memory_budget
