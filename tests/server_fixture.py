@@ -48,16 +48,25 @@ class ServerProcess:
     """``python -m pagedllm.cli serve`` on a free port of 127.0.0.1, as users start it."""
 
     def __init__(self, *args: str) -> None:
+        self._args = args
+        self._log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(self.port), *self._args]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 240.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
+        retries = 3  # free_port() closes its probe, so another process can take the port before the server binds it
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if retries and f"cannot serve on 127.0.0.1:{self.port}: Address already in use" in self.log():
+                    retries -= 1
+                    self._start()
+                    continue
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:

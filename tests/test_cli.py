@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
 from pagedllm.cli import build_parser, engine_config_from_args, parse_size
@@ -52,6 +57,54 @@ def test_bad_flags_fail_fast_with_a_clear_message():
     missing = run_cli("generate", "hi", "--model", "/nonexistent/model.gguf")
     assert missing.returncode == 2 and "nonexistent" in missing.stderr
     assert "Traceback" not in bad_temp.stderr + missing.stderr
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_the_model():
+    """The address is bound first: a port another socket listens on is a clear error (exit 2)
+    before the model loads, not an uvicorn bind error after it; an unknown host likewise."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        taken = run_cli("serve", "--port", str(port), "--kv-cache-memory", "64MiB", timeout=120)
+    assert taken.returncode == 2, taken.stderr
+    assert f"cannot serve on 127.0.0.1:{port}" in taken.stderr and "--port" in taken.stderr
+    assert "engine ready" not in taken.stderr and "Traceback" not in taken.stderr
+    unknown = run_cli("serve", "--host", "no-such-host.invalid", "--kv-cache-memory", "64MiB", timeout=120)
+    assert unknown.returncode == 2 and "cannot serve on no-such-host.invalid" in unknown.stderr
+    assert "engine ready" not in unknown.stderr
+
+
+def test_serve_on_port_zero_names_the_port_it_took(tiny_default_tokenizer_model):
+    """``--port 0``: the OS picks a free port, the log line names it, and the server answers there."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "serve", str(tiny_default_tokenizer_model), "--port", "0",
+         "--kv-cache-memory", "64MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        port = None
+        deadline = time.monotonic() + 240
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, f"the server exited with {proc.wait()}"
+            match = re.search(r"serving \S+ at http://127\.0\.0\.1:(\d+)/v1", line)
+            port = int(match.group(1)) if match else None
+        assert port and port != 0
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10.0).json()
+        assert models["data"][0]["id"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.stdout.close()
+        code = proc.wait(60)
+    assert code == 0
 
 
 @pytest.mark.slow

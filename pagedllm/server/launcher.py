@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -190,6 +192,14 @@ class _Server(uvicorn.Server):
             return {}
         return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        # uvicorn announces the address only for sockets it bound itself; the socket here was
+        # bound before the model loaded, so say it the usual way ("Uvicorn running on ...").
+        announce = getattr(self, "_log_started_message", None)
+        if sockets and self.started and announce is not None:
+            announce(sockets)
+
     async def shutdown(self, sockets=None) -> None:
         reaper = asyncio.create_task(self._abort_closed_tls_connections())
         try:
@@ -223,7 +233,6 @@ class _Server(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     from pagedllm.cli import engine_config_from_args
-    from pagedllm.server.app import build_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -234,6 +243,34 @@ def run(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     config = engine_config_from_args(args)
     request_limits, server_limits = limits_from_args(args)
+    # The address is taken before the model loads: a port in use is an error in a second, not
+    # after the load, and no other process can take it meanwhile.
+    listener = listen_socket(args.host, args.port)
+    try:
+        return _serve(args, config, tls, chat_template, request_limits, server_limits, listener)
+    finally:
+        listener.close()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: one the OS picks), for uvicorn to listen on
+    (IPv6 where the host has a colon, as uvicorn binds). A host or port that cannot be bound is a
+    ConfigError that says which and why."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:  # socket.gaierror (an unknown host name) included
+        sock.close()
+        hint = "stop what holds it or pick another --port" if exc.errno == errno.EADDRINUSE else "check --host and --port"
+        raise ConfigError(f"cannot serve on {_display_host(host)}:{port}: {exc.strerror or exc}; {hint}") from None
+    return sock
+
+
+def _serve(args, config, tls, chat_template, request_limits, server_limits, listener: socket.socket) -> int:
+    from pagedllm.server.app import build_app
+
+    port = listener.getsockname()[1]
     engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting, limits=request_limits)
     served_name = args.served_model_name or engine.model_name
     app = build_app(
@@ -250,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(
         app,
         host=args.host,
-        port=args.port,
+        port=port,
         log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=max(0.0, args.drain_timeout),
         access_log=args.log_level == "debug",
@@ -265,12 +302,12 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         logger.info("serving %s at %s://%s:%d%s/v1 (OpenAI API)", served_name, scheme,
-                    _display_host(args.host), args.port, args.root_path or "")
+                    _display_host(args.host), port, args.root_path or "")
         if args.dashboard:
             logger.info("KV-cache dashboard at %s://%s:%d%s/dashboard", scheme, _display_host(args.host),
-                        args.port, args.root_path or "")
+                        port, args.root_path or "")
         try:
-            await server.serve()
+            await server.serve(sockets=[listener])
         finally:
             # uvicorn has drained or cancelled every request by now; abort leftovers, stop the thread.
             await engine.shutdown(drain_timeout=0.0)
