@@ -376,6 +376,8 @@ def test_emulated_bfloat16_is_announced_and_auto_stays_float32(monkeypatch):
         warnings.simplefilter("error")
         assert resolve_dtype("auto", cpu) == torch.float32
         assert resolve_dtype("float32", cpu) == torch.float32
+        # packed weights: the matmuls run the integer kernels, nothing to warn about
+        assert resolve_dtype("bfloat16", cpu, dense=False) == torch.bfloat16
     monkeypatch.setattr(cpu_dtype, "native_matmul", lambda dtype: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -38,8 +38,20 @@ def test_a_gguf_on_the_cpu_in_float32_defaults_to_packed_weights(tmp_path, monke
     hf_dir.mkdir()
     assert default_quantization(gguf_file, "cpu", "auto") == "gguf"
     assert default_quantization(gguf_file, "cpu", "float32") == "gguf"
-    # a 16-bit dtype asks for dense weights of that dtype; an HF directory has nothing packed
+    # a 16-bit dtype asks for dense weights of that dtype where the CPU computes it natively;
+    # an HF directory has nothing packed
+    from pagedllm.native import cpu_dtype
+
+    native = cpu_dtype.native_matmul(torch.bfloat16)
+    assert default_quantization(gguf_file, "cpu", "bfloat16") == ("none" if native else "gguf")
+    # where it would be emulated (about 20x slower), the packed weights serve it instead
+    monkeypatch.setattr(cpu_dtype, "native_matmul", lambda dtype: dtype == torch.float32)
+    assert default_quantization(gguf_file, "cpu", "bfloat16") == "gguf"
+    assert default_quantization(gguf_file, "cpu", "float16") == "gguf"
+    assert default_quantization(hf_dir, "cpu", "bfloat16") == "none"
+    monkeypatch.setattr(cpu_dtype, "native_matmul", lambda dtype: True)
     assert default_quantization(gguf_file, "cpu", "bfloat16") == "none"
+    monkeypatch.undo()
     assert default_quantization(hf_dir, "cpu", "auto") == "none"
     assert default_quantization(gguf_file, "cuda", "auto") == "none"
     # without the native kernels a packed matmul would dequantize at every call: dense instead
@@ -94,6 +106,34 @@ def test_int8_activations_are_threaded_to_every_packed_matrix(default_run):
     assert len(got) == len(default_run) and all(len(tokens) == 24 for tokens, _ in got)
     # the coarser activations reach the kernels: other logprobs than int16's
     assert any(abs(a - b) > 1e-3 for (_, a), (_, b) in zip(got, default_run, strict=True))
+
+
+@needs_kernels
+def test_bfloat16_where_the_cpu_would_emulate_it_serves_the_gguf_packed(monkeypatch, caplog):
+    """dtype="bfloat16" on a CPU without native bf16 matmuls (the probe replaced, as on an AVX2
+    machine): the GGUF loads packed, with no 20x-slowdown warning, and serves the tokens an
+    engine asked for packed bf16 explicitly serves; forced dense, the warning is back."""
+    import logging
+    import warnings
+
+    from pagedllm.native import cpu_dtype
+
+    monkeypatch.setattr(cpu_dtype, "native_matmul", lambda dtype: dtype == torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="pagedllm"):
+        warnings.simplefilter("error", RuntimeWarning)
+        llm = LLM(dtype="bfloat16", num_kv_blocks=64)
+    engine = llm.llm_engine
+    assert engine.config.quantization == "gguf" and engine.worker.dtype == torch.bfloat16
+    assert len(quantized_weights(engine.worker.model)) == 4 * 30 + 1
+    assert "packed weights' matmuls run on the native integer kernels" in caplog.text
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    del llm, engine
+    explicit = LLM(dtype="bfloat16", quantization="gguf", num_kv_blocks=64)
+    assert got == [list(o.outputs[0].token_ids) for o in explicit.generate(PROMPTS[:3], params, use_tqdm=False)]
+    del explicit
+    with pytest.warns(RuntimeWarning, match="no native bfloat16 matmul.*packed weights"):
+        LLM(dtype="bfloat16", quantization="none", num_kv_blocks=64)
 
 
 def test_an_unknown_activation_mode_is_a_config_error():

@@ -120,14 +120,23 @@ def _activation_levels(quantization: str, quant_activations: str, path: Path, de
 
 def default_quantization(path: Path, device: str, dtype: str) -> str:
     """What ``quantization=None`` means for the checkpoint at ``path``: "gguf" (its Q4_0 / Q4_1 /
-    Q8_0 tensors served packed, as llama.cpp serves them) for a GGUF file on the CPU in float32
-    where the native quantized kernels build, "none" (dense weights) everywhere else. With
-    int16 activations the packed path gives the dequantized weights' logits to within about 0.01
-    and is several times faster at batch 1 (docs/benchmarks.md, "Quantized weights")."""
+    Q8_0 tensors served packed, as llama.cpp serves them) for a GGUF file on the CPU in float32,
+    or in a 16-bit dtype that this CPU has no native matmul for (dense weights would be
+    emulated, about 20x slower; packed ones run the native integer kernels), where those kernels
+    build; "none" (dense weights) everywhere else. With int16 activations the packed path gives
+    the dequantized weights' logits to within about 0.01 and is several times faster at batch 1
+    (docs/benchmarks.md, "Quantized weights")."""
     from pagedllm.native import quant_ops
 
     on_cpu = device == "cpu" or device == "auto" and not torch.cuda.is_available()
-    if path.suffix != ".gguf" or not on_cpu or dtype not in ("auto", "float32"):
+    if path.suffix != ".gguf" or not on_cpu:
+        return "none"
+    if dtype in ("bfloat16", "float16"):
+        from pagedllm.native.cpu_dtype import native_matmul
+
+        if native_matmul(getattr(torch, dtype)):
+            return "none"  # dense 16-bit matmuls are native here (on AMX, faster than packed for batches)
+    elif dtype not in ("auto", "float32"):
         return "none"
     return "gguf" if quant_ops.available() else "none"
 

@@ -39,15 +39,24 @@ def emulated_dtype_message(dtype: torch.dtype) -> str | None:
         f"dtype={name}: this CPU ({cpu_model()}) has no native {name} matmul "
         f"(oneDNN reports none), so torch emulates it and the model's matmuls run "
         f"about 20x slower than in float32; weights and KV cache would take half the memory. "
-        f"Use dtype='float32' or 'auto' (float32 on this CPU) for speed."
+        f"Use dtype='float32' or 'auto' (float32 on this CPU) for speed, or packed weights: a GGUF "
+        f"file with quantization unset or 'gguf', or quantization='int8' / 'int4'."
     )
 
 
-def check_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
-    """Warn (a RuntimeWarning and a log line) when ``dtype`` is emulated on this CPU."""
+def check_cpu_dtype(dtype: torch.dtype, device: torch.device, dense: bool = True) -> None:
+    """Warn (a RuntimeWarning and a log line) when ``dtype`` is emulated on this CPU and the
+    model's matmuls take ``dense`` weights of it. Packed weights run the native integer kernels
+    on ``dtype`` activations (widened to float32 inside), so then a log line says so instead."""
     if device.type != "cpu":
         return
     message = emulated_dtype_message(dtype)
-    if message is not None:
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    if message is None:
+        return
+    if not dense:
+        name = str(dtype).removeprefix("torch.")
+        logger.info("dtype=%s: this CPU has no native %s matmul; the packed weights' matmuls run on the "
+                    "native integer kernels, and activations and KV cache stay %s", name, name, name)
+        return
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -72,12 +72,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, dense: bool = True) -> torch.dtype:
+    """The model's dtype for ``name``. ``dense``: its matmuls take weights of that dtype (not
+    packed ones), so a 16-bit dtype this CPU emulates is announced as the slowdown it is."""
     if name == "auto":
         # CPU: float32 keeps greedy outputs equal to the reference; bf16 is opt-in.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    check_cpu_dtype(dtype, device)  # a 16-bit dtype this CPU emulates: say so, never a silent 20x
+    check_cpu_dtype(dtype, device, dense)  # a 16-bit dtype this CPU emulates: say so, never a silent 20x
     return dtype
 
 
@@ -133,7 +135,7 @@ class Worker:
         self.config = config
         self.tp = tp if tp is not None else TensorParallelGroup()  # its own: it counts this worker's times
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, dense=(config.quantization or "none") == "none")
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         loaded = load_model(
             config.model, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
