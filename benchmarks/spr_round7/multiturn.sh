@@ -1,14 +1,4 @@
 #!/bin/bash
-# The tiered prefix cache commands of docs/benchmarks.md ("The tiered prefix cache on Sapphire Rapids with today's code"),
-# 4 and 8 turns (TURNS="8" runs one count); run from anywhere, writes the JSON beside this script.
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD
-P=$PWD/.venv/bin
-for T in ${TURNS:-4 8}; do
-$P/pagedllm bench serve --multi-turn --turns $T --user-words 48 --output-len 32 --max-concurrency 8 \
-    --conversations auto --pool-multiple 4 --dtype float32 \
-    --arm 'off=--kv-cache-memory 256MiB' \
-    --arm 'on=--kv-cache-memory 256MiB --kv-cache-dir {kv_dir}' \
-    --arm 'unlimited=--kv-cache-memory 4GiB' --restart-arm on --kv-dir-root /var/tmp \
-    --json benchmarks/spr_round7/multiturn_tiers_${T}turns.json
-done
+# docs/benchmarks.md, "The tiered prefix cache on Sapphire Rapids with today's code": the commands
+# of benchmarks/zen4_round2/multiturn.sh with the JSON written beside this script (TURNS="8": one count).
+OUT="$(dirname "$0")" exec "$(dirname "$0")/../zen4_round2/multiturn.sh"

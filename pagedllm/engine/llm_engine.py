@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig  # noqa: F401 (re-exported)
+from pagedllm.config import EngineConfig
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, Sequence

@@ -1805,7 +1805,7 @@ void hadamard_f32(float *x, int64_t rows, int64_t row_stride, int64_t heads, int
    given, every head to y [rows][y_stride] in float32. One pass over the rows. */
 void hadamard_bf16(bf16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, float scale,
                    int64_t narrow_heads, float *y, int64_t y_stride) {
-    _Pragma("omp parallel for schedule(static) if(rows * heads * head_dim >= 16384)")
+    _Pragma("omp parallel for schedule(static) if(rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)")
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
             bf16_t *v16 = x + r * row_stride + h * head_dim;
