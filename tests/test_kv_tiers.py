@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -21,7 +23,16 @@ from test_server_fuzz import make_tiny_llama
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ConfigError
 from pagedllm.kv.prefix_cache import BlockContent, hash_content
-from pagedllm.kv.tiers import MANIFEST, SUFFIX, DiskState, DiskTier, tier_key
+from pagedllm.kv.tiers import (
+    MANIFEST,
+    NUM_READERS,
+    SUFFIX,
+    DiskState,
+    DiskTier,
+    pack_block,
+    tensors_from_raw,
+    tier_key,
+)
 
 BS = 16
 LAYOUT = [((BS, 2, 4), torch.float32), ((BS, 2), torch.float16)]  # a K-like tensor and a scale-like one
@@ -40,7 +51,7 @@ def tensors(seed: int) -> list[torch.Tensor]:
 def store(tier: DiskTier, c: BlockContent, seed: int) -> bytes:
     block_hash = hash_content(c)
     ticket = tier.plan_write(block_hash, c)
-    tier.submit_write(ticket, tensors(seed))
+    tier.submit_write(ticket, pack_block(tensors(seed)))
     return block_hash
 
 
@@ -48,7 +59,7 @@ def load(tier: DiskTier, block_hash: bytes, c: BlockContent) -> list[torch.Tenso
     tier.prefetch(block_hash)
     if tier.lookup(block_hash, c) is not DiskState.READY:
         return None
-    return tier.take_claimed(tier.claim(block_hash))
+    return tensors_from_raw(tier.take_claimed(tier.claim(block_hash)), LAYOUT)
 
 
 # -- the disk tier on its own ------------------------------------------------------------
@@ -157,11 +168,86 @@ def test_the_background_threads_write_and_prefetch(tmp_path):
     tier.prefetch(block_hash)
     tier.drain()
     assert tier.lookup(block_hash, c) is DiskState.READY
-    got = tier.take_claimed(tier.claim(block_hash))
+    got = tensors_from_raw(tier.take_claimed(tier.claim(block_hash)), LAYOUT)
     assert all(torch.equal(a, b) for a, b in zip(got, tensors(3), strict=True))
     assert tier.counters.num_written_bytes > 0 and tier.counters.write_seconds > 0
     tier.check_invariants()
     tier.close()
+
+
+def busy_readers(tier: DiskTier, seconds: float) -> None:
+    """Every reader thread sleeps ``seconds`` before it takes the next load (a slow disk)."""
+    for _ in range(NUM_READERS):
+        tier._enqueue(tier._reads, time.sleep, seconds)
+
+
+def test_a_waiting_engine_sleeps_until_the_load_it_needs_is_done(tmp_path):
+    tier = DiskTier(tmp_path, KEY, LAYOUT, 1 << 20)
+    c = content(0)
+    block_hash = store(tier, c, seed=4)
+    tier.drain()
+    assert tier.wait_loaded(block_hash, timeout=5.0)  # not loading: at once
+    busy_readers(tier, 0.3)  # the readers are busy before they get to the block
+    tier.prefetch(block_hash)
+    assert tier.lookup(block_hash, c) is DiskState.LOADING
+    start = time.monotonic()
+    assert not tier.wait_loaded(block_hash, timeout=0.05)  # timed out, still loading
+    assert 0.04 <= time.monotonic() - start < 0.25
+    tier.wake()  # another thread has work for the waiter: the next wait ends at once, once
+    assert not tier.wait_loaded(block_hash, timeout=5.0)
+    assert time.monotonic() - start < 0.25
+    threading.Timer(0.05, tier.wake).start()
+    assert not tier.wait_loaded(block_hash, timeout=5.0)
+    assert time.monotonic() - start < 0.25
+    assert tier.wait_loaded(block_hash, timeout=5.0)
+    assert time.monotonic() - start >= 0.25  # woke when the load ended, not before
+    assert tier.lookup(block_hash, c) is DiskState.READY
+    tier.close()
+
+
+def _mixed_kv(num_blocks: int, seed: int) -> list[torch.Tensor]:
+    """Block tensors of every kind a KV cache holds: float32 and bfloat16 K/V, 8-bit codes, float16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(num_blocks, BS, 2, 8, generator=g),
+        torch.randn(num_blocks, BS, 2, 8, generator=g).to(torch.bfloat16),
+        torch.randint(-128, 128, (num_blocks, BS, 2, 8), generator=g, dtype=torch.int8),
+        torch.randn(num_blocks, BS, 2, 8, generator=g).to(torch.float8_e4m3fn),
+        torch.randn(num_blocks, BS, 2, generator=g).to(torch.float16),
+    ]
+
+
+def test_native_block_moves_equal_the_torch_reference():
+    from pagedllm.kv.tiers import (
+        read_blocks,
+        read_blocks_reference,
+        write_blocks,
+        write_blocks_reference,
+    )
+    from pagedllm.native import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("native CPU kernels not built here")
+    source = _mixed_kv(40, seed=1)
+    ids = random.Random(0).sample(range(40), 25)
+    want = read_blocks_reference(source, ids)
+    got = read_blocks(source, ids)
+    assert len(got) == len(want) == len(ids)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(got[3], pack_block([t[ids[3]] for t in source]))  # a raw block is its slices in order
+
+    targets = random.Random(1).sample(range(40), 25)
+    native, reference = _mixed_kv(40, seed=2), _mixed_kv(40, seed=2)
+    write_blocks(native, targets, got)
+    write_blocks_reference(reference, targets, want)
+    for a, b in zip(native, reference, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    untouched = sorted(set(range(40)) - set(targets))
+    for moved, original, fresh in zip(native, source, _mixed_kv(40, seed=2), strict=True):
+        assert torch.equal(moved[targets].view(torch.uint8), original[ids].view(torch.uint8))
+        assert torch.equal(moved[untouched].view(torch.uint8), fresh[untouched].view(torch.uint8))
+    with pytest.raises(AssertionError, match="outside"):
+        write_blocks(native, [40], got[:1])
 
 
 def test_tier_options_are_checked():
@@ -258,6 +344,34 @@ def test_disk_tier_serves_evicted_prefixes_and_a_restart(tiny_dir, reference, tm
     assert out.num_cached_tokens == PREFIX_LEN
     restarted.llm_engine.block_manager.check_invariants()
     restarted.llm_engine.shutdown()
+
+
+def test_a_restarted_engine_waits_for_its_prefix_without_polling(tiny_dir, reference, tmp_path):
+    llm = tiny_llm(tiny_dir, kv_cache_dir=str(tmp_path))
+    assert run_turns(llm, turns=(0,)) == reference[:NUM_CONVERSATIONS]
+    llm.llm_engine.shutdown()
+
+    restarted = tiny_llm(tiny_dir, kv_cache_dir=str(tmp_path))
+    engine = restarted.llm_engine
+    start = time.monotonic()
+    for c in (0, 1):  # a slow disk: r0's prefix is in memory after 0.15 s, r1's after 0.3 s
+        busy_readers(engine.disk_tier, 0.15)
+        engine.add_request(f"r{c}", conversation_prompts(1)[c], GREEDY)
+    num_steps, first_step, tokens = 0, {}, {}
+    while engine.has_unfinished_requests():
+        num_steps += 1
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+            first_step.setdefault(out.request_id, num_steps)
+    # The steps before the first token slept until the prefixes were in memory (no 1 ms
+    # polling), and both requests, which came in together, ran their first step together:
+    # r0 waited for r1's loads (well within its 0.5 s wait) instead of stepping alone.
+    assert first_step["r0"] == first_step["r1"] <= 4
+    assert time.monotonic() - start >= 0.3
+    assert [tokens["r0"], tokens["r1"]] == reference[NUM_CONVERSATIONS : NUM_CONVERSATIONS + 2]
+    assert restarted.kv_cache_stats().tier("disk").num_hit_tokens == 2 * PREFIX_LEN
+    engine.block_manager.check_invariants()
+    engine.shutdown()
 
 
 def test_corrupt_and_truncated_files_are_misses(tiny_dir, reference, tmp_path):

@@ -65,9 +65,9 @@ class TieredMachine(BlockManagerMachine):
                 elif op.kind in (MemoryOpKind.DISK_TIER_OUT, MemoryOpKind.HOST_TIER_TO_DISK):
                     kv = self.device_kv if op.kind is MemoryOpKind.DISK_TIER_OUT else self.cpu_kv
                     tokens = [kv.get(src * BS + o, EMPTY) for o in range(BS)]
-                    self.disk.submit_write(dst, [torch.tensor(tokens, dtype=torch.int64)])
+                    self.disk.submit_write(dst, torch.tensor(tokens, dtype=torch.int64).view(torch.uint8))
                 elif op.kind is MemoryOpKind.DISK_TIER_IN:
-                    (tokens,) = self.disk.take_claimed(src)
+                    tokens = self.disk.take_claimed(src).view(torch.int64)
                     for offset, token in enumerate(tokens.tolist()):
                         self.device_kv.pop(dst * BS + offset, None)
                         if token != EMPTY:

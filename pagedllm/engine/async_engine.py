@@ -339,6 +339,7 @@ class AsyncLLMEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._interrupt_step()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     def _open_stream(self, request_id: str) -> RequestStream:
@@ -368,6 +369,13 @@ class AsyncLLMEngine:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
+        self._interrupt_step()
+
+    def _interrupt_step(self) -> None:
+        """A step sleeping on a disk-tier load returns now, so that new commands are applied."""
+        interrupt = getattr(self.engine, "interrupt_wait", None)
+        if interrupt is not None:
+            interrupt()
 
     # -- engine thread -------------------------------------------------------------
     def _run(self) -> None:

@@ -411,6 +411,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def interrupt_wait(self) -> None:
+        """Thread-safe: a step() sleeping on a disk-tier load returns now (a new request has
+        come in, whose own prefix loads must start at once)."""
+        self.scheduler.interrupt_prefetch_wait()
+
     # ---- one iteration ----------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -418,9 +423,9 @@ class LLMEngine:
             return self._step_overlapped()
         out = self.scheduler.schedule()
         touched: dict[str, Request] = {r.request_id: r for r in out.failed}
-        if out.is_empty and self.disk_tier is not None and self.scheduler.waiting:
-            time.sleep(0.001)  # a waiting request's prefix is loading from disk: not a busy spin
-        if not out.is_empty:
+        if out.is_empty:
+            self.scheduler.wait_for_prefetch()  # a waiting request's prefix is loading from disk
+        else:
             result = self.executor.execute(self.steps.build(out))
             self.scheduler.on_step_computed(out)
             for request in self.processor.process(out, result):
@@ -466,6 +471,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         touched.update((r.request_id, r) for r in out.failed)
         if out.is_empty:
+            self.scheduler.wait_for_prefetch()  # a waiting request's prefix is loading from disk
             return None
         step = self.steps.build(out)
         if not self.processor.can_launch(out):

@@ -127,6 +127,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.peak_num_running = 0  # the most requests in the running batch after any schedule()
         self._freed_seq_ids: list[int] = []  # since the last take_freed_seq_ids(): the worker forgets them
+        # (request, until): the last schedule() admitted no further because this request's
+        # prefix is loading from disk; the engine may sleep on those loads until then.
+        self._held_for_prefetch: tuple[Request, float] | None = None
 
     # ---- queue management -------------------------------------------------
 
@@ -176,6 +179,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._held_for_prefetch = None
         budget = self.config.max_num_batched_tokens
         preempted = False
         for request in list(self.running):
@@ -432,7 +436,13 @@ class Scheduler:
             if not self._can_admit(request, num_reserve):
                 break  # FCFS: later prompts wait behind this one so it is never starved
             if self._awaits_prefetch(request):
+                self._held_for_prefetch = (request, request.prefetch_deadline)
                 break  # its cached blocks are in memory shortly; FCFS keeps the others behind it
+            if not self.running:
+                gathering = self._batch_still_loading(budget)
+                if gathering is not None:
+                    self._held_for_prefetch = (gathering, min(request.prefetch_deadline, gathering.prefetch_deadline))
+                    break  # one step for them all, shortly
             self.waiting.popleft()
             self._admit(request, out)
             num_headroom += num_growth
@@ -483,6 +493,52 @@ class Scheduler:
         seq = request.live_seqs()[0]
         return time.monotonic() < request.prefetch_deadline and self.block_manager.prefetch(
             seq.token_ids, request.cache_salt)
+
+    def _batch_still_loading(self, budget: int) -> Request | None:
+        """With nothing running and the first waiting request's prefix in memory: a request
+        that could share the first step with it whose own disk-tier prefix is still loading.
+
+        Starting the step without it would only delay it by a whole step (its loads finish
+        during that step anyway, and on a CPU they slow it down), so the engine waits for
+        the loads and runs one step for them all. Only while the first request may still
+        wait (MAX_PREFETCH_WAIT_S from its arrival) and the request itself may too."""
+        head = self.waiting[0]
+        now = time.monotonic()
+        if self.swapped or head.prefetch_deadline is None or now >= head.prefetch_deadline:
+            return None
+        bm = self.block_manager
+        for i, request in enumerate(self.waiting):
+            if i >= self.config.max_num_seqs or request.needs_prompt_logits or len(request.live_seqs()) != 1:
+                break
+            seq = request.live_seqs()[0]
+            num_blocks, loading = bm.prefix_load_state(seq.token_ids, request.cache_salt)
+            budget -= max(seq.num_tokens - num_blocks * bm.block_size, 1)  # its share of the step
+            if budget < 0:
+                break
+            if loading is not None and request.prefetch_deadline is not None and now < request.prefetch_deadline:
+                return request
+        return None
+
+    def wait_for_prefetch(self) -> None:
+        """After a schedule() that admitted nothing because its first waiting request's prefix is
+        loading from disk: sleep until that load is done (or the request's wait ends), so that the
+        engine's thread leaves the reader the core and the interpreter instead of polling.
+        interrupt_prefetch_wait() ends the wait early (a new request must start its own loads)."""
+        if self._held_for_prefetch is None:
+            return
+        request, until = self._held_for_prefetch
+        if request.status is not SeqStatus.WAITING:
+            return
+        seq = request.live_seqs()[0]
+        _, target = self.block_manager.prefix_load_state(seq.token_ids, request.cache_salt)
+        remaining = until - time.monotonic()
+        if target is not None and remaining > 0:
+            self.block_manager.disk_tier.wait_loaded(target, remaining)
+
+    def interrupt_prefetch_wait(self) -> None:
+        """End a wait_for_prefetch early (thread-safe): the caller has work for the engine's thread."""
+        if self.block_manager.disk_tier is not None:
+            self.block_manager.disk_tier.wake()
 
     def _start_prefetch(self, request: Request) -> bool:
         """Start loading the request's disk-tier prefix into memory; True, with the

@@ -236,6 +236,26 @@ class BlockManager:
         """Whether this prompt's cached prefix stops at a disk block that is still loading."""
         return self._find_cached_prefix(token_ids, cache_salt)[1]
 
+    def prefix_load_state(self, token_ids: Sequence[int], cache_salt: str | None = None) -> tuple[int, BlockHash | None]:
+        """(blocks of this prompt's prefix that a tier holds or that are loading from disk, the
+        hash of the last of them still loading, or None). Loads finish about in the order they
+        were queued, so once that one is done the prefix is in memory, or nearly: a block
+        another reader thread still holds, or one evicted meanwhile, is found at the next look."""
+        if not self.enable_prefix_caching:
+            return 0, None
+        extra_keys = extra_keys_for(cache_salt)
+        num_blocks, last, parent_hash = 0, None, None
+        for i in range(max(len(token_ids) - 1, 0) // self.block_size):
+            content = block_content(parent_hash, token_ids, i, self.block_size, extra_keys)
+            block_hash = hash_content(content)
+            if self._disk_state(block_hash, content) is DiskState.LOADING:
+                last = block_hash
+            elif self._lookup_tiers(block_hash, content) is None:
+                break
+            num_blocks += 1
+            parent_hash = block_hash
+        return num_blocks, last
+
     def get_num_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Prompt tokens servable from the prefix cache now, every tier (a multiple of block_size). No side effects."""
         return len(self._find_cached_prefix(token_ids, cache_salt)[0]) * self.block_size

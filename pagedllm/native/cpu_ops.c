@@ -1825,6 +1825,35 @@ void hadamard_bf16(bf16_t *x, int64_t rows, int64_t row_stride, int64_t heads, i
         }
 }
 
+/* The disk tier's block moves (pagedllm.kv.tiers). A raw block is one block's slice of each
+   of nt tensors, back to back: row[k] bytes of tensor k, whose block b starts at
+   tensors[k] + b * row[k]. scatter_blocks stores raw block raws[i] into block ids[i] of every
+   tensor; gather_blocks copies them out. Plain copies, so any dtype; blocks split between
+   the threads when there are enough bytes to share. */
+void scatter_blocks(int64_t n, const int64_t *ids, uint8_t *const *raws, int64_t nt, uint8_t *const *tensors,
+                    const int64_t *row, int64_t parallel) {
+    _Pragma("omp parallel for schedule(static) if(parallel)")
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t *src = raws[i];
+        for (int64_t k = 0; k < nt; ++k) {
+            memcpy(tensors[k] + ids[i] * row[k], src, (size_t)row[k]);
+            src += row[k];
+        }
+    }
+}
+
+void gather_blocks(int64_t n, const int64_t *ids, uint8_t *const *raws, int64_t nt, uint8_t *const *tensors,
+                   const int64_t *row, int64_t parallel) {
+    _Pragma("omp parallel for schedule(static) if(parallel)")
+    for (int64_t i = 0; i < n; ++i) {
+        uint8_t *dst = raws[i];
+        for (int64_t k = 0; k < nt; ++k) {
+            memcpy(dst, tensors[k] + ids[i] * row[k], (size_t)row[k]);
+            dst += row[k];
+        }
+    }
+}
+
 /* Which build this is, for cpu_ops.py: floats per vector register, and the ISA path's name. */
 int vector_width(void) { return VW; }
 const char *isa_name(void) { return ISA_NAME; }

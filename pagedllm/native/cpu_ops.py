@@ -351,6 +351,43 @@ def argmax_logsumexp(
     return argmax, lse
 
 
+# Bytes a block move must have before its copies are shared between threads.
+PARALLEL_MIN_COPY_BYTES = 1 << 22
+
+
+def can_move_blocks(tensors: list[torch.Tensor], raws: list[torch.Tensor]) -> bool:
+    """Whether :func:`move_blocks` applies: contiguous CPU tensors and raw blocks, kernels loaded."""
+    return (
+        available()
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and all(r.device.type == "cpu" and r.dtype == torch.uint8 and r.is_contiguous() for r in raws)
+    )
+
+
+def move_blocks(
+    tensors: list[torch.Tensor], block_ids: list[int], raws: list[torch.Tensor], *, into_tensors: bool,
+    library: ctypes.CDLL | None = None,
+) -> None:
+    """Raw block ``raws[i]`` (every tensor's slice [block_ids[i]], back to back, see
+    ``kv.tiers.pack_block``) into the tensors (``into_tensors``) or out of them into ``raws``;
+    one call for every block and tensor. Check :func:`can_move_blocks` first."""
+    library = library or _library
+    assert library is not None, "call available() first"
+    n, nt = len(block_ids), len(tensors)
+    rows = [t[0].numel() * t.element_size() if t.shape[0] else 0 for t in tensors]
+    size = sum(rows)
+    for raw in raws:
+        assert raw.numel() == size, f"a raw block of {raw.numel()} bytes, the tensors' blocks hold {size}"
+    limit = min(t.shape[0] for t in tensors)
+    assert all(0 <= b < limit for b in block_ids), "a block id outside the tensors"
+    ids = (ctypes.c_int64 * n)(*block_ids)
+    raw_ptrs = (ctypes.c_void_p * n)(*(r.data_ptr() for r in raws))
+    bases = (ctypes.c_void_p * nt)(*(t.data_ptr() for t in tensors))
+    row = (ctypes.c_int64 * nt)(*rows)
+    move = library.scatter_blocks if into_tensors else library.gather_blocks
+    move(n, ids, raw_ptrs, nt, bases, row, int(n * size >= PARALLEL_MIN_COPY_BYTES))
+
+
 # ---------------------------------------------------------------- ISA paths, build and load
 
 # One shared object per path, compiled from the same source with these flags;
@@ -555,6 +592,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.hadamard_bf16.restype = None
     library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer]
     library.row_argmax_logsumexp.restype = None
+    for name in ("scatter_blocks", "gather_blocks"):
+        getattr(library, name).argtypes = [i64, pointer, pointer, i64, pointer, pointer, i64]
+        getattr(library, name).restype = None
     for name, argtypes in signatures.items():
         for suffix in ("f32", "bf16"):
             fn = getattr(library, f"{name}_{suffix}")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pagedllm.distributed import HeadShard, TensorParallelGroup, head_shard
 from pagedllm.kv.kv_format import as_bytes
-from pagedllm.kv.tiers import BlockLayout, layout_nbytes, tensors_from_raw
+from pagedllm.kv.tiers import BlockLayout, layout_nbytes, pack_block, tensors_from_raw
 
 KV_HEAD_DIM = 1  # slice [block] of every block tensor is [block_size, KV heads, ...]
 
@@ -44,11 +44,11 @@ class BlockShards:
     def _with_heads(layout: BlockLayout, heads: int) -> BlockLayout:
         return [((*shape[:KV_HEAD_DIM], heads, *shape[KV_HEAD_DIM + 1 :]), dtype) for shape, dtype in layout]
 
-    def gather(self, blocks: list[list[torch.Tensor]]) -> list[list[torch.Tensor]] | None:
-        """This rank's parts of some blocks (one list of slices per block, local layout) ->
-        the whole blocks on rank 0 (full layout), None on the others."""
-        num = len(blocks)
-        buffer = self._padded(_pack(blocks), num)
+    def gather(self, raws: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """This rank's parts of some blocks (raw blocks in the local layout) ->
+        the whole raw blocks on rank 0 (full layout), None on the others."""
+        num = len(raws)
+        buffer = self._padded(torch.cat(raws) if raws else torch.empty(0, dtype=torch.uint8), num)
         parts = [torch.empty_like(buffer) for _ in range(self.tp.size)] if self.tp.is_first else None
         dist.gather(buffer, parts, dst=0, group=self.tp.group)
         if not self.tp.is_first:
@@ -60,19 +60,21 @@ class BlockShards:
             for block, slices in zip(whole, _unpack(part, self.layouts[rank], num), strict=True):
                 for target, piece in zip(block, slices, strict=True):
                     as_bytes(target)[:, heads] = as_bytes(piece)  # a replicated head is written once per rank holding it: same bytes
-        return whole
+        return [pack_block(block) for block in whole]
 
-    def scatter(self, blocks: list[list[torch.Tensor]] | None, num: int) -> list[list[torch.Tensor]]:
-        """Whole blocks on rank 0 (``blocks``; None on the others) -> this rank's parts."""
+    def scatter(self, raws: list[torch.Tensor] | None, num: int) -> list[torch.Tensor]:
+        """Whole raw blocks on rank 0 (``raws``; None on the others) -> this rank's parts, raw blocks."""
         buffer = torch.empty(max(self._sizes) * num, dtype=torch.uint8)
         parts = None
         if self.tp.is_first:
             parts = []
+            blocks = [tensors_from_raw(raw, self.full_layout) for raw in raws]
             for shard in self.shards:
                 heads = slice(shard.kv_start, shard.kv_start + shard.num_kv)
                 parts.append(self._padded(_pack([[as_bytes(t)[:, heads] for t in block] for block in blocks]), num))
         dist.scatter(buffer, parts, src=0, group=self.tp.group)
-        return _unpack(buffer, self.local_layout, num)
+        size = self._sizes[self.tp.rank]
+        return [buffer[i * size : (i + 1) * size] for i in range(num)]
 
     def _padded(self, packed: torch.Tensor, num: int) -> torch.Tensor:
         size = max(self._sizes) * num  # equal sizes for the collective
@@ -85,8 +87,7 @@ class BlockShards:
 
 def _pack(blocks: list[list[torch.Tensor]]) -> torch.Tensor:
     """Every slice's bytes, block after block, in layout order: one flat uint8 tensor."""
-    pieces = [as_bytes(t).contiguous().reshape(-1).view(torch.uint8) for block in blocks for t in block]
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    return torch.cat([pack_block(block) for block in blocks]) if blocks else torch.empty(0, dtype=torch.uint8)
 
 
 def _unpack(buffer: torch.Tensor, layout: BlockLayout, num: int) -> list[list[torch.Tensor]]:

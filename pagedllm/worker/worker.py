@@ -482,14 +482,16 @@ def apply_memory_ops(
             times.disk_copy_seconds += time.perf_counter() - start
             continue
         if op.kind is MemoryOpKind.DISK_TIER_IN:
-            blocks = None
+            claimed = raws = None
             if shards is None or shards.tp.is_first:
                 if disk_tier is None:
                     raise RuntimeError("a disk-tier op reached a worker without a disk tier")
-                blocks = [disk_tier.take_claimed(ticket) for ticket, _ in op.pairs]
+                claimed = raws = [disk_tier.take_claimed(ticket) for ticket, _ in op.pairs]
             if shards is not None:
-                blocks = shards.scatter(blocks, len(op.pairs))
-            write_blocks(kv_cache.block_tensors(), [d for _, d in op.pairs], blocks)
+                raws = shards.scatter(claimed, len(op.pairs))
+            write_blocks(kv_cache.block_tensors(), [d for _, d in op.pairs], raws)
+            if claimed is not None:
+                disk_tier.recycle(claimed)  # copied: the reader fills these buffers again
             continue  # its seconds are the reader thread's (the disk tier counts them)
         apply[op.kind](op.pairs)
         if op.kind is MemoryOpKind.HOST_TIER_OUT:
@@ -510,8 +512,8 @@ def _disk_tier_out(
             return
     if disk_tier is None:
         raise RuntimeError("a disk-tier op reached a worker without a disk tier")
-    for (_, ticket), tensors in zip(pairs, copies, strict=True):
-        disk_tier.submit_write(ticket, tensors)
+    for (_, ticket), raw in zip(pairs, copies, strict=True):
+        disk_tier.submit_write(ticket, raw)
 
 
 def _grammar_mask(jobs: list[_Job], vocab_size: int) -> GrammarMask | None:
