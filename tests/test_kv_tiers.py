@@ -175,6 +175,28 @@ def test_the_background_threads_write_and_prefetch(tmp_path):
     tier.close()
 
 
+def test_read_buffers_are_reused_once_their_block_is_copied(tmp_path):
+    tier = DiskTier(tmp_path, KEY, LAYOUT, 1 << 20, threaded=False, max_loaded_blocks=2)
+    blocks = [(content(i), store(tier, content(i), seed=i)) for i in (0, 20, 40)]
+    (c0, h0), (c1, h1), (c2, h2) = blocks
+    tier.prefetch(h0)
+    first = tier.take_claimed(tier.claim(h0))
+    tier.recycle([first])  # its bytes are in the device pool now
+    tier.prefetch(h1)
+    again = tier.take_claimed(tier.claim(h1))
+    assert again is first  # the same buffer, read into again
+    assert torch.equal(tensors_from_raw(again, LAYOUT)[0], tensors(20)[0])
+    tier.prefetch(h0)
+    tier.prefetch(h2)  # a second buffer: two blocks loaded and unclaimed, the bound
+    tier.prefetch(h1)  # over the bound: the oldest loaded copy (h0) goes back to the free list
+    assert tier.lookup(h0, c0) is DiskState.STORED and tier.lookup(h1, c1) is DiskState.READY
+    assert len(tier._buffers) <= 2
+    tier.check_invariants()
+    tier.recycle([again, again])  # handed back twice by mistake: the invariant check says so
+    with pytest.raises(AssertionError, match="twice"):
+        tier.check_invariants()
+
+
 def busy_readers(tier: DiskTier, seconds: float) -> None:
     """Every reader thread sleeps ``seconds`` before it takes the next load (a slow disk)."""
     for _ in range(NUM_READERS):

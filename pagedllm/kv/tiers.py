@@ -564,6 +564,13 @@ class DiskTier:
                 assert block_hash in self._index, "a loaded block is not in the index"
             for block_hash in self._loading:
                 assert block_hash in self._index, "a loading block is not in the index"
+            free = [id(raw) for raw in self._free_buffers]
+            in_use = {id(raw) for raw in (*self._loaded.values(), *self._claimed.values())}
+            assert len(set(free)) == len(free), "a read buffer is on the free list twice"
+            assert not in_use.intersection(free), "a free read buffer still holds a loaded block"
+            assert all(self._buffers.get(raw.data_ptr()) is raw for raw in self._free_buffers), (
+                "a buffer the tier did not make is on its free list")
+            assert len(self._buffers) <= self.max_loaded_blocks, "more read buffers than the prefetch bound"
             files = {p.stem for p in self.directory.glob("*" + SUFFIX)}
             written = {h.hex() for h, e in self._index.items() if e.written}
             assert written <= files, f"indexed blocks without a file: {sorted(written - files)[:3]}"
