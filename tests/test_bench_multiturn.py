@@ -315,6 +315,28 @@ def test_multi_turn_arms_and_restart_against_real_servers(tmp_path, tiny_default
 
 
 @pytest.mark.slow
+def test_an_arm_server_whose_port_is_taken_meanwhile_starts_on_another(tiny_default_tokenizer_model):
+    """free_port() closes its probe, so the port can be gone when the server binds it: the arm
+    retries on a new port instead of failing the benchmark."""
+    import socket
+
+    import httpx
+
+    args = _args("--model", str(tiny_default_tokenizer_model), "--arm", "a=--num-kv-blocks 16", "--max-model-len", "64")
+    server = arms.ArmServer(arms.parse_arm(args.arm[0]), serve.server_settings(args, 64), None, args)
+    taken = int(server.base_url.rsplit(":", 1)[1])
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with server:
+            port = int(server.base_url.rsplit(":", 1)[1])
+            assert port != taken
+            assert str(port) in server.command and server.pool is not None
+            assert httpx.get(f"{server.base_url}/v1/models", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
 def test_single_turn_arms_report_their_pools_and_peak_running(tmp_path, tiny_default_tokenizer_model):
     """The 8-bit-KV arm's mechanism with two pool sizes that exist today: the report reads
     each server's pool and the most sequences it ran at once."""

@@ -177,6 +177,9 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 # ---- one arm's server -------------------------------------------------------------
 
 
+PORT_RETRIES = 3  # new ports an arm's server tries when the one it was given is taken meanwhile
+
+
 class ArmServer:
     """``pagedllm serve`` for one arm on a free port, ready to take load inside the ``with`` block.
 
@@ -186,37 +189,54 @@ class ArmServer:
 
     def __init__(self, arm: ServerArm, settings, kv_dir: str | None, args: argparse.Namespace,
                  label: str | None = None) -> None:
-        from pagedllm.bench.serve import ServerLaunch, free_port, pagedllm_server_command
-
         self.arm = arm
         self.label = label or arm.name
-        host = "127.0.0.1"
-        port = free_port(host)
-        self.base_url = f"http://{host}:{port}"
-        self.command = pagedllm_server_command(settings, host, port) + arm.resolved_flags(kv_dir)
-        package_root = str(Path(__file__).resolve().parents[2])  # ``-m pagedllm.cli`` runs this copy
-        self.launch = ServerLaunch(self.command, dict(os.environ), package_root)
+        self.kv_dir = kv_dir
         self.settings = settings
         self.args = args
         self.startup_s: float | None = None
         self.pool: KVPool | None = None
         self._process = None
+        self._choose_port()
+
+    def _choose_port(self) -> None:
+        """A free port now, and the command that serves on it."""
+        from pagedllm.bench.serve import ServerLaunch, free_port, pagedllm_server_command
+
+        host = "127.0.0.1"
+        port = free_port(host)
+        self.base_url = f"http://{host}:{port}"
+        self.command = pagedllm_server_command(self.settings, host, port) + self.arm.resolved_flags(self.kv_dir)
+        package_root = str(Path(__file__).resolve().parents[2])  # ``-m pagedllm.cli`` runs this copy
+        self.launch = ServerLaunch(self.command, dict(os.environ), package_root)
 
     def __enter__(self) -> ArmServer:
         from pagedllm.bench.serve import ServerProcess
 
         log_dir = self.args.server_log_dir
         log_path = Path(log_dir) / f"pagedllm-{self.label}.log" if log_dir else None
-        print(f"starting arm {self.label}: {shlex.join(self.command)}", file=sys.stderr, flush=True)
-        self._process = ServerProcess(f"pagedllm serve (arm {self.label})", self.launch, log_path).__enter__()
-        try:
-            self.startup_s = self._process.wait_ready(
-                self.base_url, self.settings.served_model_name, self.args.startup_timeout
-            )
-            self.pool = run_async(self._read_pool())
-        except BaseException:
-            self._process.stop()
-            raise
+        for retries_left in reversed(range(PORT_RETRIES + 1)):
+            print(f"starting arm {self.label}: {shlex.join(self.command)}", file=sys.stderr, flush=True)
+            self._process = ServerProcess(f"pagedllm serve (arm {self.label})", self.launch, log_path).__enter__()
+            try:
+                self.startup_s = self._process.wait_ready(
+                    self.base_url, self.settings.served_model_name, self.args.startup_timeout
+                )
+                self.pool = run_async(self._read_pool())
+                break
+            except ConfigError:
+                lost_port = "Address already in use" in self._process.log_tail()
+                self._process.stop()
+                if not (lost_port and retries_left):
+                    raise
+                # free_port() closes its probe socket, so another process can take the port
+                # before the server binds it (the server says so at once, before loading).
+                print(f"arm {self.label}: {self.base_url} was taken meanwhile; another port",
+                      file=sys.stderr, flush=True)
+                self._choose_port()
+            except BaseException:
+                self._process.stop()
+                raise
         print(f"arm {self.label} answered after {self.startup_s:.1f} s; KV pool {self.pool}",
               file=sys.stderr, flush=True)
         return self
