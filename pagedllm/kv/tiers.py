@@ -683,9 +683,8 @@ def write_blocks_reference(block_tensors: list[torch.Tensor], block_ids: list[in
     """write_blocks in torch ops."""
     if not block_ids:
         return
-    sizes = [slice_nbytes(tuple(t.shape[1:]), t.dtype) for t in block_tensors]
-    parts = [raw.split(sizes) for raw in raws]  # one call per block: views of its slices
+    rows = [_block_rows(t) for t in block_tensors]
+    parts = [raw.split([r.shape[1] for r in rows]) for raw in raws]  # one call per block: views of its slices
     index = torch.tensor(block_ids, dtype=torch.int64, device=block_tensors[0].device)
-    for k, tensor in enumerate(block_tensors):
-        rows = torch.stack([part[k] for part in parts]).to(tensor.device)
-        _block_rows(tensor).index_copy_(0, index, rows)
+    for k, target in enumerate(rows):
+        target.index_copy_(0, index, torch.stack([part[k] for part in parts]).to(target.device))

@@ -374,7 +374,7 @@ def move_blocks(
     library = library or _library
     assert library is not None, "call available() first"
     n, nt = len(block_ids), len(tensors)
-    rows = [t[0].numel() * t.element_size() if t.shape[0] else 0 for t in tensors]
+    rows = [t.stride(0) * t.element_size() for t in tensors]  # bytes per block (contiguous tensors)
     size = sum(rows)
     for raw in raws:
         assert raw.numel() == size, f"a raw block of {raw.numel()} bytes, the tensors' blocks hold {size}"
