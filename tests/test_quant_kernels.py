@@ -107,6 +107,22 @@ def test_each_path_equals_the_portable_path_bit_for_bit(path, name, levels):
         assert torch.equal(portable, x @ weight.dequantize().T), rows
 
 
+@pytest.mark.parametrize("in_features", [576, 800, 1536])
+@pytest.mark.parametrize("path", PATHS, ids=_path_id)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_wide_rows_with_a_partial_last_chunk_of_scales_give_the_portable_bits(path, name, in_features):
+    """Rows of 8 to 48 scale groups, a multiple of the vector kernels' 8- or 16-group chunks or not
+    (576 / 32 = 18, 800 / 32 = 25, 1536 / 128 = 12): every chunk of each pass's scale transpose,
+    the short last one included, against the portable path."""
+    weight = _exact_weight(name, 21, in_features, seed=in_features)  # a pass of 16 or 8 and a tail
+    for rows in (1, 5):
+        x = _exact_activations(rows, in_features, seed=7 + rows)
+        portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+        got = quant_ops.gemm(x, *weight._kernel_args(), isa_override=path[0], tiled=path[1])
+        assert torch.equal(got, portable), rows
+        assert torch.equal(portable, x @ weight.dequantize().T), rows
+
+
 @pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("isa", [isa for isa in quant_ops.runnable_isas() if isa > 0] if PATHS else [])
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
