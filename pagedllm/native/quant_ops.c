@@ -721,35 +721,53 @@ TARGET_AVX2 static inline void transpose8_avx2(__m256 v[8]) {
 
 /* The per-block scales (or mins) of outputs [n0, n0 + count) as floats, transposed to
  * [blocks][8] so one block's values of the pass's outputs are one vector (zeros past count). */
+/* Columns [base, base + 8) of the scales of rows n0 .. n0 + 7 (row stride per_row), all inside
+ * the rows, as floats transposed: v[k] holds column base + k of the 8 rows. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void scale_columns_avx2(const uint16_t *s, int64_t n0,
+                                                                                 int64_t per_row, int64_t base,
+                                                                                 __m256 v[8]) {
+    for (int j = 0; j < 8; j++) v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + (n0 + j) * per_row + base)));
+    transpose8_avx2(v);
+}
+
 TARGET_AVX2 static void transpose_scales_avx2(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r,
                                               float *out) {
     const int64_t per_row = blocks / r;
-    for (int64_t k0 = 0; k0 < per_row; k0 += 8) {
+    if (count == 8 && r == 1 && per_row >= 8) {
+        /* every pass but a matrix's last, group 32: whole chunks, and a short last chunk as the
+           row's last 8 columns (their first ones written again with the same values), every
+           vector kept in a register. (A short chunk copied through the stack cost a
+           store-forwarding stall per row, and a variable column index spilled every vector:
+           together a third of a batch-1 step's matmul time on Zen 3.) */
+        int64_t k0 = 0;
+        for (; k0 + 8 <= per_row; k0 += 8) {
+            __m256 v[8];
+            scale_columns_avx2(s, n0, per_row, k0, v);
+            for (int k = 0; k < 8; k++) _mm256_storeu_ps(out + (k0 + k) * 8, v[k]);
+        }
+        if (k0 < per_row) {
+            __m256 v[8];
+            scale_columns_avx2(s, n0, per_row, per_row - 8, v);
+            for (int k = 0; k < 8; k++) _mm256_storeu_ps(out + (per_row - 8 + k) * 8, v[k]);
+        }
+        return;
+    }
+    for (int64_t k0 = 0; k0 < per_row; k0 += 8) { /* any count, group and width */
         const int64_t nk = per_row - k0 < 8 ? per_row - k0 : 8;
-        /* a short last chunk loads the row's last 8 scales (inside the row) and keeps its own
-           columns; rows narrower than 8 scales go through a zeroed copy. (A copy for every short
-           chunk cost a store-forwarding stall per row: a quarter of a batch-1 step on Zen 3.) */
-        const int64_t base = nk < 8 && per_row >= 8 ? per_row - 8 : k0, skip = k0 - base;
         __m256 v[8];
         for (int j = 0; j < 8; j++) {
-            const uint16_t *src = s + (n0 + j) * per_row + base;
-            if (j >= count) {
-                v[j] = _mm256_setzero_ps();
-            } else if (per_row >= 8) {
+            const uint16_t *src = s + (n0 + j) * per_row + k0;
+            if (j < count && nk == 8) {
                 v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-            } else {
-                uint16_t h[8] = {0};
-                for (int64_t k = 0; k < nk; k++) h[k] = src[k];
-                v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+                continue;
             }
+            uint16_t h[8] = {0};
+            for (int64_t k = 0; j < count && k < nk; k++) h[k] = src[k];
+            v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
         }
         transpose8_avx2(v);
-        if (nk == 8 && r == 1) { /* the common chunk, stored from the registers */
-            for (int k = 0; k < 8; k++) _mm256_storeu_ps(out + (k0 + k) * 8, v[k]);
-            continue;
-        }
         for (int64_t k = 0; k < nk; k++)
-            for (int rr = 0; rr < r; rr++) _mm256_storeu_ps(out + ((k0 + k) * r + rr) * 8, v[skip + k]);
+            for (int rr = 0; rr < r; rr++) _mm256_storeu_ps(out + ((k0 + k) * r + rr) * 8, v[k]);
     }
 }
 
