@@ -248,13 +248,14 @@ static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uin
 /* A per-row kernel of one ISA: outputs in the vector lanes, `cols` per pass. */
 typedef void (*TransposeScales)(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r, float *out);
 typedef void (*RowPass)(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits,
-                        int zero, const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum,
-                        const float *dw, const float *mw, const uint8_t *next, float *out);
+                        int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16, const float *dx,
+                        const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next, float *out);
 typedef struct {
     TransposeScales transpose; /* a pass's scales and mins into [blocks][cols] floats */
     RowPass pass;              /* one activation row . the pass's outputs */
     int64_t cols;              /* outputs per pass, at most MAX_ROW_COLS */
     int64_t prefetch_passes;   /* a pass prefetches the weights of the pass this far ahead */
+    int joins_levels;          /* the pass takes two levels joined, x16 = 256 xq + xq2 (else x16 is NULL) */
 } RowKernel;
 
 #define MAX_ROW_COLS 16
@@ -270,6 +271,9 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
     {
         float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
         float out[MAX_ROW_COLS];
+        /* the rows' two levels joined once per call, for a kernel that takes them so */
+        int16_t *x16 = k.joins_levels && xq2 && dw ? malloc((size_t)(rows * Kp) * sizeof(int16_t)) : 0;
+        for (int64_t i = 0; x16 && i < rows * Kp; i++) x16[i] = (int16_t)(256 * xq[i] + xq2[i]);
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < num_passes; p++) {
             const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
@@ -290,11 +294,13 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
             k.transpose(d, n0, count, blocks, r, dw);
             if (m) k.transpose(m, n0, count, blocks, r, mw);
             for (int64_t i = 0; i < rows; i++) {
-                k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, xq2 ? xq2 + i * Kp : 0, dx + i * blocks,
+                k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, xq2 ? xq2 + i * Kp : 0,
+                       x16 ? x16 + i * Kp : 0, dx + i * blocks,
                        xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
+        free(x16);
         free(dw);
     }
 }
@@ -442,16 +448,17 @@ TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
 
 /* row_pass_vnni compiled once per code width and level count, so the inner loops test neither. */
 TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
-                                     int bits, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
-                                     const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
-                                     float *out) {
+                                     int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
+                                     const float *dx, const int32_t *xsum, const float *dw, const float *mw,
+                                     const uint8_t *next, float *out) {
+    (void)x16;
     if (bits == 4 && xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
     else if (bits == 4) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, dx, xsum, dw, mw, next, out);
     else if (xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, dx, xsum, dw, mw, next, out);
     else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
 }
 
-static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES};
+static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, 0};
 /* ------------------------------------------------------------ many rows: the tiled kernels */
 
 #define VNNI_TILE_ROWS 16 /* activation rows per zmm: one int32 lane each */
@@ -802,18 +809,83 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
     memcpy(out, lanes, (size_t)count * sizeof(float));
 }
 
+/* One group g (64 weights: blocks 2g and 2g + 1) of one output's codes . joined activations x16
+ * (int16, 256 q1 + q2): the two blocks' 8 lane sums, one vpmaddwd per 2 inputs of both levels
+ * (the byte kernel takes two vpmaddubsw and two vpmaddwd per 4). 4-bit: the group's 32 bytes
+ * widened to 16 bits once for both blocks (byte i: weight i low, 32 + i high); 8-bit: each
+ * code less 128 (its zero), sign-extended. Exact: products at most 128 x 32,639, a lane sums 4. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void group_lanes_x16(const uint8_t *qrow, int64_t g, int bits,
+                                                                              const int16_t *x16, __m256i *l0,
+                                                                              __m256i *l1) {
+    const __m256i *x = (const __m256i *)(x16 + 64 * g);
+    __m256i w[4]; /* weights 0-15, 16-31, 32-47, 48-63 of the group as int16 */
+    if (bits == 4) {
+        const __m128i *p = (const __m128i *)(qrow + g * 32);
+        const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(p)), b = _mm256_cvtepu8_epi16(_mm_loadu_si128(p + 1));
+        const __m256i low4 = _mm256_set1_epi16(0x0f);
+        w[0] = _mm256_and_si256(a, low4), w[1] = _mm256_and_si256(b, low4);
+        w[2] = _mm256_srli_epi16(a, 4), w[3] = _mm256_srli_epi16(b, 4);
+    } else {
+        const __m128i *p = (const __m128i *)(qrow + g * 64), flip = _mm_set1_epi8((char)0x80);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi8_epi16(_mm_xor_si128(_mm_loadu_si128(p + i), flip));
+    }
+    *l0 = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(x)), _mm256_madd_epi16(w[1], _mm256_loadu_si256(x + 1)));
+    *l1 = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(x + 2)), _mm256_madd_epi16(w[3], _mm256_loadu_si256(x + 3)));
+}
+
+/* The pass of row_pass_avx2 for two levels, on the joined activations: the same integer block
+ * sums, hence the same float sequence and bits. 8-bit codes need zero 128. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2_x16(
+    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero, const int16_t *x16, const float *dx,
+                                             const int32_t *xsum, const float *dw, const float *mw,
+                                             const uint8_t *next, float *out) {
+    const uint8_t *rows[AVX2_ROW_COLS];  /* spare lanes: any row */
+    for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
+    const int64_t prefetch_step = ((AVX2_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < Kp / 64; g++) {
+        if (next)
+            for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
+                _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
+        __m256i pair0[4], pair1[4];
+        for (int p = 0; p < 4; p++) {
+            __m256i a0, a1, b0, b1;
+            group_lanes_x16(rows[2 * p], g, bits, x16, &a0, &a1);
+            group_lanes_x16(rows[2 * p + 1], g, bits, x16, &b0, &b1);
+            pair0[p] = _mm256_hadd_epi32(a0, b0);
+            pair1[p] = _mm256_hadd_epi32(a1, b1);
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i *pair = h ? pair1 : pair0;
+            const __m256i k0 = _mm256_hadd_epi32(pair[0], pair[1]), k1 = _mm256_hadd_epi32(pair[2], pair[3]);
+            __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
+            const int64_t b = 2 * g + h;
+            if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
+            const float dxb = dx[b];
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
+            if (mw) acc = _mm256_fmadd_ps(_mm256_set1_ps(dxb * (float)xsum[b]), _mm256_loadu_ps(mw + b * AVX2_ROW_COLS), acc);
+        }
+    }
+    float lanes[AVX2_ROW_COLS];
+    _mm256_storeu_ps(lanes, acc);
+    memcpy(out, lanes, (size_t)count * sizeof(float));
+}
+
 /* row_pass_avx2 compiled once per code width and level count, so the inner loops test neither. */
 TARGET_AVX2 static void row_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
-                                     int bits, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
-                                     const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next,
-                                     float *out) {
-    if (bits == 4 && xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
+                                     int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
+                                     const float *dx, const int32_t *xsum, const float *dw, const float *mw,
+                                     const uint8_t *next, float *out) {
+    if (bits == 4 && x16) row_pass_avx2_x16(q, row_bytes, n0, count, Kp, 4, zero, x16, dx, xsum, dw, mw, next, out);
+    else if (x16) row_pass_avx2_x16(q, row_bytes, n0, count, Kp, 8, zero, x16, dx, xsum, dw, mw, next, out);
+    else if (bits == 4 && xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
     else if (bits == 4) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, dx, xsum, dw, mw, next, out);
     else if (xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, dx, xsum, dw, mw, next, out);
     else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
 }
 
-static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES};
+static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES, 1};
 
 /* One block's integer sums of an AVX2 tile into its float accumulators: x scale x w scale,
  * plus the block's min term (Q4_1-style) when the weights have mins. */
