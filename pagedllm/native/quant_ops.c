@@ -260,6 +260,24 @@ typedef struct {
 
 #define MAX_ROW_COLS 16
 
+/* x16[i] = 256 xq[i] + xq2[i] for n (a multiple of 32) codes of two levels. */
+__attribute__((target("avx2"))) static void join_levels_avx2(const int8_t *xq, const int8_t *xq2, int64_t n,
+                                                             int16_t *x16) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + i)));
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq2 + i)));
+        _mm256_storeu_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_slli_epi16(a, 8), b));
+    }
+}
+
+static void join_levels(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16) {
+    if (n % 16 == 0 && __builtin_cpu_supports("avx2")) {
+        join_levels_avx2(xq, xq2, n, x16);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) x16[i] = (int16_t)(256 * xq[i] + xq2[i]);
+}
+
 /* y [rows, N] by passes of k.cols outputs, the parallel work items; each pass transposes its
  * scales once and runs every row on them (its weights stay in L1 for the later rows). */
 static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
@@ -273,7 +291,7 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
         float out[MAX_ROW_COLS];
         /* the rows' two levels joined once per call, for a kernel that takes them so */
         int16_t *x16 = k.joins_levels && xq2 && dw ? malloc((size_t)(rows * Kp) * sizeof(int16_t)) : 0;
-        for (int64_t i = 0; x16 && i < rows * Kp; i++) x16[i] = (int16_t)(256 * xq[i] + xq2[i]);
+        if (x16) join_levels(xq, xq2, rows * Kp, x16);
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < num_passes; p++) {
             const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
