@@ -136,6 +136,35 @@ def test_bfloat16_stack_equals_the_modules_bit_for_bit(tiny_dir, biased_dir, mon
     assert results[0] == results[1]
 
 
+needs_packed_bf16_stack = pytest.mark.skipif(
+    not (cpu_ops.available() and quant_ops.available()) or quant_ops.amx_bf16_available(),
+    reason="with AMX-BF16 packed bfloat16 matmuls of 64 rows take the tiles, and the stack declines them",
+)
+
+
+@needs_packed_bf16_stack
+@pytest.mark.parametrize("biased,kv_cache_dtype,quantization", [
+    (False, "auto", "int4"), (True, "auto", "int4"), (False, "int8", "int4"), (False, "auto", "int8"),
+])
+def test_bfloat16_over_packed_weights_stack_equals_the_modules_bit_for_bit(tiny_dir, biased_dir, monkeypatch,
+                                                                          biased, kv_cache_dtype, quantization):
+    # packed codes under bfloat16 activations (an AVX2 CPU's bfloat16 GGUF): each matmul widens its
+    # input to float32 and rounds its output to bfloat16 before the bias, in the stack as in the modules
+    directory = biased_dir if biased else tiny_dir
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, n=3, seed=7, max_tokens=16, ignore_eos=True, logprobs=2)
+    group = 64 if quantization == "int4" else 32
+    results = []
+    for stack in (True, False):
+        llm = _llm(directory, monkeypatch, stack, dtype="bfloat16", quantization=quantization,
+                   quantization_group_size=group, kv_cache_dtype=kv_cache_dtype)
+        if stack:
+            runs = _counting_calls(llm)
+        results.append([_results(llm, p) for p in (greedy, sampled)])
+    assert runs[0] > 20  # prefill chunks and decode steps took the stack
+    assert results[0] == results[1]
+
+
 @needs_kernels
 def test_prefault_reserves_the_largest_steps_activations(tiny_dir, monkeypatch):
     # kv_cache_prefault makes the stack's activations for the step budget (64 tokens here)
@@ -160,9 +189,11 @@ def test_stack_is_not_built_where_a_layer_is_not_native(tiny_dir, monkeypatch):
     monkeypatch.setenv(ENV, "1")
     dense = LLM(str(tiny_dir), device="cpu", dtype="float32", block_size=8)
     assert dense.llm_engine.worker.model.layer_stack is None
+    # packed weights under bfloat16: the stack where the modules widen every matmul to float32
+    # (no AMX-BF16); with AMX-BF16 they take that kernel from 64 rows on, which the stack does not
     bf16 = LLM(str(tiny_dir), device="cpu", dtype="bfloat16", block_size=8, quantization="int4",
                quantization_group_size=64)
-    assert bf16.llm_engine.worker.model.layer_stack is None
+    assert (bf16.llm_engine.worker.model.layer_stack is None) is quant_ops.amx_bf16_available()
 
 
 @needs_kernels

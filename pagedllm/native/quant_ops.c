@@ -2092,12 +2092,49 @@ typedef struct {
     const StackLayer *layers;
     void *hadamard; /* cpu_ops' hadamard_f32 */
     int64_t rotate; /* the cache holds Hadamard-rotated vectors (int8 KV, see kv_format.py) */
-    int64_t elem;   /* bytes per activation: 4 (float32, packed codes) or 2 (bfloat16, dense w16 weights) */
+    int64_t elem;   /* bytes per activation: 4 (float32, packed codes) or 2 (bfloat16: dense w16 weights, or
+                       packed codes on a CPU without AMX-BF16) */
     void *hadamard16; /* cpu_ops' hadamard_bf16 */
 } LayerStack;
 
-static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x, int64_t rows, void *y) {
+static inline float stack_bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16) does (NaN kept quiet). */
+static inline uint16_t stack_f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Packed codes under bfloat16 activations (a CPU without AMX-BF16): as the modules do it,
+ * x widened to float32 (exact), the float32 product rounded to bfloat16, then the bfloat16
+ * bias added and rounded again. wide: rows x (K + N) floats of scratch. */
+static int stack_linear_packed_bf16(const LayerStack *s, const StackLinear *l, const uint16_t *x, int64_t rows,
+                                    uint16_t *y, float *wide) {
+    float *xf = wide, *yf = wide + rows * l->K;
+    for (int64_t i = 0; i < rows * l->K; i++) xf[i] = stack_bf16_to_f32(x[i]);
+    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, xf, rows, l->K, l->q, l->d, l->m, l->N, l->Kp,
+                      (int)l->bits, (int)l->r, (int32_t)l->zero, yf))
+        return 0;
+    const uint16_t *bias = l->bias;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t n = 0; n < l->N; n++) {
+            uint16_t v = stack_f32_to_bf16(yf[i * l->N + n]);
+            if (bias) v = stack_f32_to_bf16(stack_bf16_to_f32(v) + stack_bf16_to_f32(bias[n]));
+            y[i * l->N + n] = v;
+        }
+    return 1;
+}
+
+static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x, int64_t rows, void *y, float *wide) {
     if (l->w16) return dense_linear_bf16(x, rows, l->K, l->w16, l->N, l->Kp, l->bias, y);
+    if (s->elem == 2) return stack_linear_packed_bf16(s, l, x, rows, y, wide);
     if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, x, rows, l->K, l->q, l->d, l->m, l->N, l->Kp,
                       (int)l->bits, (int)l->r, (int32_t)l->zero, y))
         return 0;
@@ -2117,11 +2154,20 @@ static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x
  * allocated per call is, at prefill sizes, fresh memory the OS must zero and map page by
  * page each time), or NULL to allocate one here. Returns 0 when out of memory (residual
  * and the caches then partly updated: the caller cannot retry). */
+/* Per row, the float32 input and output of the widest packed matmul under bfloat16 activations. */
+static int64_t stack_wide_floats(const LayerStack *s) {
+    if (s->elem != 2 || s->num_layers == 0 || s->layers[0].qkv.w16) return 0;
+    const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
+    const int64_t K = hidden > H * D ? hidden : H * D, widest_in = K > s->intermediate ? K : s->intermediate;
+    const int64_t qkv_width = (H + 2 * KH) * D, widest_out = qkv_width > 2 * s->intermediate ? qkv_width : 2 * s->intermediate;
+    return widest_in + (widest_out > hidden ? widest_out : hidden);
+}
+
 int64_t quant_stack_scratch_floats(const LayerStack *s, int64_t rows) {
     const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
     const int64_t qkv_width = (H + 2 * KH) * D, inter = s->intermediate;
     const int64_t rotated16 = s->rotate && s->elem == 2 ? qkv_width : 0; /* float32 rows to rotate bfloat16 ones in */
-    return rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter + rotated16);
+    return rows * (hidden + qkv_width + H * D + hidden + 2 * inter + inter + rotated16 + stack_wide_floats(s));
 }
 
 int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *delta, const int64_t *positions,
@@ -2135,12 +2181,13 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
     char *x = (char *)scratch, *qkv = x + rows * hidden * e, *attn_out = qkv + rows * qkv_width * e;
     char *attn = attn_out + rows * H * D * e, *gate_up = attn + rows * hidden * e, *act = gate_up + rows * 2 * inter * e;
     float *rot = (float *)(act + rows * inter * e); /* rotated bfloat16 rows in float32 (quant_stack_scratch_floats) */
+    float *wide = rot + (s->rotate && e == 2 ? rows * qkv_width : 0); /* packed matmuls' float32 sides under bfloat16 */
     RmsNormFn rms_norm = (RmsNormFn)s->rms_norm;
     int ok = 1;
     for (int64_t i = 0; i < s->num_layers && ok; i++) {
         const StackLayer *L = &s->layers[i];
         rms_norm(residual, i ? delta : NULL, L->input_norm, s->eps, rows, hidden, x);
-        ok = stack_linear(s, &L->qkv, x, rows, qkv);
+        ok = stack_linear(s, &L->qkv, x, rows, qkv, wide);
         if (!ok) break;
         ((RotaryFn)s->rotary)(qkv, rows, qkv_width, H + KH, D, positions, cos_table, sin_table);
         const char *k = qkv + H * D * e, *v = qkv + (H + KH) * D * e;
@@ -2162,18 +2209,18 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
         if (s->rotate && e == 4) ((HadamardFn)s->hadamard)((float *)attn_out, rows, H * D, H, D, 1.0f / (float)D);
         if (s->rotate && e == 2) /* the output rotated back in float32, then bfloat16 */
             ((Hadamard16Fn)s->hadamard16)((uint16_t *)attn_out, rows, H * D, H, D, 1.0f / (float)D, H, NULL, 0);
-        ok = stack_linear(s, &L->o, attn_out, rows, attn);
+        ok = stack_linear(s, &L->o, attn_out, rows, attn, wide);
         if (!ok) break;
         rms_norm(residual, attn, L->post_norm, s->eps, rows, hidden, x);
         if (L->gate_up.glu) { /* the product and silu_mul in one pass: the same bits */
             ok = dense_linear_bf16_silu_mul((const uint16_t *)x, rows, L->gate_up.K, L->gate_up.w16, inter, L->gate_up.Kp,
                                             (uint16_t *)act);
         } else {
-            ok = stack_linear(s, &L->gate_up, x, rows, gate_up);
+            ok = stack_linear(s, &L->gate_up, x, rows, gate_up, wide);
             if (ok) ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
         }
         if (!ok) break;
-        ok = stack_linear(s, &L->down, act, rows, delta);
+        ok = stack_linear(s, &L->down, act, rows, delta, wide);
     }
     if (!given_scratch) free(scratch);
     return ok;

@@ -7,10 +7,13 @@ stream the weights. Where every kernel of every layer is a native CPU one,
 :class:`LayerStack` hands the whole stack to ``quant_run_layers`` in
 pagedllm/native/quant_ops.c, which calls the same kernels in the same order
 with the same arguments, so its output equals the modules' bit for bit
-(tests/test_layer_stack.py). Two kinds of model qualify (one rank, native
+(tests/test_layer_stack.py). Three kinds of model qualify (one rank, native
 norms, rotary, K/V writes and attention):
 - float32 activations with packed q/k/v, o, gate/up and down matrices
   (float32 or 8-bit KV caches);
+- bfloat16 activations with packed matrices on a CPU without AMX-BF16 (an AVX2
+  machine, where a bfloat16 GGUF is served packed): each matmul widens its
+  input to float32 and rounds its output to bfloat16, as the modules do;
 - bfloat16 activations with dense bfloat16 matrices on the AMX-BF16 tiles
   (:class:`pagedllm.layers.linear.AmxBf16Matmul`; bfloat16 KV caches): on a
   2-core Sapphire Rapids the interpreter's share of a W64 decode step was
@@ -97,6 +100,15 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _holders(dtype: torch.dtype) -> tuple:
+    """The kinds of matrix the stack runs under ``dtype`` activations. Packed matrices under
+    bfloat16 only where the CPU has no AMX-BF16: there the modules take another kernel from 64
+    rows on (:func:`pagedllm.quant.formats.QuantizedWeight.matmul`), which the stack does not."""
+    if dtype == torch.float32:
+        return (_packed,)
+    return (_dense_bf16,) if quant_ops.amx_bf16_available() else (_dense_bf16, _packed)
+
+
 def layer_stack(model: nn.Module) -> LayerStack | None:
     """The stack of ``model`` (a bound LlamaForCausalLM), or None where its layers cannot all run natively."""
     if os.environ.get(ENV, "1") == "0" or model.tp.size != 1 or not model.layers:
@@ -105,9 +117,10 @@ def layer_stack(model: nn.Module) -> LayerStack | None:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     # float32 activations with packed matrices, or bfloat16 with dense matrices on the AMX-BF16
-    # tiles (checked first: a model of the other kind never loads the quantized kernels here)
-    held = _packed if weight.dtype == torch.float32 else _dense_bf16
-    if any(held(m) is None for layer in model.layers for m in _linears(layer)):
+    # tiles (checked first: a model of the other kind never loads the quantized kernels here), or
+    # bfloat16 with packed matrices (where the modules widen to float32 for the integer kernels)
+    if not any(all(held(m) is not None for layer in model.layers for m in _linears(layer))
+               for held in _holders(weight.dtype)):
         return None
     if not (cpu_ops.available() and quant_ops.available()) or model.rotary.path is not KernelPath.NATIVE_CPU:
         return None
@@ -142,7 +155,7 @@ class LayerStack:
         layers = []
         for layer in model.layers:
             modules = _linears(layer)
-            if self.dtype == torch.float32:
+            if all(_packed(x) is not None for x in modules):  # float32, or bfloat16 without AMX-BF16
                 weights = [_packed(x) for x in modules]
                 for w in weights:
                     self._keep += [t for t in (w.qweight, w.scales, w.mins) if t is not None]
