@@ -2118,17 +2118,21 @@ static inline uint16_t stack_f32_to_bf16(float f) {
 static int stack_linear_packed_bf16(const LayerStack *s, const StackLinear *l, const uint16_t *x, int64_t rows,
                                     uint16_t *y, float *wide) {
     float *xf = wide, *yf = wide + rows * l->K;
-    for (int64_t i = 0; i < rows * l->K; i++) xf[i] = stack_bf16_to_f32(x[i]);
-    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, xf, rows, l->K, l->q, l->d, l->m, l->N, l->Kp,
+    const int64_t K = l->K, N = l->N;
+    _Pragma("omp parallel for schedule(static) if(rows * K >= 16384)")
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t k = 0; k < K; k++) xf[i * K + k] = stack_bf16_to_f32(x[i * K + k]);
+    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, xf, rows, K, l->q, l->d, l->m, N, l->Kp,
                       (int)l->bits, (int)l->r, (int32_t)l->zero, yf))
         return 0;
     const uint16_t *bias = l->bias;
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t n = 0; n < l->N; n++) {
-            uint16_t v = stack_f32_to_bf16(yf[i * l->N + n]);
-            if (bias) v = stack_f32_to_bf16(stack_bf16_to_f32(v) + stack_bf16_to_f32(bias[n]));
-            y[i * l->N + n] = v;
-        }
+    _Pragma("omp parallel for schedule(static) if(rows * N >= 16384)")
+    for (int64_t i = 0; i < rows; i++) {
+        for (int64_t n = 0; n < N; n++) y[i * N + n] = stack_f32_to_bf16(yf[i * N + n]);
+        if (bias)
+            for (int64_t n = 0; n < N; n++)
+                y[i * N + n] = stack_f32_to_bf16(stack_bf16_to_f32(y[i * N + n]) + stack_bf16_to_f32(bias[n]));
+    }
     return 1;
 }
 
