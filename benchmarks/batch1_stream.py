@@ -51,25 +51,14 @@ def main() -> None:
         isa = {name: i for i, name in quant_ops.ISA_NAMES.items()}[args.path]
     x576, x1536 = torch.randn(1, 576, generator=gen), torch.randn(1, 1536, generator=gen)
 
-    # one ctypes call per matrix with its arguments converted once (quant_ops.bind_gemm does the
-    # same for the layers), so the interpreter adds about 2 us per matrix, not the 20 of gemm()
-    lib, levels = quant_ops._library, 2
-    path = quant_ops._check_path(isa, levels)
-    calls = []
-    for q in mats:
-        qweight, scales, mins, bits, group, zero, padded_in = q._kernel_args()
-        x = x1536 if padded_in >= 1536 else x576
-        y = torch.empty((1, qweight.shape[0]))
-        calls.append((path, quant_ops._tiled_from[(path, bits, levels)], levels, x.data_ptr(), 1, x.shape[1],
-                      qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
-                      qweight.shape[0], padded_in, bits, group // 32, zero, y.data_ptr()))
-        calls[-1] = (calls[-1], y)
-    kernel = lib.quant_linear
+    # each matrix bound once, as the layers bind theirs (quant_ops.bind_gemm)
+    calls = [(quant_ops.bind_gemm(*q._kernel_args(), isa_override=isa), x1536 if q.padded_in >= 1536 else x576)
+             for q in mats]
 
     def token() -> float:
         start = time.perf_counter()
-        for call, _ in calls:
-            kernel(*call)
+        for call, x in calls:
+            call(x)
         return time.perf_counter() - start
 
     for _ in range(3):

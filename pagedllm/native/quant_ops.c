@@ -255,28 +255,11 @@ typedef struct {
     RowPass pass;              /* one activation row . the pass's outputs */
     int64_t cols;              /* outputs per pass, at most MAX_ROW_COLS */
     int64_t prefetch_passes;   /* a pass prefetches the weights of the pass this far ahead */
-    int joins_levels;          /* the pass takes two levels joined, x16 = 256 xq + xq2 (else x16 is NULL) */
+    /* where the pass takes two levels joined: x16 = 256 xq + xq2 for n codes (NULL: x16 is NULL) */
+    void (*join)(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16);
 } RowKernel;
 
 #define MAX_ROW_COLS 16
-
-/* x16[i] = 256 xq[i] + xq2[i] for n (a multiple of 32) codes of two levels. */
-__attribute__((target("avx2"))) static void join_levels_avx2(const int8_t *xq, const int8_t *xq2, int64_t n,
-                                                             int16_t *x16) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + i)));
-        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq2 + i)));
-        _mm256_storeu_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_slli_epi16(a, 8), b));
-    }
-}
-
-static void join_levels(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16) {
-    if (n % 16 == 0 && __builtin_cpu_supports("avx2")) {
-        join_levels_avx2(xq, xq2, n, x16);
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) x16[i] = (int16_t)(256 * xq[i] + xq2[i]);
-}
 
 /* y [rows, N] by passes of k.cols outputs, the parallel work items; each pass transposes its
  * scales once and runs every row on them (its weights stay in L1 for the later rows). */
@@ -285,13 +268,14 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
                       const int32_t *xsum, int64_t rows, float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32;
     const int64_t cols = k.cols, num_passes = (N + cols - 1) / cols;
+    /* the rows' two levels joined once per call, for a kernel that takes them so (NULL when out of
+       memory: the pass then takes them as bytes, the same sums) */
+    int16_t *x16 = k.join && xq2 ? malloc((size_t)(rows * Kp) * sizeof(int16_t)) : 0;
+    if (x16) k.join(xq, xq2, rows * Kp, x16);
     _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
     {
         float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
         float out[MAX_ROW_COLS];
-        /* the rows' two levels joined once per call, for a kernel that takes them so */
-        int16_t *x16 = k.joins_levels && xq2 && dw ? malloc((size_t)(rows * Kp) * sizeof(int16_t)) : 0;
-        if (x16) join_levels(xq, xq2, rows * Kp, x16);
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < num_passes; p++) {
             const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
@@ -318,9 +302,9 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
-        free(x16);
         free(dw);
     }
+    free(x16);
 }
 
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -476,7 +460,7 @@ TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, 
     else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
 }
 
-static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, 0};
+static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, NULL};
 /* ------------------------------------------------------------ many rows: the tiled kernels */
 
 #define VNNI_TILE_ROWS 16 /* activation rows per zmm: one int32 lane each */
@@ -712,6 +696,13 @@ TARGET_AVX2 static inline __m256i levels_lanes_avx2(__m256i w, __m256i x, __m256
     return two ? _mm256_add_epi32(_mm256_slli_epi32(a, 8), block_lanes_avx2(w, x2, bits)) : a;
 }
 
+/* Outputs 0-7's sums from pair[p], the hadd of outputs 2p and 2p + 1's lanes: per 128-bit half
+ * the 4-lane sums of outputs 0-3 and 4-7, then the halves added. */
+TARGET_AVX2 static inline __m256i output_sums_avx2(const __m256i pair[4]) {
+    const __m256i k0 = _mm256_hadd_epi32(pair[0], pair[1]), k1 = _mm256_hadd_epi32(pair[2], pair[3]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
+}
+
 /* Block h of group g of outputs rows[0..8) . x (and x2) -> [8 outputs] each one's exact integer sum.
  * Pairs are reduced as soon as they exist, so few registers are live (AVX2 has 16). */
 TARGET_AVX2 static inline __m256i block_sums_avx2(const uint8_t *const rows[AVX2_ROW_COLS], int64_t g, int h, int bits,
@@ -720,9 +711,7 @@ TARGET_AVX2 static inline __m256i block_sums_avx2(const uint8_t *const rows[AVX2
     for (int p = 0; p < 4; p++)
         pair[p] = _mm256_hadd_epi32(levels_lanes_avx2(unpack_block_avx2(rows[2 * p], g, h, bits), x, x2, two, bits),
                                     levels_lanes_avx2(unpack_block_avx2(rows[2 * p + 1], g, h, bits), x, x2, two, bits));
-    /* per 128-bit half: the 4-lane sums of outputs 0-3 and 4-7 */
-    const __m256i k0 = _mm256_hadd_epi32(pair[0], pair[1]), k1 = _mm256_hadd_epi32(pair[2], pair[3]);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
+    return output_sums_avx2(pair);
 }
 
 /* In place: v[r][c] -> v[c][r] for 8 rows of 8 floats. */
@@ -744,8 +733,6 @@ TARGET_AVX2 static inline void transpose8_avx2(__m256 v[8]) {
     }
 }
 
-/* The per-block scales (or mins) of outputs [n0, n0 + count) as floats, transposed to
- * [blocks][8] so one block's values of the pass's outputs are one vector (zeros past count). */
 /* Columns [base, base + 8) of the scales of rows n0 .. n0 + 7 (row stride per_row), all inside
  * the rows, as floats transposed: v[k] holds column base + k of the 8 rows. */
 TARGET_AVX2 static inline __attribute__((always_inline)) void scale_columns_avx2(const uint16_t *s, int64_t n0,
@@ -755,6 +742,8 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void scale_columns_avx2
     transpose8_avx2(v);
 }
 
+/* The per-block scales (or mins) of outputs [n0, n0 + count) as floats, transposed to
+ * [blocks][8] so one block's values of the pass's outputs are one vector (zeros past count). */
 TARGET_AVX2 static void transpose_scales_avx2(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r,
                                               float *out) {
     const int64_t per_row = blocks / r;
@@ -796,37 +785,6 @@ TARGET_AVX2 static void transpose_scales_avx2(const uint16_t *s, int64_t n0, int
     }
 }
 
-/* Outputs [n0, n0 + count) (count <= 8) . one quantized activation row, in dot_portable's
- * float sequence with the 8 outputs in the lanes (see row_pass_vnni). 8-bit codes need zero 128. */
-TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
-    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
-    const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum, const float *dw, const float *mw,
-    const uint8_t *next, float *out) {
-    const uint8_t *rows[AVX2_ROW_COLS];  /* spare lanes: any row */
-    for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
-    const int64_t prefetch_step = ((AVX2_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < Kp / 64; g++) {
-        if (next) /* the later pass's weights (contiguous), a share of its lines per group */
-            for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
-                _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
-        for (int h = 0; h < 2; h++) {
-            const int64_t b = 2 * g + h;
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-            const __m256i x2 = xq2 ? _mm256_loadu_si256((const __m256i *)(xq2 + 32 * b)) : _mm256_setzero_si256();
-            __m256i isum = block_sums_avx2(rows, g, h, bits, x, x2, xq2 != 0);
-            if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
-            const float dxb = dx[b];
-            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
-            if (mw) acc = _mm256_fmadd_ps(_mm256_set1_ps(dxb * (float)xsum[b]), _mm256_loadu_ps(mw + b * AVX2_ROW_COLS), acc);
-        }
-    }
-    float lanes[AVX2_ROW_COLS];
-    _mm256_storeu_ps(lanes, acc);
-    memcpy(out, lanes, (size_t)count * sizeof(float));
-}
-
 /* One group g (64 weights: blocks 2g and 2g + 1) of one output's codes . joined activations x16
  * (int16, 256 q1 + q2): the two blocks' 8 lane sums, one vpmaddwd per 2 inputs of both levels
  * (the byte kernel takes two vpmaddubsw and two vpmaddwd per 4). 4-bit: the group's 32 bytes
@@ -851,33 +809,49 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void group_lanes_x16(co
     *l1 = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(x + 2)), _mm256_madd_epi16(w[3], _mm256_loadu_si256(x + 3)));
 }
 
-/* The pass of row_pass_avx2 for two levels, on the joined activations: the same integer block
- * sums, hence the same float sequence and bits. 8-bit codes need zero 128. */
-TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2_x16(
-    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero, const int16_t *x16, const float *dx,
-                                             const int32_t *xsum, const float *dw, const float *mw,
-                                             const uint8_t *next, float *out) {
+/* Both blocks of group g of outputs rows[0..8) . joined activations x16 -> sums[2] [8 outputs]. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void group_sums_x16_avx2(
+    const uint8_t *const rows[AVX2_ROW_COLS], int64_t g, int bits, const int16_t *x16, __m256i sums[2]) {
+    __m256i pair0[4], pair1[4];
+    for (int p = 0; p < 4; p++) {
+        __m256i a0, a1, b0, b1;
+        group_lanes_x16(rows[2 * p], g, bits, x16, &a0, &a1);
+        group_lanes_x16(rows[2 * p + 1], g, bits, x16, &b0, &b1);
+        pair0[p] = _mm256_hadd_epi32(a0, b0);
+        pair1[p] = _mm256_hadd_epi32(a1, b1);
+    }
+    sums[0] = output_sums_avx2(pair0);
+    sums[1] = output_sums_avx2(pair1);
+}
+
+/* Outputs [n0, n0 + count) (count <= 8) . one quantized activation row, in dot_portable's
+ * float sequence with the 8 outputs in the lanes (see row_pass_vnni). 8-bit codes need zero 128. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
+    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
+    const int8_t *xq, const int8_t *xq2, const int16_t *x16, const int joined, const float *dx, const int32_t *xsum,
+    const float *dw, const float *mw, const uint8_t *next, float *out) {
     const uint8_t *rows[AVX2_ROW_COLS];  /* spare lanes: any row */
     for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
     const int64_t prefetch_step = ((AVX2_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < Kp / 64; g++) {
-        if (next)
+        if (next) /* the later pass's weights (contiguous), a share of its lines per group */
             for (int64_t off = g * prefetch_step; off < (g + 1) * prefetch_step; off += 64)
                 _mm_prefetch((const char *)(next + off), _MM_HINT_T0);
-        __m256i pair0[4], pair1[4];
-        for (int p = 0; p < 4; p++) {
-            __m256i a0, a1, b0, b1;
-            group_lanes_x16(rows[2 * p], g, bits, x16, &a0, &a1);
-            group_lanes_x16(rows[2 * p + 1], g, bits, x16, &b0, &b1);
-            pair0[p] = _mm256_hadd_epi32(a0, b0);
-            pair1[p] = _mm256_hadd_epi32(a1, b1);
+        __m256i sums[2];
+        if (joined) {
+            group_sums_x16_avx2(rows, g, bits, x16, sums);
+        } else {
+            for (int h = 0; h < 2; h++) {
+                const int64_t b = 2 * g + h;
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+                const __m256i x2 = xq2 ? _mm256_loadu_si256((const __m256i *)(xq2 + 32 * b)) : _mm256_setzero_si256();
+                sums[h] = block_sums_avx2(rows, g, h, bits, x, x2, xq2 != 0);
+            }
         }
         for (int h = 0; h < 2; h++) {
-            const __m256i *pair = h ? pair1 : pair0;
-            const __m256i k0 = _mm256_hadd_epi32(pair[0], pair[1]), k1 = _mm256_hadd_epi32(pair[2], pair[3]);
-            __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
             const int64_t b = 2 * g + h;
+            __m256i isum = sums[h];
             if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
             const float dxb = dx[b];
             const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
@@ -895,15 +869,26 @@ TARGET_AVX2 static void row_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, 
                                      int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
                                      const float *dx, const int32_t *xsum, const float *dw, const float *mw,
                                      const uint8_t *next, float *out) {
-    if (bits == 4 && x16) row_pass_avx2_x16(q, row_bytes, n0, count, Kp, 4, zero, x16, dx, xsum, dw, mw, next, out);
-    else if (x16) row_pass_avx2_x16(q, row_bytes, n0, count, Kp, 8, zero, x16, dx, xsum, dw, mw, next, out);
-    else if (bits == 4 && xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
-    else if (bits == 4) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, dx, xsum, dw, mw, next, out);
-    else if (xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, dx, xsum, dw, mw, next, out);
-    else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
+    /* two levels come joined (gemm_rows, AVX2_ROWS.join); one level as bytes */
+    if (bits == 4 && x16) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, 0, 0, x16, 1, dx, xsum, dw, mw, next, out);
+    else if (x16) row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, 0, 0, x16, 1, dx, xsum, dw, mw, next, out);
+    else if (bits == 4 && xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, 0, 0, dx, xsum, dw, mw, next, out);
+    else if (bits == 4) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, 0, 0, dx, xsum, dw, mw, next, out);
+    else if (xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, 0, 0, dx, xsum, dw, mw, next, out);
+    else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, 0, 0, dx, xsum, dw, mw, next, out);
 }
 
-static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES, 1};
+/* x16[i] = 256 xq[i] + xq2[i] for n (a multiple of 16: rows x Kp) codes of two levels: exact in int16. */
+TARGET_AVX2 static void join_levels_avx2(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + i)));
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq2 + i)));
+        _mm256_storeu_si256((__m256i *)(x16 + i), _mm256_add_epi16(_mm256_slli_epi16(a, 8), b));
+    }
+}
+
+static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES,
+                                    join_levels_avx2};
 
 /* One block's integer sums of an AVX2 tile into its float accumulators: x scale x w scale,
  * plus the block's min term (Q4_1-style) when the weights have mins. */
@@ -2097,6 +2082,7 @@ typedef struct {
     void *hadamard16; /* cpu_ops' hadamard_bf16 */
 } LayerStack;
 
+/* cpu_ops.c's bf16_to_f32 and f32_to_bf16 (each library is built from its one source). */
 static inline float stack_bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -2151,13 +2137,6 @@ static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x
     return 1;
 }
 
-/* residual [rows, hidden] is updated in place through every layer; delta [rows, hidden]
- * receives the last layer's MLP output, not yet added (as the modules leave it). Rows
- * from num_rows on are padding: their attention output is zero. scratch: the caller's
- * buffer of quant_stack_scratch_floats(s, rows) floats, kept from step to step (a buffer
- * allocated per call is, at prefill sizes, fresh memory the OS must zero and map page by
- * page each time), or NULL to allocate one here. Returns 0 when out of memory (residual
- * and the caches then partly updated: the caller cannot retry). */
 /* Per row, the float32 input and output of the widest packed matmul under bfloat16 activations. */
 static int64_t stack_wide_floats(const LayerStack *s) {
     if (s->elem != 2 || s->num_layers == 0 || s->layers[0].qkv.w16) return 0;
@@ -2167,6 +2146,13 @@ static int64_t stack_wide_floats(const LayerStack *s) {
     return widest_in + (widest_out > hidden ? widest_out : hidden);
 }
 
+/* residual [rows, hidden] is updated in place through every layer; delta [rows, hidden]
+ * receives the last layer's MLP output, not yet added (as the modules leave it). Rows
+ * from num_rows on are padding: their attention output is zero. scratch: the caller's
+ * buffer of quant_stack_scratch_floats(s, rows) floats, kept from step to step (a buffer
+ * allocated per call is, at prefill sizes, fresh memory the OS must zero and map page by
+ * page each time), or NULL to allocate one here. Returns 0 when out of memory (residual
+ * and the caches then partly updated: the caller cannot retry). */
 int64_t quant_stack_scratch_floats(const LayerStack *s, int64_t rows) {
     const int64_t H = s->num_heads, KH = s->num_kv_heads, D = s->head_dim, hidden = s->hidden;
     const int64_t qkv_width = (H + 2 * KH) * D, inter = s->intermediate;

@@ -197,13 +197,14 @@ def _check_path(isa_override: int | None, levels: int) -> int:
 
 def bind_gemm(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-    bits: int, group_size: int, zero: int, padded_in: int, levels: int = 2,
+    bits: int, group_size: int, zero: int, padded_in: int, levels: int = 2, isa_override: int | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`gemm` on one weight, its arguments converted once: ``f(x)`` takes a float32,
     contiguous ``[T, K]`` and returns ``[T, N]``. For the layers' forward passes, where the
-    per-call cost of :func:`gemm`'s checks is a few percent of a batch-1 decode step."""
+    per-call cost of :func:`gemm`'s checks is a few percent of a batch-1 decode step.
+    ``isa_override`` as for :func:`gemm`."""
     assert available(), "bind_gemm needs the native kernels"
-    path, kernel = _check_path(None, levels), _library.quant_linear
+    path, kernel = _check_path(isa_override, levels), _library.quant_linear
     tiled_from = _tiled_from[(path, bits, levels)]
     out_features = qweight.shape[0]
     weight_args = (qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
