@@ -32,6 +32,7 @@ from pagedllm.bench.workloads import (
     warmup_prompts,
 )
 from pagedllm.cli import build_parser, main
+from pagedllm.errors import ConfigError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THROUGHPUT_KEYS = {
@@ -670,3 +671,45 @@ def test_serve_compare_with_vllm_server(tmp_path):
     )
     _check_compare_rows(data, ["pagedllm", "vllm"], random_workload(3, (12, 20), 4, seed=0))
     assert data["results"][1]["server_command"].split()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+
+
+def _tiny_serve_launch(model, launched: list[int]):
+    """launch_on for serve.start_server: ``pagedllm serve`` of ``model`` on the port asked for."""
+
+    def launch_on(port: int) -> serve.ServerLaunch:
+        launched.append(port)
+        command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(model), "--served-model-name", "tiny",
+                   "--max-model-len", "64", "--num-kv-blocks", "16", "--host", "127.0.0.1", "--port", str(port)]
+        return serve.ServerLaunch(command, dict(os.environ), REPO_ROOT)
+
+    return launch_on
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="checks for leftover processes in /proc")
+def test_a_server_whose_port_is_taken_before_it_binds_starts_on_another(tiny_default_tokenizer_model):
+    """free_port() closes its probe, so the port can be gone when the server binds it: every
+    bench that starts a server (serve --compare, sessions, arms) retries on a new port."""
+    import httpx
+
+    launched: list[int] = []
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server, base_url, startup_s = serve.start_server(
+            "tiny serve", _tiny_serve_launch(tiny_default_tokenizer_model, launched), "tiny", 120.0, port=taken)
+        with server:  # entering a started server does not start another
+            assert launched[0] == taken and len(launched) == 2 and launched[1] != taken
+            assert base_url == f"http://127.0.0.1:{launched[1]}" and startup_s > 0
+            assert httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+            assert len(_pids_with_argument(f"--port {launched[1]}")) == 1
+    assert _pids_with_argument(f"--port {launched[1]}") == []
+    assert _pids_with_argument(f"--port {taken}") == []
+
+
+def test_a_server_that_fails_for_another_reason_is_not_retried(tmp_path):
+    launched: list[int] = []
+    with pytest.raises(ConfigError, match="exited with code"):
+        serve.start_server("bad serve", _tiny_serve_launch(tmp_path / "no-such-model", launched), "tiny", 60.0)
+    assert len(launched) == 1

@@ -177,18 +177,19 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 # ---- one arm's server -------------------------------------------------------------
 
 
-PORT_RETRIES = 3  # new ports an arm's server tries when the one it was given is taken meanwhile
-
-
 class ArmServer:
     """``pagedllm serve`` for one arm on a free port, ready to take load inside the ``with`` block.
 
-    ``base_url``, ``startup_s`` (process start until ``/v1/models`` answers), ``pool``
-    (None without a dashboard) and ``command`` are set on entering.
+    ``base_url`` and ``command`` are set from construction (a port free then) and move to
+    another port if that one is taken before the server binds it
+    (:func:`pagedllm.bench.serve.start_server`); ``startup_s`` (process start until
+    ``/v1/models`` answers) and ``pool`` (None without a dashboard) are set on entering.
     """
 
     def __init__(self, arm: ServerArm, settings, kv_dir: str | None, args: argparse.Namespace,
                  label: str | None = None) -> None:
+        from pagedllm.bench.serve import free_port
+
         self.arm = arm
         self.label = label or arm.name
         self.kv_dir = kv_dir
@@ -197,46 +198,40 @@ class ArmServer:
         self.startup_s: float | None = None
         self.pool: KVPool | None = None
         self._process = None
-        self._choose_port()
+        self._host = "127.0.0.1"
+        self._port = free_port(self._host)
+        self._set_port(self._port)
 
-    def _choose_port(self) -> None:
-        """A free port now, and the command that serves on it."""
-        from pagedllm.bench.serve import ServerLaunch, free_port, pagedllm_server_command
+    def _set_port(self, port: int) -> None:
+        """Serve on ``port``: the base URL and the command that serves there."""
+        from pagedllm.bench.serve import ServerLaunch, pagedllm_server_command
 
-        host = "127.0.0.1"
-        port = free_port(host)
-        self.base_url = f"http://{host}:{port}"
-        self.command = pagedllm_server_command(self.settings, host, port) + self.arm.resolved_flags(self.kv_dir)
+        self._port = port
+        self.base_url = f"http://{self._host}:{port}"
+        self.command = pagedllm_server_command(self.settings, self._host, port) + self.arm.resolved_flags(self.kv_dir)
         package_root = str(Path(__file__).resolve().parents[2])  # ``-m pagedllm.cli`` runs this copy
         self.launch = ServerLaunch(self.command, dict(os.environ), package_root)
 
     def __enter__(self) -> ArmServer:
-        from pagedllm.bench.serve import ServerProcess
+        from pagedllm.bench.serve import start_server
 
         log_dir = self.args.server_log_dir
         log_path = Path(log_dir) / f"pagedllm-{self.label}.log" if log_dir else None
-        for retries_left in reversed(range(PORT_RETRIES + 1)):
+
+        def launch_on(port: int):
+            self._set_port(port)
             print(f"starting arm {self.label}: {shlex.join(self.command)}", file=sys.stderr, flush=True)
-            self._process = ServerProcess(f"pagedllm serve (arm {self.label})", self.launch, log_path).__enter__()
-            try:
-                self.startup_s = self._process.wait_ready(
-                    self.base_url, self.settings.served_model_name, self.args.startup_timeout
-                )
-                self.pool = run_async(self._read_pool())
-                break
-            except ConfigError:
-                lost_port = "Address already in use" in self._process.log_tail()
-                self._process.stop()
-                if not (lost_port and retries_left):
-                    raise
-                # free_port() closes its probe socket, so another process can take the port
-                # before the server binds it (the server says so at once, before loading).
-                print(f"arm {self.label}: {self.base_url} was taken meanwhile; another port",
-                      file=sys.stderr, flush=True)
-                self._choose_port()
-            except BaseException:
-                self._process.stop()
-                raise
+            return self.launch
+
+        self._process, self.base_url, self.startup_s = start_server(
+            f"pagedllm serve (arm {self.label})", launch_on, self.settings.served_model_name,
+            self.args.startup_timeout, log_path, self._host, port=self._port,
+        )
+        try:
+            self.pool = run_async(self._read_pool())
+        except BaseException:
+            self._process.stop()
+            raise
         print(f"arm {self.label} answered after {self.startup_s:.1f} s; KV pool {self.pool}",
               file=sys.stderr, flush=True)
         return self

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -486,6 +487,10 @@ class ServerProcess:
         return self.process.pid
 
     def __enter__(self) -> ServerProcess:
+        return self if self.process is not None else self.start()
+
+    def start(self) -> ServerProcess:
+        """Start the process (entering the ``with`` block does, unless this was called first)."""
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "w+b")  # closed in stop()
@@ -572,6 +577,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+PORT_RETRIES = 3  # new ports a server start tries when the one it was given is taken meanwhile
+
+
+def start_server(
+    name: str,
+    launch_on: Callable[[int], ServerLaunch],
+    model: str,
+    timeout_s: float,
+    log_path: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> tuple[ServerProcess, str, float]:
+    """Start a server on a free port (``port``, else one free now) and wait until it serves ``model``.
+
+    free_port() closes its probe socket, so another process can take the port before the
+    server binds it. pagedllm and vLLM then both say "Address already in use" at once,
+    before loading anything, and the start is tried again on a new port, up to
+    PORT_RETRIES times; any other failure ends the start at once. ``launch_on(port)``
+    gives the command for a port. Returns the running server (the caller stops it), its
+    base URL and its start-up seconds (ConfigError when it does not come up).
+    """
+    for retries_left in reversed(range(PORT_RETRIES + 1)):
+        if port is None:
+            port = free_port(host)
+        base_url = f"http://{host}:{port}"
+        server = ServerProcess(name, launch_on(port), log_path).start()
+        try:
+            return server, base_url, server.wait_ready(base_url, model, timeout_s)
+        except ConfigError:
+            lost_port = "Address already in use" in server.log_tail()
+            server.stop()
+            if not (lost_port and retries_left):
+                raise
+            print(f"{name}: {base_url} was taken meanwhile; another port", file=sys.stderr, flush=True)
+            port = None
+        except BaseException:
+            server.stop()
+            raise
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
 async def warm_up(base_url: str, model: str, max_model_len: int) -> None:
     """A few short requests of growing length, so that first-shape costs stay out of the figures."""
     prompts = warmup_prompts(max_len=max_model_len - WARMUP_OUTPUT_LEN)
@@ -596,13 +642,18 @@ def bench_server(
 ) -> dict:
     """Start ``system``'s server, time its start-up, warm it up, run the load, stop it."""
     host = "127.0.0.1"
-    port = free_port(host)
-    base_url = f"http://{host}:{port}"
-    launch = server_launch(system, settings, host, port, peer_python)
     log_path = Path(args.server_log_dir) / f"{system}.log" if args.server_log_dir else None
-    print(f"starting {system}: {' '.join(launch.command)}", file=sys.stderr, flush=True)
-    with ServerProcess(system, launch, log_path) as server:
-        startup_s = server.wait_ready(base_url, settings.served_model_name, args.startup_timeout)
+    launches: list[ServerLaunch] = []
+
+    def launch_on(port: int) -> ServerLaunch:
+        launches.append(server_launch(system, settings, host, port, peer_python))
+        print(f"starting {system}: {' '.join(launches[-1].command)}", file=sys.stderr, flush=True)
+        return launches[-1]
+
+    server, base_url, startup_s = start_server(system, launch_on, settings.served_model_name,
+                                               args.startup_timeout, log_path, host)
+    launch = launches[-1]
+    with server:
         print(f"{system} answered after {startup_s:.1f} s", file=sys.stderr, flush=True)
         version = server_version(base_url)
         if args.warmup:

@@ -362,15 +362,16 @@ def run_launched(args: argparse.Namespace, load: SessionLoad, kv_policy: str) ->
     import os
     from pathlib import Path
 
-    from pagedllm.bench.serve import ServerLaunch, ServerProcess, free_port
+    from pagedllm.bench.serve import ServerLaunch, start_server
 
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
     package_root = str(Path(__file__).resolve().parents[2])
-    launch = ServerLaunch(serve_command(args, kv_policy, port), dict(os.environ), package_root)
-    with ServerProcess(f"pagedllm serve ({kv_policy})", launch) as server:
-        model = _served_name(args)
-        started_s = server.wait_ready(base_url, model, timeout_s=600.0)
+
+    def launch_on(port: int) -> ServerLaunch:
+        return ServerLaunch(serve_command(args, kv_policy, port), dict(os.environ), package_root)
+
+    server, base_url, started_s = start_server(f"pagedllm serve ({kv_policy})", launch_on, _served_name(args),
+                                               timeout_s=600.0)
+    with server:
         result = run_async(run_sessions(base_url, load, server.pgid, args.num_kv_blocks))
         result.update(kv_policy=kv_policy, server_start_s=started_s)
     return result
