@@ -485,10 +485,10 @@ static inline vf vexp_any(vf x) { /* exp for any x: overflow gives inf, underflo
 /* Keys go through the online softmax NSUB chunks (of up to VW tokens each, one
    block's) at a time: one max and one sum per row per NSUB * VW keys, and each
    query broadcast feeds NSUB fused multiply-adds. QK_ROWS query rows' scores
-   stay in registers together (QK_ROWS * NSUB accumulators). NSUB is SUB for
-   tiles of several query tokens (prefill), where the reductions and the
-   broadcasts set the pace, and 1 for a decode token, whose few rows are bound
-   by reading K/V and would waste a partly filled last group. */
+   stay in registers together (QK_ROWS * NSUB accumulators). Every tile, a
+   decode token's too, takes NSUB = SUB (DISPATCH_CH below): the grouping sets
+   where the softmax rescales, so one NSUB for all tiles keeps a row's bits the
+   same in any tile. */
 #define SUB 4
 #if VW == 16
 #define QK_ROWS 4

@@ -1,0 +1,89 @@
+/* Decode attention timed in C, without Python around each call: a build of cpu_ops.c (or
+ * a variant of it) called on the default model's decode shape (9 query / 3 KV heads of 64,
+ * blocks of 16, every block of the pool drawn at random), LAYERS caches of SEQS sequences
+ * of CTX tokens each. Prints GB/s of K/V read (codes and scales for int8) and ms per layer,
+ * the best of ROUNDS rounds over all layers, and one output value (the same for builds that
+ * give the same bits).
+ *
+ *   gcc -O3 -mavx2 -mfma -mf16c -fopenmp -std=gnu11 \
+ *       -DKERNEL_SOURCE='"../pagedllm/native/cpu_ops.c"' [-DKV8=1] \
+ *       benchmarks/attention_decode_bench.c -o /tmp/attn -lm
+ *   OMP_NUM_THREADS=2 /tmp/attn LAYERS SEQS CTX ROUNDS
+ *
+ * (KERNEL_SOURCE is relative to this file; -mavx512f -mavx512bw -mavx512vl -mavx512dq
+ * instead of -mavx2 builds the AVX-512 path.) 30 64 340 4 streams 1 GB (float32) from
+ * memory, as a W64 decode step's attention does; 1 4 340 1500 keeps the caches in L2 and
+ * times the arithmetic alone. HUGE=1 in the environment puts the caches on 2 MiB pages.
+ * docs/profile.md, "Eleventh round", has what it showed on AMD Zen 3. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include KERNEL_SOURCE
+#ifndef KV8
+#define KV8 0
+#endif
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static float uniform(void) { return (float)rand() / RAND_MAX - 0.5f; }
+
+int main(int argc, char **argv) {
+    if (argc != 5) {
+        fprintf(stderr, "usage: %s LAYERS SEQS CTX ROUNDS\n", argv[0]);
+        return 2;
+    }
+    const int64_t layers = atoi(argv[1]), seqs = atoi(argv[2]), ctx = atoi(argv[3]), rounds = atoi(argv[4]);
+    const int64_t H = 9, KVH = 3, D = 64, BS = 16, bps = (ctx + BS - 1) / BS, nblocks = seqs * bps + 1;
+    const int64_t elems = nblocks * BS * KVH * D;
+    const size_t huge = (size_t)2 << 20, bytes_each = ((size_t)elems * 4 + huge - 1) & ~(huge - 1);
+    float **k = malloc(layers * sizeof *k), **v = malloc(layers * sizeof *v);
+    int32_t *tables = malloc(seqs * bps * sizeof(int32_t));
+    int64_t *perm = malloc(nblocks * sizeof(int64_t));
+    srand(1);
+    for (int64_t i = 0; i < nblocks; ++i) perm[i] = i;
+    for (int64_t i = nblocks - 1; i > 0; --i) {
+        const int64_t j = rand() % (i + 1), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    for (int64_t i = 0; i < seqs * bps; ++i) tables[i] = (int32_t)perm[i];
+    for (int64_t l = 0; l < layers; ++l) {
+        k[l] = aligned_alloc(huge, bytes_each), v[l] = aligned_alloc(huge, bytes_each);
+        if (getenv("HUGE")) madvise(k[l], bytes_each, MADV_HUGEPAGE), madvise(v[l], bytes_each, MADV_HUGEPAGE);
+        if (KV8) { /* codes, then one float16 scale per slot and KV head */
+            uint8_t *kc = (uint8_t *)k[l], *vc = (uint8_t *)v[l];
+            for (int64_t i = 0; i < elems; ++i) kc[i] = (uint8_t)(rand() % 200 - 100), vc[i] = (uint8_t)(rand() % 200 - 100);
+            uint16_t *ks = (uint16_t *)(kc + elems), *vs = (uint16_t *)(vc + elems);
+            for (int64_t i = 0; i < elems / D; ++i) ks[i] = vs[i] = f32_to_f16(0.01f);
+        } else {
+            for (int64_t i = 0; i < elems; ++i) k[l][i] = uniform(), v[l][i] = uniform();
+        }
+    }
+    float *q = aligned_alloc(64, seqs * H * D * 4), *out = aligned_alloc(64, seqs * H * D * 4);
+    for (int64_t i = 0; i < seqs * H * D; ++i) q[i] = uniform();
+    tile_t *tiles = malloc(seqs * sizeof(tile_t));
+    for (int64_t s = 0; s < seqs; ++s) tiles[s] = (tile_t){(int32_t)s, (int32_t)s, (int32_t)ctx, 1};
+    const double bytes = 2.0 * seqs * ctx * KVH * (KV8 ? D + 2 : D * 4) * layers;
+    double best = 1e30;
+    for (int64_t r = 0; r < rounds; ++r) {
+        const double t0 = now();
+        for (int64_t l = 0; l < layers; ++l) {
+            if (KV8)
+                paged_attention_f32_i8(q, H * D, (kv8_t *)k[l], (kv8_t *)v[l], (uint16_t *)((uint8_t *)k[l] + elems),
+                                       (uint16_t *)((uint8_t *)v[l] + elems), tables, bps, tiles, seqs, H, KVH, D, BS,
+                                       0.125f, 0, out);
+            else
+                paged_attention_f32(q, H * D, k[l], v[l], 0, 0, tables, bps, tiles, seqs, H, KVH, D, BS, 0.125f, 0, out);
+        }
+        const double t = now() - t0;
+        if (t < best) best = t;
+    }
+    printf("%s %s layers %ld seqs %ld ctx %ld: %.2f GB/s (%.3f ms per layer) check %g\n", KV8 ? "int8" : "f32",
+           ISA_NAME, (long)layers, (long)seqs, (long)ctx, bytes / best / 1e9, best / layers * 1e3, out[7]);
+    return 0;
+}
