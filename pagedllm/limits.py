@@ -42,9 +42,10 @@ class RequestLimits:
 
     ``max_n`` caps ``n`` and ``best_of`` (the sequences sampled for one
     prompt); ``max_beam_width`` the beams of a beam search; ``max_stop`` the
-    stop strings and ``max_stop_chars`` the length of each; ``max_stop_token_ids``
-    and ``max_logit_bias`` the entries of those lists; ``max_logprobs`` the
-    top-logprobs per position (OpenAI's 20).
+    stop strings and ``max_stop_chars`` the length of each (and of each bad word);
+    ``max_stop_token_ids`` and ``max_logit_bias`` the entries of those lists
+    (``max_logit_bias`` also the bad words); ``max_logprobs`` the top-logprobs per
+    position (OpenAI's 20). allowed_token_ids is bounded by the vocabulary.
     """
 
     max_n: int = 128

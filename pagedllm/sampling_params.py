@@ -70,6 +70,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # sample only from these token ids (every other token's logit is -inf)
+    allowed_token_ids: list[int] | None = None
+    # words never generated: each is banned as the model would write it at the start of the text
+    # and after a space (its tokens, with and without a leading space); see bad_words_token_ids
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # keep only the last k prompt tokens (-1: the model's context length); None keeps all
     truncate_prompt_tokens: int | None = None
@@ -85,6 +90,14 @@ class SamplingParams:
             _fail("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        for name in ("allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                kind = "token ids" if name == "allowed_token_ids" else "strings"
+                _fail(name, f"must be a list of {kind}, got {value!r}")
+            setattr(self, name, None if value is None else list(value))
+        # bad_words as token id sequences, set from the model's tokenizer when a request is added
+        self.bad_words_token_ids: list[list[int]] | None = None
         _check_finite(self, _FLOAT_FIELDS)
         check_bool(self, _BOOL_FIELDS)
         self._validate()
@@ -126,6 +139,13 @@ class SamplingParams:
             _fail("stop", "every stop string must be a non-empty string")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "every stop token id must be an integer >= 0")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                _fail("allowed_token_ids", "must not be empty (it lists the only tokens that may be sampled)")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                _fail("allowed_token_ids", "every token id must be an integer >= 0")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            _fail("bad_words", "every bad word must be a string with some non-space text")
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             _fail("seed", f"must be an integer in [-2**63, 2**63 - 1] (64 bits), got {self.seed!r}")
         if not self.detokenize and self.stop:
@@ -148,10 +168,34 @@ class SamplingParams:
         if self.logit_bias:
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self.logit_bias, vocab_size, "logit_bias")
+        if self.allowed_token_ids:
+            check_at_most("allowed_token_ids", len(self.allowed_token_ids), vocab_size,
+                          "allowed token ids (the vocabulary's size)")
+            check_token_ids(self.allowed_token_ids, vocab_size, "allowed_token_ids")
+        if self.bad_words:
+            check_at_most("bad_words", len(self.bad_words), limits.max_logit_bias, "bad words")
+            longest = max(len(w) for w in self.bad_words)
+            if longest > limits.max_stop_chars:
+                _fail("bad_words", f"each bad word may have at most {limits.max_stop_chars} characters, got {longest}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > limits.max_logprobs:
                 _fail(name, f"must be <= {limits.max_logprobs}, got {value}")
+
+    def resolve_bad_words(self, encode) -> None:
+        """Set bad_words_token_ids from ``encode`` (text -> token ids, no special tokens).
+
+        Each word is banned both where it starts the text and after a space: its tokens without
+        and with a leading space (the word's own leading spaces dropped), the second only where it
+        differs. The sampler bans a sequence's last token whenever the tokens generated just
+        before it are the rest of the sequence, so a one-token word is never generated."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(encode(text))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self.bad_words_token_ids = sequences or None
 
     @property
     def is_greedy(self) -> bool:

@@ -126,12 +126,17 @@ SERVE_NOTES = {
     "--dtype": "auto is float32 on the CPU",
 }
 HTTP_NOTES = {
+    "allowed_token_ids": SAME_NOTE + "not with use_beam_search (400)",
+    "bad_words": SAME_NOTE + "not with use_beam_search (400); at most --max-logit-bias words of --max-stop-chars characters",
     "prompt_logprobs": "vLLM's format (per choice on completions, one list on chat); capped by --max-logprobs, "
                        "so -1 (the whole vocabulary) is a 400; with stream only 0, as vLLM",
     "truncate_prompt_tokens": SAME_NOTE + "keeps the last k prompt tokens (-1: the context length); 0 or more "
                               "than the context length is a 400",
 }
 SAMPLING_NOTES = {
+    "allowed_token_ids": SAME_NOTE + "at most the vocabulary's size; ids outside it raise RequestError",
+    "bad_words": SAME_NOTE + "each word banned at the text's start and after a space; at most max_logit_bias "
+                 "words of max_stop_chars characters each (RequestLimits)",
     "top_k": SAME_NOTE + "0 or -1 disables",
     "seed": SAME_NOTE + "a per-request generator",
     "truncate_prompt_tokens": SAME_NOTE + "keeps the last k prompt tokens (-1: the context length); 0, below -1 "

@@ -186,6 +186,85 @@ def test_a_row_reads_the_sequences_own_token_list(sampler):
     assert sampler(logits, [r]).token_ids == [1]
 
 
+def test_allowed_token_ids_leave_only_those_tokens(sampler):
+    logits = random_logits(2, vocab=50, seed=3)
+    allowed = [4, 17, 33]
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    out = sampler(logits, [row(greedy), row()])
+    assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    assert out.token_ids[1] == int(logits[1].argmax())  # the other row is untouched
+    # sampled rows too, over many draws; the reported logprob is the raw one
+    hot = SamplingParams(temperature=5.0, seed=1, allowed_token_ids=allowed)
+    drawn = {sampler(logits[:1], [row(hot, seed_gen=seeded(i))]).token_ids[0] for i in range(200)}
+    assert drawn == set(allowed)
+    out = sampler(logits[:1], [row(greedy)])
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[out.token_ids[0]]), abs=1e-5)
+
+
+def test_a_one_token_bad_word_is_never_sampled_and_a_longer_one_only_after_its_start(sampler):
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]])  # token 2 is the best, then 3
+    params = SamplingParams(temperature=0.0)
+    params.bad_words_token_ids = [[2]]  # as resolve_bad_words sets it from the tokenizer
+    assert sampler(logits, [row(params, prompt=[1], output=[4])]).token_ids == [3]
+    params.bad_words_token_ids = [[4, 1, 2]]  # banned only right after 4, 1
+    assert sampler(logits, [row(params, prompt=[1], output=[])]).token_ids == [2]
+    assert sampler(logits, [row(params, prompt=[4], output=[1])]).token_ids == [2]  # 4 is the prompt's
+    assert sampler(logits, [row(params, prompt=[4, 1], output=[4, 1])]).token_ids == [3]
+    assert sampler(logits, [row(params, output=[4, 1, 0])]).token_ids == [2]
+
+
+def test_bans_never_leave_a_row_without_a_token(sampler):
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0]])
+    # the only allowed token is a bad word: the bans would empty the row, so it keeps the allowed token
+    params = SamplingParams(temperature=0.0, allowed_token_ids=[3])
+    params.bad_words_token_ids = [[3]]
+    assert sampler(logits, [row(params)]).token_ids == [3]
+    # the same under min_tokens: EOS is the only allowed token
+    params = SamplingParams(temperature=1.0, seed=0, min_tokens=2, allowed_token_ids=[1])
+    assert sampler(logits, [row(params, seed_gen=seeded(0), eos=[1])]).token_ids == [1]
+
+
+def test_resolve_bad_words_bans_a_word_at_the_start_and_after_a_space():
+    vocab = {"hello": [7], " hello": [8], "big cat": [3, 4], " big cat": [5, 4]}
+    params = SamplingParams(bad_words=["  hello", "big cat"])
+    params.resolve_bad_words(lambda text: vocab[text])
+    assert params.bad_words_token_ids == [[7], [8], [3, 4], [5, 4]]
+    same = SamplingParams(bad_words=["x"])
+    same.resolve_bad_words(lambda text: [9])  # both spellings give the same tokens: kept once
+    assert same.bad_words_token_ids == [[9]]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"allowed_token_ids": []}, "must not be empty"),
+    ({"allowed_token_ids": 5}, "must be a list of token ids"),
+    ({"allowed_token_ids": [1, -2]}, "integer >= 0"),
+    ({"bad_words": "word"}, "must be a list of strings"),
+    ({"bad_words": ["ok", "  "]}, "non-space text"),
+    ({"bad_words": [3]}, "non-space text"),
+])
+def test_bad_allowed_token_ids_and_bad_words_are_refused(kwargs, match):
+    from pagedllm.errors import RequestError
+
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_and_bad_words_are_held_to_the_limits():
+    from pagedllm.errors import RequestError
+    from pagedllm.limits import RequestLimits
+
+    limits = RequestLimits(max_logit_bias=2, max_stop_chars=5)
+    with pytest.raises(RequestError, match=r"allowed_token_ids.*\[0, 10\)"):
+        SamplingParams(allowed_token_ids=[3, 10]).check_limits(limits, 10)
+    with pytest.raises(RequestError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=list(range(10)) * 2).check_limits(limits, 10)
+    with pytest.raises(RequestError, match="bad_words"):
+        SamplingParams(bad_words=["a", "b", "c"]).check_limits(limits, 10)
+    with pytest.raises(RequestError, match="at most 5 characters"):
+        SamplingParams(bad_words=["abcdef"]).check_limits(limits, 10)
+    SamplingParams(allowed_token_ids=[9], bad_words=["ab", "cd"]).check_limits(limits, 10)
+
+
 def test_out_of_vocab_ids_are_ignored(sampler):
     logits = torch.tensor([[0.0, 1.0]])
     params = SamplingParams(temperature=0.0, logit_bias={99: 5.0}, repetition_penalty=1.2)

@@ -149,6 +149,35 @@ def test_stop_string(client):
     assert stopped.choices[0].text == free[: free.index(stop)]
 
 
+def test_bad_words_are_not_generated(client):
+    """A word of the greedy text, then a phrase of it, as vLLM's bad_words (extra_body): the
+    model writes around them (the server overlaps its steps, so a phrase's ban must see the
+    tokens just generated)."""
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    words = free.split()
+    assert len(words) >= 4, free
+    for bad in (words[0], " ".join(words[1:3])):
+        text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                         extra_body={"bad_words": [bad]}).choices[0].text
+        assert bad not in text and text != free, (bad, text)
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(server, client):
+    allowed = tokenize(server, " yes no maybe")
+    pieces = {httpx.post(f"{server.base_url}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in allowed}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3,
+                                  logprobs=0, extra_body={"allowed_token_ids": allowed})
+    tokens = r.choices[0].logprobs.tokens
+    assert len(tokens) == 12 and set(tokens) <= pieces, (tokens, pieces)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"allowed_token_ids": [10**9]})
+    assert info.value.body["param"] == "allowed_token_ids"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2,
+                                  extra_body={"bad_words": ["x"], "use_beam_search": True})
+    assert info.value.body["param"] == "bad_words"
+
+
 def test_seed_reproducibility(client):
     kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1234)
     first = client.completions.create(**kwargs).choices[0].text

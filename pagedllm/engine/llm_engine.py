@@ -294,6 +294,8 @@ class LLMEngine:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise RequestError(f"params must be SamplingParams or BeamSearchParams, got {params!r}", param="params")
         params.check_limits(self.limits, self.vocab_size)
+        if isinstance(params, SamplingParams) and params.bad_words:
+            params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         keep = (prompt_tokens_kept(params.truncate_prompt_tokens, self.max_model_len)
                 if isinstance(params, SamplingParams) else None)
         text, token_ids = self._tokenize_prompt(prompt, keep)

@@ -35,6 +35,8 @@ def can_sample_ahead(request: Request) -> bool:
         and params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
+        # a bad word of several tokens is banned by the tokens just generated
+        and not any(len(seq) > 1 for seq in params.bad_words_token_ids or ())
     )
 
 

@@ -1,10 +1,15 @@
 """Batched token sampling with vLLM's semantics.
 
 One call samples one token for each row of a ``[num_rows, vocab]`` logits
-tensor. Per row, in this order: logit_bias, the min_tokens ban on EOS and
-stop tokens, repetition penalty (prompt + output), frequency and presence
-penalties (output only); then greedy rows take the argmax and the others are
-divided by their temperature, filtered by top-k, top-p and min-p, and sampled.
+tensor. Per row, in this order: logit_bias, allowed_token_ids (every other
+token to -inf), the bans (min_tokens on EOS and stop tokens, and bad_words: a
+bad word's last token wherever the tokens just generated are the rest of it),
+repetition penalty (prompt + output), frequency and presence penalties (output
+only); then greedy rows take the argmax and the others are divided by their
+temperature, filtered by top-k, top-p and min-p, and sampled. A row that the
+allowed ids or the bans would leave with no token at all keeps its logits from
+before them (as a grammar's end wins over the min_tokens ban), so every row
+always has a token to sample.
 
 Every transform is one tensor operation over all rows that use it, and a
 transform no row uses is skipped, so an all-greedy batch without penalties
@@ -182,20 +187,26 @@ def _apply_logit_processors(
     """
     vocab = logits.shape[1]
     bias = _sparse_entries(rows, vocab, _bias_entries)
-    banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries, skip=_rows_the_grammar_ends(rows, grammar_mask, vocab))
+    allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    grammar_ends = _rows_the_grammar_ends(rows, grammar_mask, vocab)
+    banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries, skip=grammar_ends)
+    bad_words = _sparse_entries(rows, vocab, _bad_word_entries)
     uses_repetition = any(r.params.repetition_penalty != 1.0 for r in rows)
     uses_output_penalty = any(
         r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in rows
     )
-    if bias is None and banned is None and not uses_repetition and not uses_output_penalty:
+    if (bias is None and banned is None and bad_words is None and not allowed_rows and not uses_repetition
+            and not uses_output_penalty):
         return logits
     logits = logits.clone()
     if bias is not None:
         row_idx, tok_idx, values = (_move(t, logits.device) for t in bias)
         logits.index_put_((row_idx, tok_idx), values, accumulate=True)
-    if banned is not None:
-        row_idx, tok_idx, _ = (_move(t, logits.device) for t in banned)
-        logits[row_idx, tok_idx] = float("-inf")
+    if allowed_rows:
+        _keep_allowed(logits, rows, allowed_rows)
+    for bans in (banned, bad_words):
+        if bans is not None:
+            _ban(logits, *bans[:2])
     if uses_repetition:
         _apply_repetition_penalty(logits, rows)
     if uses_output_penalty:
@@ -205,6 +216,45 @@ def _apply_logit_processors(
 
 def _bias_entries(row: SamplingRow) -> dict[int, float]:
     return row.params.logit_bias or {}
+
+
+def _keep_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], allowed_rows: Sequence[int]) -> None:
+    """Every token outside a row's allowed_token_ids to -inf (rows whose allowed tokens are all
+    -inf already, e.g. outside their grammar, are left as they were)."""
+    vocab = logits.shape[1]
+    for i in allowed_rows:
+        allowed = torch.tensor([t for t in rows[i].params.allowed_token_ids if 0 <= t < vocab], dtype=torch.long)
+        allowed = _move(allowed, logits.device)
+        if allowed.numel() == 0 or not torch.isfinite(logits[i, allowed]).any():
+            continue
+        kept = logits[i, allowed]
+        logits[i] = float("-inf")
+        logits[i, allowed] = kept
+
+
+def _bad_word_entries(row: SamplingRow) -> dict[int, float]:
+    """The last token of every bad word whose other tokens the row generated last."""
+    sequences = getattr(row.params, "bad_words_token_ids", None)
+    if not sequences:
+        return {}
+    tokens, generated = row.token_ids, row.num_output_tokens
+    banned: dict[int, float] = {}
+    for seq in sequences:
+        before = len(seq) - 1
+        if before <= generated and all(tokens[len(tokens) - before + j] == seq[j] for j in range(before)):
+            banned[seq[-1]] = 0.0
+    return banned
+
+
+def _ban(logits: torch.Tensor, row_idx: torch.Tensor, tok_idx: torch.Tensor) -> None:
+    """logits[row_idx, tok_idx] = -inf, except in rows this would leave with no finite logit."""
+    row_idx, tok_idx = _move(row_idx, logits.device), _move(tok_idx, logits.device)
+    rows = torch.unique(row_idx)
+    before = logits[rows].clone()
+    logits[row_idx, tok_idx] = float("-inf")
+    emptied = ~torch.isfinite(logits[rows]).any(dim=1) & torch.isfinite(before).any(dim=1)
+    if emptied.any():
+        logits[rows[emptied]] = before[emptied]
 
 
 def _min_tokens_ban_entries(row: SamplingRow) -> dict[int, float]:

@@ -201,6 +201,8 @@ class _SamplingRequest(_Body):
     min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[Finite, Field(gt=0.0)] = 1.0
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     include_stop_str_in_output: bool = False
@@ -292,6 +294,18 @@ class _SamplingRequest(_Body):
         if self.logit_bias:
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
+        if self.allowed_token_ids:
+            check_at_most("allowed_token_ids", len(self.allowed_token_ids), vocab_size,
+                          "allowed token ids (the vocabulary's size)")
+            check_token_ids(self.allowed_token_ids, vocab_size, "allowed_token_ids")
+        if self.bad_words:
+            check_at_most("bad_words", len(self.bad_words), limits.max_logit_bias, "bad words")
+            longest = max(len(w) for w in self.bad_words)
+            if longest > limits.max_stop_chars:
+                raise RequestError(
+                    f"bad_words: each bad word may have at most {limits.max_stop_chars} characters, got {longest}",
+                    param="bad_words",
+                )
         self._check_prompt_logprobs(limits)
 
     def _check_prompt_logprobs(self, limits: RequestLimits) -> None:
@@ -350,6 +364,8 @@ class _SamplingRequest(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=structured,
         )
 
@@ -360,6 +376,9 @@ class _SamplingRequest(_Body):
             raise RequestError(f"best_of: must be >= n ({self.n}), got {self.best_of}", param="best_of")
         if self.stop:
             raise RequestError("stop strings are not supported with beam search", param="stop")
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name):
+                raise RequestError(f"{name}: not supported with beam search", param=name)
         return BeamSearchParams(
             beam_width=max(self.n, self.best_of or 0),
             max_tokens=max_tokens,
