@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from pagedllm.errors import RequestError
 from pagedllm.limits import CHAT_ROLES
@@ -143,3 +144,33 @@ def _join_text_parts(parts: list, index: int) -> str:
             raise RequestError(f"{where}.text must be a string", param="messages")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+# Names a chat template receives from the caller's own arguments: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+    "tokenize", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+    "return_tensors", "tokenizer_kwargs",
+})
+MAX_TEMPLATE_KWARGS = 64
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs as the template's extra variables: at most MAX_TEMPLATE_KWARGS names,
+    each an identifier that is not set another way (RESERVED_TEMPLATE_KWARGS); RequestError otherwise."""
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"chat_template_kwargs: must be a dict of variable names to values, got {shown(kwargs)}",
+                           param="chat_template_kwargs")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} names, got {len(kwargs)}",
+                           param="chat_template_kwargs")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise RequestError(f"chat_template_kwargs: {shown(name)} is not a template variable name "
+                               "(letters, digits and _, not starting with a digit)", param="chat_template_kwargs")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise RequestError(f"chat_template_kwargs: {name!r} is set by the request itself, not here "
+                               "(use the request's own field)", param="chat_template_kwargs")
+    return dict(kwargs)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pagedllm.chat import template_kwargs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import RequestError
@@ -86,7 +87,7 @@ class LLM:
             {"prompt_token_ids": tokenizer.encode(
                 tokenizer.apply_chat_template(
                     conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                    **(chat_template_kwargs or {}),
+                    **template_kwargs(chat_template_kwargs),
                 ),
                 add_special_tokens=False,
             )}

@@ -126,6 +126,9 @@ SERVE_NOTES = {
     "--dtype": "auto is float32 on the CPU",
 }
 HTTP_NOTES = {
+    "chat_template_kwargs": SAME_NOTE + "the chat template's extra variables (also on /tokenize with messages); "
+                            "at most 64 names, none the request sets another way (messages, tools, "
+                            "add_generation_prompt, ...): a 400 names the field",
     "allowed_token_ids": SAME_NOTE + "not with use_beam_search (400)",
     "bad_words": SAME_NOTE + "not with use_beam_search (400); at most --max-logit-bias words of --max-stop-chars characters",
     "prompt_logprobs": "vLLM's format (per choice on completions, one list on chat); capped by --max-logprobs, "
@@ -234,7 +237,9 @@ def http_rows() -> list[Row]:
         if len(where) == 2:
             rows.append(_noted(name, HTTP_NOTES.get(name, "")))
         elif where:
-            rows.append(Row(name, SAME, f"/v1/{where[0].replace('chat', 'chat/completions')} only"))
+            note = HTTP_NOTES.get(name, "").removeprefix(SAME_NOTE)
+            route = f"/v1/{where[0].replace('chat', 'chat/completions')} only"
+            rows.append(Row(name, SAME, f"{route}; {note}" if note else route))
         else:
             rows.append(Row(name, MISSING, "ignored if sent (unknown fields are dropped)"))
     return rows

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import pagedllm
+from pagedllm.chat import template_kwargs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
 from pagedllm.errors import EngineDeadError, PagedLLMError, RequestError
 from pagedllm.limits import RequestLimits, ServerLimits, check_text, check_token_ids
@@ -183,11 +184,14 @@ class OpenAIServer:
 
     def chat_prompt(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-        continue_final: bool = False,
+        continue_final: bool = False, template_kwargs: dict | None = None,
     ) -> _Prompt:
         """The rendered conversation; with ``continue_final`` it ends inside the last (assistant)
-        message, right after its content, so the model carries on with that message."""
-        extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        message, right after its content, so the model carries on with that message.
+        ``template_kwargs`` (checked by ``protocol.template_kwargs``) are the template's extra variables."""
+        extra = dict(template_kwargs or {})
+        if self.chat_template is not None:
+            extra["chat_template"] = self.chat_template
         if tools:
             extra["tools"] = tools
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
@@ -349,7 +353,8 @@ class OpenAIServer:
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
-                                  continue_final=req.continue_final_message)
+                                  continue_final=req.continue_final_message,
+                                  template_kwargs=template_kwargs(req.chat_template_kwargs))
         keep = req.prompt_tokens_kept(self.engine.max_model_len)
         if keep is not None and len(prompt.token_ids) > keep:
             prompt = self.truncated(prompt.token_ids, keep)
@@ -505,7 +510,8 @@ class OpenAIServer:
             raise RequestError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             messages = p.message_dicts(req.messages)
-            tokens = self.chat_prompt(messages, req.add_generation_prompt).token_ids
+            tokens = self.chat_prompt(messages, req.add_generation_prompt,
+                                      template_kwargs=template_kwargs(req.chat_template_kwargs)).token_ids
         else:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return p.TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)

@@ -465,6 +465,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -533,6 +534,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on /v1/chat/completions
 
 
 class DetokenizeRequest(_Body):

@@ -1,0 +1,75 @@
+"""chat_template_kwargs, as vLLM takes them: the chat template's extra variables, on
+/v1/chat/completions and /tokenize (a real server with a --chat-template that reads one, the
+official openai client), and on LLM.chat; names the request sets another way are refused."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_fixture import ServerProcess
+
+from pagedllm.chat import template_kwargs
+from pagedllm.errors import RequestError
+
+TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{{ greeting | default('hello') }}, assistant:")
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_default_tokenizer_model, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "template.jinja"
+    template.write_text(TEMPLATE)
+    proc = ServerProcess(str(tiny_default_tokenizer_model), "--served-model-name", "tiny", "--num-kv-blocks", "128",
+                         "--max-num-seqs", "4", "--max-model-len", "256", "--chat-template", str(template))
+    try:
+        yield proc.wait_ready()
+    finally:
+        code = proc.stop()
+    assert code == 0, proc.log()
+
+
+def _rendered(server, **body) -> str:
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, **body}, timeout=30).json()["tokens"]
+    return httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+
+
+def test_the_template_sees_the_kwargs(server):
+    assert _rendered(server) == "user: Name a colour.\nhello, assistant:"
+    assert _rendered(server, chat_template_kwargs={"greeting": "ahoy", "enable_thinking": False}) == (
+        "[no thinking]user: Name a colour.\nahoy, assistant:")
+
+
+def test_a_chat_completion_renders_with_them(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    kwargs = {"greeting": "a much longer greeting than hello", "enable_thinking": False}
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    given = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0,
+                                           extra_body={"chat_template_kwargs": kwargs})
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": kwargs},
+                        timeout=30).json()["count"]
+    assert given.usage.prompt_tokens == tokens > plain.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"messages": []}, "'messages' is set by the request itself"),
+    ({"add_generation_prompt": False}, "'add_generation_prompt' is set by the request itself"),
+    ({"not a name": 1}, "is not a template variable name"),
+    ({f"v{i}": i for i in range(65)}, "at most 64 names"),
+])
+def test_names_the_request_sets_another_way_are_a_400(server, kwargs, says):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": kwargs})
+    assert info.value.body["param"] == "chat_template_kwargs" and says in info.value.body["message"]
+
+
+def test_the_offline_api_checks_them_the_same_way():
+    assert template_kwargs(None) == {} and template_kwargs({"enable_thinking": True}) == {"enable_thinking": True}
+    for bad in ({"tools": []}, {"1x": 0}, ["greeting"]):
+        with pytest.raises(RequestError) as info:
+            template_kwargs(bad)
+        assert info.value.param == "chat_template_kwargs"
