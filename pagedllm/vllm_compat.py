@@ -114,6 +114,10 @@ ENGINE_NOTES = {
                          "repetition_penalty, max_new_tokens (GGUF: general.sampling.*)",
 }
 SERVE_NOTES = {
+    "--enable-auto-tool-choice": "accepted and needed by nothing: tool calls are always parsed when tool_choice "
+                                 "is auto",
+    "--tool-call-parser": "hermes only (the `<tool_call>{...}</tool_call>` format pagedllm parses); another name "
+                          "stops the start-up with an error listing it",
     "MODEL (positional)": SAME_NOTE + "as `vllm serve MODEL`; --model is kept",
     "--generation-config": "the server applies temperature, top_p, top_k, min_p and repetition_penalty "
                            "(not max_new_tokens) to requests that leave them unset",
@@ -126,6 +130,8 @@ SERVE_NOTES = {
     "--dtype": "auto is float32 on the CPU",
 }
 HTTP_NOTES = {
+    "return_tokens_as_token_ids": SAME_NOTE + "logprobs name tokens 'token_id:<id>'; unset, the server's "
+                                  "--return-tokens-as-token-ids decides",
     "chat_template_kwargs": SAME_NOTE + "the chat template's extra variables (also on /tokenize with messages); "
                             "at most 64 names, none the request sets another way (messages, tools, "
                             "add_generation_prompt, ...): a 400 names the field",

@@ -100,6 +100,11 @@ class _Prompt:
     token_ids: list[int]
 
 
+def _token_id_text(token_id: int) -> str:
+    """A token as return_tokens_as_token_ids names it."""
+    return f"token_id:{token_id}"
+
+
 class OpenAIServer:
     """The request handlers; holds the engine and the per-app configuration."""
 
@@ -111,8 +116,10 @@ class OpenAIServer:
         limits: ServerLimits,
         chat_template: str | None = None,
         default_sampling: dict | None = None,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.engine = engine
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # a request's own field overrides it
         self.served_model_name = served_model_name
         self.metrics = metrics
         self.limits = limits
@@ -151,6 +158,14 @@ class OpenAIServer:
             param="model",
             code="model_not_found",
         )
+
+    def token_text_for(self, req: p._SamplingRequest):
+        """How ``req``'s logprobs name tokens: 'token_id:<id>' (return_tokens_as_token_ids, the
+        request's or else the server's) or the token's text."""
+        as_ids = req.return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.return_tokens_as_token_ids
+        return _token_id_text if as_ids else self.token_text
 
     def token_text(self, token_id: int) -> str:
         piece = getattr(self.tokenizer, "id_to_piece", None)
@@ -258,12 +273,12 @@ class OpenAIServer:
             return None
         generated_offset = len(prompt.text) if with_prompt else 0
         generated = p.completion_logprobs(
-            completion.token_ids, completion.logprobs, req.logprobs, self.token_text, generated_offset
+            completion.token_ids, completion.logprobs, req.logprobs, self.token_text_for(req), generated_offset
         )
         if not with_prompt:
             return generated
         prompt_part = p.completion_logprobs(
-            prompt.token_ids, final.prompt_logprobs, req.logprobs, self.token_text, 0
+            prompt.token_ids, final.prompt_logprobs, req.logprobs, self.token_text_for(req), 0
         )
         return p.merge_completion_logprobs(prompt_part, generated)
 
@@ -314,14 +329,14 @@ class OpenAIServer:
                         completion.token_ids[start:end],
                         (completion.logprobs or [])[start:end],
                         req.logprobs,
-                        self.token_text,
+                        self.token_text_for(req),
                         offset,
                     )
                 if req.echo and first:
                     text = prompt.text + text
                     if logprobs is not None:
                         prompt_part = p.completion_logprobs(
-                            prompt.token_ids, output.prompt_logprobs, req.logprobs, self.token_text, 0
+                            prompt.token_ids, output.prompt_logprobs, req.logprobs, self.token_text_for(req), 0
                         )
                         logprobs = p.merge_completion_logprobs(prompt_part, logprobs)
                 if completion.finish_reason is not None:
@@ -384,7 +399,7 @@ class OpenAIServer:
     def _chat_logprobs(self, req: p.ChatCompletionRequest, token_ids, logprobs) -> p.ChatLogprobs | None:
         if not req.logprobs:
             return None
-        return p.chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_text)
+        return p.chat_logprobs(token_ids, logprobs, req.top_logprobs or 0, self.token_text_for(req))
 
     def _chat_response(self, req: p.ChatCompletionRequest, response_id: str, final: RequestOutput) -> p.ChatCompletionResponse:
         choices = []
@@ -534,6 +549,7 @@ def build_app(
     cors: CorsSettings | None = None,
     limits: ServerLimits | None = None,
     dashboard: bool = True,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open).
 
@@ -542,7 +558,8 @@ def build_app(
     turns on CORS headers (none are sent without it). ``limits`` bounds what one
     client may send and hold (``ServerLimits()`` when None); the limits on
     request parameters are the engine's (``LLMEngine.limits``). ``dashboard``
-    serves the live KV-cache map at /dashboard.
+    serves the live KV-cache map at /dashboard. ``return_tokens_as_token_ids``: logprobs
+    name tokens 'token_id:<id>' unless a request says otherwise.
     """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
@@ -550,7 +567,7 @@ def build_app(
     engine.set_observer(metrics)
     server = OpenAIServer(
         engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(), chat_template,
-        default_sampling,
+        default_sampling, return_tokens_as_token_ids,
     )
 
     _install_uvicorn_log_filter()

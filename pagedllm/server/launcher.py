@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def _add_vllm_server_arguments(g) -> None:
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, or the template itself; replaces the model's")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:<id>' instead of its text (a request may ask too)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM's: tool calls are always parsed when tool_choice is auto")
+    g.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="the tool-call format: pagedllm parses Hermes' <tool_call>{...}</tool_call> only")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates")
@@ -283,6 +289,7 @@ def _serve(args, config, tls, chat_template, request_limits, server_limits, list
         cors=_cors_settings(args),
         limits=server_limits,
         dashboard=args.dashboard,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
     uv_config = uvicorn.Config(
         app,

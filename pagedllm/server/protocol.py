@@ -203,6 +203,7 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens 'token_id:<id>' (None: the server's)
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     include_stop_str_in_output: bool = False

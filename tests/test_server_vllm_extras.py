@@ -1,8 +1,13 @@
-"""chat_template_kwargs, as vLLM takes them: the chat template's extra variables, on
-/v1/chat/completions and /tokenize (a real server with a --chat-template that reads one, the
-official openai client), and on LLM.chat; names the request sets another way are refused."""
+"""vLLM's request extras and server flags on a real server (the official openai client):
+chat_template_kwargs, the chat template's extra variables, on /v1/chat/completions and /tokenize
+(a --chat-template that reads them) and on LLM.chat, where names the request sets another way are
+refused; return_tokens_as_token_ids, as a server flag and per request; and the tool-calling flags
+vLLM's command lines carry (--enable-auto-tool-choice --tool-call-parser hermes)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -23,7 +28,8 @@ def server(tiny_default_tokenizer_model, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "template.jinja"
     template.write_text(TEMPLATE)
     proc = ServerProcess(str(tiny_default_tokenizer_model), "--served-model-name", "tiny", "--num-kv-blocks", "128",
-                         "--max-num-seqs", "4", "--max-model-len", "256", "--chat-template", str(template))
+                         "--max-num-seqs", "4", "--max-model-len", "256", "--chat-template", str(template),
+                         "--return-tokens-as-token-ids", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     try:
         yield proc.wait_ready()
     finally:
@@ -73,3 +79,25 @@ def test_the_offline_api_checks_them_the_same_way():
         with pytest.raises(RequestError) as info:
             template_kwargs(bad)
         assert info.value.param == "chat_template_kwargs"
+
+
+def test_logprobs_name_tokens_by_id_as_the_server_flag_says_unless_the_request_does(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    by_id = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=3, temperature=0,
+                                      logprobs=2)
+    texts = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=3, temperature=0,
+                                      logprobs=2, extra_body={"return_tokens_as_token_ids": False})
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.choices[0].logprobs.tokens]
+    pieces = [httpx.post(f"{server.base_url}/detokenize", json={"tokens": [t]}, timeout=30).json()["prompt"] for t in ids]
+    assert texts.choices[0].logprobs.tokens == pieces and "".join(pieces) == texts.choices[0].text
+    assert all(k.startswith("token_id:") for top in by_id.choices[0].logprobs.top_logprobs for k in top)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    assert all(c.token.startswith("token_id:") and all(t.token.startswith("token_id:") for t in c.top_logprobs)
+               for c in chat.choices[0].logprobs.content)
+
+
+def test_a_tool_call_parser_pagedllm_does_not_have_stops_the_start_up(tiny_default_tokenizer_model):
+    done = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", str(tiny_default_tokenizer_model),
+                           "--tool-call-parser", "mistral"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--tool-call-parser" in done.stderr and "hermes" in done.stderr
