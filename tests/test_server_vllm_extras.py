@@ -1,13 +1,19 @@
 """vLLM's request extras and server flags on a real server (the official openai client):
 chat_template_kwargs, the chat template's extra variables, on /v1/chat/completions and /tokenize
 (a --chat-template that reads them) and on LLM.chat, where names the request sets another way are
-refused; return_tokens_as_token_ids, as a server flag and per request; and the tool-calling flags
-vLLM's command lines carry (--enable-auto-tool-choice --tool-call-parser hermes)."""
+refused; return_tokens_as_token_ids, as a server flag and per request; add_special_tokens (on a
+tokenizer that adds a BOS); priority (this server has only first come, first served); and the
+flags vLLM's command lines carry (--enable-auto-tool-choice --tool-call-parser hermes,
+--response-role, --disable-fastapi-docs, --disable-uvicorn-access-log,
+--enable-prompt-tokens-details)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -23,13 +29,33 @@ TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no thin
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
+def _with_bos(model: Path, directory: Path) -> Path:
+    """A copy of ``model`` whose tokenizer puts a BOS (<|endoftext|>, id 0) before every text it
+    encodes with special tokens, as many models' tokenizers do: add_special_tokens then counts."""
+    for entry in model.iterdir():
+        shutil.copy(entry, directory / entry.name)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def server(tiny_default_tokenizer_model, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "template.jinja"
     template.write_text(TEMPLATE)
-    proc = ServerProcess(str(tiny_default_tokenizer_model), "--served-model-name", "tiny", "--num-kv-blocks", "128",
+    model = _with_bos(Path(tiny_default_tokenizer_model), tmp_path_factory.mktemp("tiny-with-bos"))
+    proc = ServerProcess(str(model), "--served-model-name", "tiny", "--num-kv-blocks", "128",
                          "--max-num-seqs", "4", "--max-model-len", "256", "--chat-template", str(template),
-                         "--return-tokens-as-token-ids", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                         "--return-tokens-as-token-ids", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--response-role", "model", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
+                         "--enable-prompt-tokens-details")
     try:
         yield proc.wait_ready()
     finally:
@@ -101,3 +127,33 @@ def test_a_tool_call_parser_pagedllm_does_not_have_stops_the_start_up(tiny_defau
     done = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", str(tiny_default_tokenizer_model),
                            "--tool-call-parser", "mistral"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--tool-call-parser" in done.stderr and "hermes" in done.stderr
+
+
+def test_add_special_tokens_as_vllm_defaults_them(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with_bos = client.completions.create(model="tiny", prompt="hello", max_tokens=1)
+    without = client.completions.create(model="tiny", prompt="hello", max_tokens=1,
+                                        extra_body={"add_special_tokens": False})
+    assert (with_bos.usage.prompt_tokens, without.usage.prompt_tokens) == (2, 1)  # BOS + "hello"; "hello"
+    rendered = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["count"]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    chat_bos = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                              extra_body={"add_special_tokens": True})
+    assert (chat.usage.prompt_tokens, chat_bos.usage.prompt_tokens) == (rendered, rendered + 1)
+
+
+def test_the_response_role_and_no_docs(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices[0].message.role == "model"
+    first = next(iter(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=True)))
+    assert first.choices[0].delta.role == "model"
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{server.base_url}{path}", timeout=30).status_code == 404
+
+
+def test_priority_other_than_0_is_a_400(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 0}).choices
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 5})
+    assert info.value.body["param"] == "priority" and "first come, first served" in info.value.body["message"]

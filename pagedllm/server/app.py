@@ -117,8 +117,10 @@ class OpenAIServer:
         chat_template: str | None = None,
         default_sampling: dict | None = None,
         return_tokens_as_token_ids: bool = False,
+        response_role: str = "assistant",
     ) -> None:
         self.engine = engine
+        self.response_role = response_role  # the role of chat responses (--response-role)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # a request's own field overrides it
         self.served_model_name = served_model_name
         self.metrics = metrics
@@ -173,12 +175,13 @@ class OpenAIServer:
             return piece(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None) -> _Prompt:
+    def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None, add_special_tokens: bool = True) -> _Prompt:
         """The prompt's text and token ids; with ``keep`` only its last ``keep`` tokens (whose text
-        is then what echo shows)."""
+        is then what echo shows). ``add_special_tokens``: the tokenizer's own (a BOS, for many models)
+        around a text prompt."""
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             if not token_ids:
                 raise RequestError(f"prompt: {prompt[:40]!r} has no tokens for this model's tokenizer; "
                                    "give some text", param="prompt")
@@ -199,7 +202,7 @@ class OpenAIServer:
 
     def chat_prompt(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-        continue_final: bool = False, template_kwargs: dict | None = None,
+        continue_final: bool = False, template_kwargs: dict | None = None, add_special_tokens: bool = False,
     ) -> _Prompt:
         """The rendered conversation; with ``continue_final`` it ends inside the last (assistant)
         message, right after its content, so the model carries on with that message.
@@ -212,7 +215,7 @@ class OpenAIServer:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         if continue_final:
             text = _cut_after_final_message(text, messages[-1])
-        return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        return _Prompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def compile_constraint(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> str | None:
         """Compiles the request's grammar off the event loop (the engine then finds it cached),
@@ -255,7 +258,8 @@ class OpenAIServer:
         self.check_model(req.model)
         req.check_limits(self.request_limits, self.vocab_size)
         keep = req.prompt_tokens_kept(self.engine.max_model_len)
-        prompts = [self.tokenize_prompt(prompt, keep) for prompt in req.prompts(self.limits.max_prompts)]
+        prompts = [self.tokenize_prompt(prompt, keep, req.add_special_tokens)
+                   for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
         grammar_param = await self.compile_constraint(req)
         response_id = p.random_id("cmpl")
@@ -369,7 +373,8 @@ class OpenAIServer:
         req.check_limits(self.request_limits, self.vocab_size)
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
                                   continue_final=req.continue_final_message,
-                                  template_kwargs=template_kwargs(req.chat_template_kwargs))
+                                  template_kwargs=template_kwargs(req.chat_template_kwargs),
+                                  add_special_tokens=req.add_special_tokens)
         keep = req.prompt_tokens_kept(self.engine.max_model_len)
         if keep is not None and len(prompt.token_ids) > keep:
             prompt = self.truncated(prompt.token_ids, keep)
@@ -407,7 +412,7 @@ class OpenAIServer:
             content, calls = _tool_output(req, completion.text)
             choices.append(p.ChatChoice(
                 index=completion.index,
-                message=p.ChatMessage(role="assistant", content=content,
+                message=p.ChatMessage(role=self.response_role, content=content,
                                       tool_calls=[_tool_call_object(c) for c in calls] if calls else None),
                 logprobs=self._chat_logprobs(req, completion.token_ids, completion.logprobs),
                 finish_reason="tool_calls" if calls else completion.finish_reason,
@@ -439,7 +444,7 @@ class OpenAIServer:
                     continue
                 if index not in trackers:
                     trackers[index] = p.DeltaTracker()
-                    role = p.DeltaMessage(role="assistant", content="")
+                    role = p.DeltaMessage(role=self.response_role, content="")
                     yield chunk([p.ChatStreamChoice(index=index, delta=role)])
                 text, start, end = trackers[index].take(completion)
                 if completion.finish_reason is not None:
@@ -484,7 +489,7 @@ class OpenAIServer:
                 index, text = completion.index, completion.text
                 if index not in num_sent:
                     num_sent[index] = 0
-                    yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""))])
+                    yield chunk([p.ChatStreamChoice(index=index, delta=p.DeltaMessage(role=self.response_role, content=""))])
                 elif num_sent[index] < 0:
                     continue  # finished
                 if completion.finish_reason is None:
@@ -550,6 +555,8 @@ def build_app(
     limits: ServerLimits | None = None,
     dashboard: bool = True,
     return_tokens_as_token_ids: bool = False,
+    response_role: str = "assistant",
+    docs: bool = True,
 ) -> FastAPI:
     """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open).
 
@@ -559,7 +566,8 @@ def build_app(
     client may send and hold (``ServerLimits()`` when None); the limits on
     request parameters are the engine's (``LLMEngine.limits``). ``dashboard``
     serves the live KV-cache map at /dashboard. ``return_tokens_as_token_ids``: logprobs
-    name tokens 'token_id:<id>' unless a request says otherwise.
+    name tokens 'token_id:<id>' unless a request says otherwise. ``response_role``: the role
+    of chat responses. ``docs``: serve /docs, /redoc and /openapi.json.
     """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
@@ -567,11 +575,12 @@ def build_app(
     engine.set_observer(metrics)
     server = OpenAIServer(
         engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(), chat_template,
-        default_sampling, return_tokens_as_token_ids,
+        default_sampling, return_tokens_as_token_ids, response_role,
     )
 
     _install_uvicorn_log_filter()
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None} if not docs else {}
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, **hidden)
     app.openapi = functools.partial(_openapi_with_request_bodies, app)
     app.state.server = server
     _install_error_handlers(app)

@@ -70,6 +70,14 @@ def _add_vllm_server_arguments(g) -> None:
                    help="a Jinja chat template file, or the template itself; replaces the model's")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name each token 'token_id:<id>' instead of its text (a request may ask too)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role chat responses carry (default: assistant)")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per request (there is none unless --log-level debug)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted as vLLM's: usage always carries prompt_tokens_details (cached tokens)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as vLLM's: tool calls are always parsed when tool_choice is auto")
     g.add_argument("--tool-call-parser", choices=["hermes"], default=None,
@@ -290,6 +298,8 @@ def _serve(args, config, tls, chat_template, request_limits, server_limits, list
         limits=server_limits,
         dashboard=args.dashboard,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        response_role=args.response_role,
+        docs=not args.disable_fastapi_docs,
     )
     uv_config = uvicorn.Config(
         app,
@@ -297,7 +307,7 @@ def _serve(args, config, tls, chat_template, request_limits, server_limits, list
         port=port,
         log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=max(0.0, args.drain_timeout),
-        access_log=args.log_level == "debug",
+        access_log=args.log_level == "debug" and not args.disable_uvicorn_access_log,
         root_path=args.root_path or "",
         **tls,
         # Past this many open connections (idle keep-alive ones included) uvicorn answers 503.

@@ -204,6 +204,7 @@ class _SamplingRequest(_Body):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens 'token_id:<id>' (None: the server's)
+    priority: Int64 = 0  # vLLM's priority scheduling: this server is first come, first served (0 only)
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     include_stop_str_in_output: bool = False
@@ -307,6 +308,11 @@ class _SamplingRequest(_Body):
                     f"bad_words: each bad word may have at most {limits.max_stop_chars} characters, got {longest}",
                     param="bad_words",
                 )
+        if self.priority != 0:
+            raise RequestError(
+                f"priority: this server schedules first come, first served (no priority scheduling policy); "
+                f"send 0 or leave it out, got {self.priority}", param="priority",
+            )
         self._check_prompt_logprobs(limits)
 
     def _check_prompt_logprobs(self, limits: RequestLimits) -> None:
@@ -407,6 +413,7 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     echo: bool = False
+    add_special_tokens: bool = True  # the tokenizer's own special tokens (a BOS, for many models) around a text prompt
     logprobs: TopLogprobs | None = None
     suffix: str | None = None
 
@@ -466,6 +473,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # the tokenizer's own special tokens around the rendered chat
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
