@@ -57,7 +57,7 @@ VLLM_SERVE_FLAGS = (
     "--enable-log-requests", "--disable-custom-all-reduce", "--response-role", "--enable-auto-tool-choice",
     "--tool-call-parser", "--chat-template-content-format", "--return-tokens-as-token-ids",
     "--enable-prompt-tokens-details", "--enable-request-id-headers", "--disable-fastapi-docs",
-    "--middleware", "--lora-modules",
+    "--middleware", "--lora-modules", "--trust-request-chat-template",
 )
 
 # vllm.SamplingParams / BeamSearchParams fields.
@@ -114,6 +114,10 @@ ENGINE_NOTES = {
                          "repetition_penalty, max_new_tokens (GGUF: general.sampling.*)",
 }
 SERVE_NOTES = {
+    "--chat-template-content-format": "auto or string: text parts are joined into one string for the template; "
+                                      "'openai' (part lists) stops the start-up with an error",
+    "--trust-request-chat-template": SAME_NOTE + "without it a request's chat_template is a 400 (never ignored)",
+    "--enable-request-id-headers": SAME_NOTE + "X-Request-Id on every response: the request's own, or a new id",
     "--enable-auto-tool-choice": "accepted and needed by nothing: tool calls are always parsed when tool_choice "
                                  "is auto",
     "--tool-call-parser": "hermes only (the `<tool_call>{...}</tool_call>` format pagedllm parses); another name "
@@ -130,6 +134,12 @@ SERVE_NOTES = {
     "--dtype": "auto is float32 on the CPU",
 }
 HTTP_NOTES = {
+    "request_id": SAME_NOTE + "the response id is cmpl-/chatcmpl- and it (an X-Request-Id header wins); 1-128 "
+                  "letters, digits or ._:-, and two running requests may not share one (400)",
+    "chat_template": SAME_NOTE + "rendered only where the server has --trust-request-chat-template, a 400 "
+                     "otherwise; also on /tokenize with messages",
+    "priority": SAME_NOTE + "0 only (first come, first served); another value is a 400",
+    "add_special_tokens": SAME_NOTE + "default true on completions, false on chat, as vLLM",
     "return_tokens_as_token_ids": SAME_NOTE + "logprobs name tokens 'token_id:<id>'; unset, the server's "
                                   "--return-tokens-as-token-ids decides",
     "chat_template_kwargs": SAME_NOTE + "the chat template's extra variables (also on /tokenize with messages); "

@@ -178,6 +178,13 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(server, client):
     assert info.value.body["param"] == "bad_words"
 
 
+def test_a_requests_own_chat_template_is_refused_unless_the_server_trusts_it(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                       extra_body={"chat_template": "{{ messages[0].content }}"})
+    assert info.value.body["param"] == "chat_template" and "--trust-request-chat-template" in info.value.body["message"]
+
+
 def test_seed_reproducibility(client):
     kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1234)
     first = client.completions.create(**kwargs).choices[0].text

@@ -5,7 +5,8 @@ refused; return_tokens_as_token_ids, as a server flag and per request; add_speci
 tokenizer that adds a BOS); priority (this server has only first come, first served); and the
 flags vLLM's command lines carry (--enable-auto-tool-choice --tool-call-parser hermes,
 --response-role, --disable-fastapi-docs, --disable-uvicorn-access-log,
---enable-prompt-tokens-details)."""
+--enable-prompt-tokens-details, --chat-template-content-format string); a request's own chat_template
+on a server that trusts it; request_id and X-Request-Id headers."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def server(tiny_default_tokenizer_model, tmp_path_factory):
                          "--max-num-seqs", "4", "--max-model-len", "256", "--chat-template", str(template),
                          "--return-tokens-as-token-ids", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                          "--response-role", "model", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
-                         "--enable-prompt-tokens-details")
+                         "--enable-prompt-tokens-details", "--trust-request-chat-template",
+                         "--chat-template-content-format", "string", "--enable-request-id-headers")
     try:
         yield proc.wait_ready()
     finally:
@@ -157,3 +159,34 @@ def test_priority_other_than_0_is_a_400(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 5})
     assert info.value.body["param"] == "priority" and "first come, first served" in info.value.body["message"]
+
+
+def test_a_trusting_server_renders_a_requests_own_chat_template(server):
+    own = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    assert _rendered(server, chat_template=own) == "<<Name a colour.>>"
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                          extra_body={"chat_template": own})
+    count = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, "chat_template": own},
+                       timeout=30).json()["count"]
+    assert chat.usage.prompt_tokens == count
+
+
+def test_request_ids_name_the_response_and_come_back_in_a_header(server):
+    url = f"{server.base_url}/v1/completions"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    named = httpx.post(url, json={**body, "request_id": "job-7.a"}, timeout=60)
+    assert named.json()["id"] == "cmpl-job-7.a" and len(named.headers["x-request-id"]) == 32  # a new one
+    headed = httpx.post(url, json={**body, "request_id": "job-7.a"}, headers={"X-Request-Id": "from-header"}, timeout=60)
+    assert headed.json()["id"] == "cmpl-from-header" and headed.headers["x-request-id"] == "from-header"
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": MESSAGES, "max_tokens": 1, "request_id": "c1"})
+    assert chat.json()["id"] == "chatcmpl-c1"
+    bad = httpx.post(url, json={**body, "request_id": "has space"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+
+
+def test_vllms_openai_content_format_stops_the_start_up(tiny_default_tokenizer_model):
+    done = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", str(tiny_default_tokenizer_model),
+                           "--chat-template-content-format", "openai"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--chat-template-content-format" in done.stderr

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -118,8 +119,10 @@ class OpenAIServer:
         default_sampling: dict | None = None,
         return_tokens_as_token_ids: bool = False,
         response_role: str = "assistant",
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template  # a request may bring its own
         self.response_role = response_role  # the role of chat responses (--response-role)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # a request's own field overrides it
         self.served_model_name = served_model_name
@@ -203,12 +206,19 @@ class OpenAIServer:
     def chat_prompt(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
         continue_final: bool = False, template_kwargs: dict | None = None, add_special_tokens: bool = False,
+        request_template: str | None = None,
     ) -> _Prompt:
         """The rendered conversation; with ``continue_final`` it ends inside the last (assistant)
         message, right after its content, so the model carries on with that message.
         ``template_kwargs`` (checked by ``protocol.template_kwargs``) are the template's extra variables."""
         extra = dict(template_kwargs or {})
-        if self.chat_template is not None:
+        if request_template is not None:
+            if not self.trust_request_chat_template:
+                raise RequestError("chat_template: this server renders chats with its own template only; "
+                                   "leave chat_template out (a server started with --trust-request-chat-template "
+                                   "takes one)", param="chat_template")
+            extra["chat_template"] = request_template
+        elif self.chat_template is not None:
             extra["chat_template"] = self.chat_template
         if tools:
             extra["tools"] = tools
@@ -262,7 +272,7 @@ class OpenAIServer:
                    for prompt in req.prompts(self.limits.max_prompts)]
         params = [req.to_params(len(prompt.token_ids), self.engine.max_model_len) for prompt in prompts]
         grammar_param = await self.compile_constraint(req)
-        response_id = p.random_id("cmpl")
+        response_id = p.response_id("cmpl", req.request_id, request.headers.get("x-request-id"))
         streams = await self.submit(response_id, prompts, params, req.cache_salt)
         if req.stream:
             events = self._completion_events(req, response_id, prompts, streams, grammar_param)
@@ -374,13 +384,13 @@ class OpenAIServer:
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
                                   continue_final=req.continue_final_message,
                                   template_kwargs=template_kwargs(req.chat_template_kwargs),
-                                  add_special_tokens=req.add_special_tokens)
+                                  add_special_tokens=req.add_special_tokens, request_template=req.chat_template)
         keep = req.prompt_tokens_kept(self.engine.max_model_len)
         if keep is not None and len(prompt.token_ids) > keep:
             prompt = self.truncated(prompt.token_ids, keep)
         params = req.to_params(len(prompt.token_ids), self.engine.max_model_len)
         grammar_param = await self.compile_constraint(req)
-        response_id = p.random_id("chatcmpl")
+        response_id = p.response_id("chatcmpl", req.request_id, request.headers.get("x-request-id"))
         streams = await self.submit(response_id, [prompt], [params], req.cache_salt)
         if req.stream and req.resolved_tool_choice().mode != "none":
             return _sse_response(self._chat_tool_events(req, response_id, streams[0], grammar_param), streams,
@@ -531,7 +541,8 @@ class OpenAIServer:
         if req.messages is not None:
             messages = p.message_dicts(req.messages)
             tokens = self.chat_prompt(messages, req.add_generation_prompt,
-                                      template_kwargs=template_kwargs(req.chat_template_kwargs)).token_ids
+                                      template_kwargs=template_kwargs(req.chat_template_kwargs),
+                                      request_template=req.chat_template).token_ids
         else:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return p.TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)
@@ -557,6 +568,8 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     response_role: str = "assistant",
     docs: bool = True,
+    trust_request_chat_template: bool = False,
+    request_id_headers: bool = False,
 ) -> FastAPI:
     """The FastAPI app; ``api_key`` guards /v1/* and /dashboard (health, metrics and version stay open).
 
@@ -568,6 +581,9 @@ def build_app(
     serves the live KV-cache map at /dashboard. ``return_tokens_as_token_ids``: logprobs
     name tokens 'token_id:<id>' unless a request says otherwise. ``response_role``: the role
     of chat responses. ``docs``: serve /docs, /redoc and /openapi.json.
+    ``trust_request_chat_template``: a chat request's own chat_template is rendered (refused
+    otherwise: a template is code the server runs). ``request_id_headers``: every response
+    carries X-Request-Id (the request's, or a new one).
     """
     if max_waiting is not None:
         engine.set_max_waiting(max_waiting)
@@ -575,7 +591,7 @@ def build_app(
     engine.set_observer(metrics)
     server = OpenAIServer(
         engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(), chat_template,
-        default_sampling, return_tokens_as_token_ids, response_role,
+        default_sampling, return_tokens_as_token_ids, response_role, trust_request_chat_template,
     )
 
     _install_uvicorn_log_filter()
@@ -583,6 +599,8 @@ def build_app(
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, **hidden)
     app.openapi = functools.partial(_openapi_with_request_bodies, app)
     app.state.server = server
+    if request_id_headers:
+        _add_request_id_headers(app)
     _install_error_handlers(app)
     if cors is not None:
         _add_cors(app, cors)
@@ -597,6 +615,16 @@ def build_app(
             "invalid_request_error", code="invalid_api_key",
         ), registry=metrics.registry)
     return app
+
+
+def _add_request_id_headers(app: FastAPI) -> None:
+    """X-Request-Id on every response: the request's own header when it sent one, else a new id."""
+
+    @app.middleware("http")
+    async def request_id_header(request: Request, call_next):
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return response
 
 
 def _add_cors(app: FastAPI, cors: CorsSettings) -> None:

@@ -70,6 +70,14 @@ def _add_vllm_server_arguments(g) -> None:
                    help="a Jinja chat template file, or the template itself; replaces the model's")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name each token 'token_id:<id>' instead of its text (a request may ask too)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (refused otherwise: a template is code the "
+                        "server runs; for trusted clients)")
+    g.add_argument("--chat-template-content-format", choices=["auto", "string"], default="auto",
+                   help="how message content reaches the template: text parts joined into one string (auto and "
+                        "string alike; vLLM's 'openai' part lists are not available)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id (the request's own, or a new one)")
     g.add_argument("--response-role", default="assistant",
                    help="the role chat responses carry (default: assistant)")
     g.add_argument("--disable-fastapi-docs", action="store_true",
@@ -300,6 +308,8 @@ def _serve(args, config, tls, chat_template, request_limits, server_limits, list
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         response_role=args.response_role,
         docs=not args.disable_fastapi_docs,
+        trust_request_chat_template=args.trust_request_chat_template,
+        request_id_headers=args.enable_request_id_headers,
     )
     uv_config = uvicorn.Config(
         app,

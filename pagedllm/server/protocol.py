@@ -9,6 +9,7 @@ tested without an engine.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -60,6 +61,23 @@ TokenText = Callable[[int], str]
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def response_id(prefix: str, body_id: str | None, header_id: str | None) -> str:
+    """A response's id as vLLM forms it: ``prefix-`` and the X-Request-Id header, else the body's
+    request_id, else a random one. A given id is 1-128 letters, digits or ._:- (it is echoed in
+    a header and names the request in the engine, where two running requests may not share it)."""
+    for value, param in ((header_id, "X-Request-Id"), (body_id, "request_id")):
+        if value is None:
+            continue
+        if not _REQUEST_ID.fullmatch(value):
+            raise RequestError(f"{param}: must be 1-128 letters, digits or ._:- characters, got {_shown(value)}",
+                               param=param)
+        return f"{prefix}-{value}"
+    return random_id(prefix)
 
 
 # ---------------------------------------------------------------------------
@@ -205,6 +223,7 @@ class _SamplingRequest(_Body):
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens 'token_id:<id>' (None: the server's)
     priority: Int64 = 0  # vLLM's priority scheduling: this server is first come, first served (0 only)
+    request_id: str | None = None  # names the response (an X-Request-Id header wins), see response_id
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
     include_stop_str_in_output: bool = False
@@ -474,6 +493,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the tokenizer's own special tokens around the rendered chat
+    chat_template: str | None = None  # Jinja text for this request: only where --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -543,6 +563,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # with messages, as on /v1/chat/completions
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on /v1/chat/completions
 
 
