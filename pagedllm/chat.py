@@ -174,3 +174,22 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
             raise RequestError(f"chat_template_kwargs: {name!r} is set by the request itself, not here "
                                "(use the request's own field)", param="chat_template_kwargs")
     return dict(kwargs)
+
+
+MAX_DOCUMENTS = 256
+
+
+def check_documents(documents: object) -> list[dict[str, str]]:
+    """``documents`` for a chat template (vLLM's and transformers' RAG input): a list of at most
+    MAX_DOCUMENTS dicts of strings (``title``, ``text``, ...); RequestError naming the bad one."""
+    if not isinstance(documents, (list, tuple)):
+        raise _field_error("documents", f"must be a list of documents (dicts of strings), got {shown(documents)}")
+    if len(documents) > MAX_DOCUMENTS:
+        raise _field_error("documents", f"at most {MAX_DOCUMENTS} documents, got {len(documents)}")
+    for i, document in enumerate(documents):
+        if not isinstance(document, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in document.items()
+        ):
+            raise _field_error(f"documents[{i}]", f"must be a dict of strings (such as title and text), "
+                               f"got {shown(document)}")
+    return [dict(d) for d in documents]

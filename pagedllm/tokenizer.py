@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedllm.chat import normalise_messages
+from pagedllm.chat import check_documents, normalise_messages
 from pagedllm.errors import ModelLoadError, RequestError
 from pagedllm.models.paths import cache_dir, content_digest
 
@@ -134,6 +134,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
         **kwargs,
     ) -> str:
         """Renders OpenAI-style messages into a prompt string with ``chat_template``
@@ -141,6 +142,9 @@ class Tokenizer:
 
         ``tools`` (OpenAI's list) reach a template that renders them; for one
         that does not, they are described in the system message (Hermes style).
+        ``documents`` (retrieval results: dicts of strings such as ``title`` and
+        ``text``, checked by :func:`pagedllm.chat.check_documents`) reach the
+        template as ``documents``, as in transformers.
         """
         template = chat_template or self.hf.chat_template
         if not template:
@@ -150,6 +154,8 @@ class Tokenizer:
         normalised = normalise_messages(messages)
         if tools:
             normalised, kwargs = _with_tools(template, normalised, tools, kwargs)
+        if documents:
+            kwargs = {**kwargs, "documents": check_documents(documents)}
         try:
             return self.hf.apply_chat_template(
                 normalised, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -134,6 +134,8 @@ SERVE_NOTES = {
     "--dtype": "auto is float32 on the CPU",
 }
 HTTP_NOTES = {
+    "documents": SAME_NOTE + "dicts of strings (title, text, ...) that the chat template renders as documents; "
+                 "at most 256; also on /tokenize with messages",
     "request_id": SAME_NOTE + "the response id is cmpl-/chatcmpl- and it (an X-Request-Id header wins); 1-128 "
                   "letters, digits or ._:-, and two running requests may not share one (400)",
     "chat_template": SAME_NOTE + "rendered only where the server has --trust-request-chat-template, a 400 "

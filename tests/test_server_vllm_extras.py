@@ -6,7 +6,7 @@ tokenizer that adds a BOS); priority (this server has only first come, first ser
 flags vLLM's command lines carry (--enable-auto-tool-choice --tool-call-parser hermes,
 --response-role, --disable-fastapi-docs, --disable-uvicorn-access-log,
 --enable-prompt-tokens-details, --chat-template-content-format string); a request's own chat_template
-on a server that trusts it; request_id and X-Request-Id headers."""
+on a server that trusts it; request_id and X-Request-Id headers; documents for the template."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from server_fixture import ServerProcess
 from pagedllm.chat import template_kwargs
 from pagedllm.errors import RequestError
 
-TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
+TEMPLATE = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
             "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{{ greeting | default('hello') }}, assistant:")
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
@@ -190,3 +191,29 @@ def test_vllms_openai_content_format_stops_the_start_up(tiny_default_tokenizer_m
     done = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", str(tiny_default_tokenizer_model),
                            "--chat-template-content-format", "openai"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--chat-template-content-format" in done.stderr
+
+
+def test_documents_reach_the_template(server):
+    documents = [{"title": "Paint", "text": "Ochre is a colour."}, {"title": "Sky", "text": "Blue."}]
+    assert _rendered(server, documents=documents) == (
+        "[Paint: Ochre is a colour.][Sky: Blue.]user: Name a colour.\nhello, assistant:")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    given = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                           extra_body={"documents": documents})
+    assert given.usage.prompt_tokens > plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                       extra_body={"documents": [{"title": 3}]})
+    assert info.value.body["param"] == "documents"
+
+
+def test_documents_are_checked_before_a_template_sees_them():
+    from pagedllm.chat import MAX_DOCUMENTS, check_documents
+
+    assert check_documents([{"title": "a", "text": "b"}]) == [{"title": "a", "text": "b"}]
+    for bad, param in (("text", "documents"), ([{"title": 1}], "documents[0]"), ([{}, ["x"]], "documents[1]"),
+                       ([{}] * (MAX_DOCUMENTS + 1), "documents")):
+        with pytest.raises(RequestError) as info:
+            check_documents(bad)
+        assert info.value.param == param

@@ -206,7 +206,7 @@ class OpenAIServer:
     def chat_prompt(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
         continue_final: bool = False, template_kwargs: dict | None = None, add_special_tokens: bool = False,
-        request_template: str | None = None,
+        request_template: str | None = None, documents: list[dict] | None = None,
     ) -> _Prompt:
         """The rendered conversation; with ``continue_final`` it ends inside the last (assistant)
         message, right after its content, so the model carries on with that message.
@@ -222,6 +222,8 @@ class OpenAIServer:
             extra["chat_template"] = self.chat_template
         if tools:
             extra["tools"] = tools
+        if documents:
+            extra["documents"] = documents
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         if continue_final:
             text = _cut_after_final_message(text, messages[-1])
@@ -384,7 +386,8 @@ class OpenAIServer:
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
                                   continue_final=req.continue_final_message,
                                   template_kwargs=template_kwargs(req.chat_template_kwargs),
-                                  add_special_tokens=req.add_special_tokens, request_template=req.chat_template)
+                                  add_special_tokens=req.add_special_tokens, request_template=req.chat_template,
+                                  documents=req.documents)
         keep = req.prompt_tokens_kept(self.engine.max_model_len)
         if keep is not None and len(prompt.token_ids) > keep:
             prompt = self.truncated(prompt.token_ids, keep)
@@ -542,7 +545,7 @@ class OpenAIServer:
             messages = p.message_dicts(req.messages)
             tokens = self.chat_prompt(messages, req.add_generation_prompt,
                                       template_kwargs=template_kwargs(req.chat_template_kwargs),
-                                      request_template=req.chat_template).token_ids
+                                      request_template=req.chat_template, documents=req.documents).token_ids
         else:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return p.TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)

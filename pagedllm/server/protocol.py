@@ -495,6 +495,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False  # the tokenizer's own special tokens around the rendered chat
     chat_template: str | None = None  # Jinja text for this request: only where --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    documents: list[dict[str, str]] | None = None  # retrieval results the chat template renders
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -565,6 +566,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # with messages, as on /v1/chat/completions
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as on /v1/chat/completions
+    documents: list[dict[str, str]] | None = None  # with messages, as on /v1/chat/completions
 
 
 class DetokenizeRequest(_Body):
