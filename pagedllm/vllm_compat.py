@@ -114,6 +114,7 @@ ENGINE_NOTES = {
                          "repetition_penalty, max_new_tokens (GGUF: general.sampling.*)",
 }
 SERVE_NOTES = {
+    "--ssl-cert-reqs": SAME_NOTE + "0, 1 or 2 (Python's ssl.CERT_*); 1 and 2 need --ssl-ca-certs",
     "--chat-template-content-format": "auto or string: text parts are joined into one string for the template; "
                                       "'openai' (part lists) stops the start-up with an error",
     "--trust-request-chat-template": SAME_NOTE + "without it a request's chat_template is a 400 (never ignored)",

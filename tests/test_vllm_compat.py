@@ -204,6 +204,16 @@ def test_serve_tls_cors_and_chat_template_flags(tmp_path):
         launcher._tls_files(_serve_args("--ssl-keyfile", "k.pem"))
     with pytest.raises(ConfigError, match="no such file"):
         launcher._tls_files(_serve_args("--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"))
+    with pytest.raises(ConfigError, match="--ssl-cert-reqs needs --ssl-keyfile"):
+        launcher._tls_files(_serve_args("--ssl-cert-reqs", "2"))
+    with pytest.raises(ConfigError, match="--ssl-cert-reqs 2 needs --ssl-ca-certs"):
+        launcher._tls_files(_serve_args("--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"))
+    files = [tmp_path / name for name in ("k.pem", "c.pem", "ca.pem")]
+    for f in files:
+        f.write_text("-")
+    tls = launcher._tls_files(_serve_args("--ssl-keyfile", str(files[0]), "--ssl-certfile", str(files[1]),
+                                          "--ssl-ca-certs", str(files[2]), "--ssl-cert-reqs", "2"))
+    assert tls["ssl_cert_reqs"] == 2 and tls["ssl_ca_certs"] == str(files[2])
     assert launcher._cors_settings(_serve_args()) is None
     cors = launcher._cors_settings(_serve_args("--allowed-origins", '["https://a.example"]', "--allow-credentials"))
     assert cors == CorsSettings(("https://a.example",), ("*",), ("*",), True)
@@ -439,7 +449,7 @@ def _mem_total() -> int:
 
 
 def _make_certificates(directory):
-    """A CA and a server certificate for 127.0.0.1 signed by it (PEM files)."""
+    """A CA, and a server certificate for 127.0.0.1 and a client certificate signed by it (PEM files)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -468,12 +478,23 @@ def _make_certificates(directory):
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client_cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pagedllm test client")]))
+        .issuer_name(ca_name).public_key(client_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
-    paths = {name: directory / f"{name}.pem" for name in ("ca", "cert", "key")}
+    paths = {name: directory / f"{name}.pem" for name in ("ca", "cert", "key", "client_cert", "client_key")}
     paths["ca"].write_bytes(ca_cert.public_bytes(pem))
     paths["cert"].write_bytes(server_cert.public_bytes(pem))
-    paths["key"].write_bytes(server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                      serialization.NoEncryption()))
+    paths["client_cert"].write_bytes(client_cert.public_bytes(pem))
+    for name, key in (("key", server_key), ("client_key", client_key)):
+        paths[name].write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     return paths
 
 
@@ -534,3 +555,25 @@ def _wait_healthy(server: ServerProcess, url: str, trusted: ssl.SSLContext, time
         time.sleep(0.25)
     server.kill()
     raise RuntimeError(f"the server did not become healthy over HTTPS in {timeout} s:\n{server.log()}")
+
+
+@pytest.mark.slow
+def test_serve_requires_client_certificates_with_ssl_cert_reqs_2(tmp_path, tiny_default_tokenizer_model):
+    """Mutual TLS as vLLM's --ssl-cert-reqs 2: a client with a certificate the CA signed gets in, one
+    without is refused in the handshake."""
+    certs = _make_certificates(tmp_path)
+    server = ServerProcess(
+        str(tiny_default_tokenizer_model), "--ssl-keyfile", str(certs["key"]), "--ssl-certfile", str(certs["cert"]),
+        "--ssl-ca-certs", str(certs["ca"]), "--ssl-cert-reqs", "2", "--num-kv-blocks", "64", "--max-num-seqs", "2",
+    )
+    https = f"https://127.0.0.1:{server.port}"
+    with_cert = ssl.create_default_context(cafile=str(certs["ca"]))
+    with_cert.load_cert_chain(str(certs["client_cert"]), str(certs["client_key"]))
+    without = ssl.create_default_context(cafile=str(certs["ca"]))
+    try:
+        _wait_healthy(server, https, with_cert)
+        assert httpx.get(f"{https}/v1/models", verify=with_cert, timeout=10).status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{https}/v1/models", verify=without, timeout=10)
+    finally:
+        assert server.stop() == 0, server.log()

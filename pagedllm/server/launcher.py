@@ -93,6 +93,9 @@ def _add_vllm_server_arguments(g) -> None:
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=0,
+                   help="client certificates, as Python's ssl module numbers it: 0 not asked for, 1 optional, "
+                        "2 required (1 and 2 verify them against --ssl-ca-certs)")
     g.add_argument("--allowed-origins", type=_string_list, default=None,
                    help='turn CORS on for these origins: a JSON list (\'["https://a.example"]\') or comma-separated')
     g.add_argument("--allowed-methods", type=_string_list, default=None, help="CORS methods (default: all)")
@@ -355,16 +358,20 @@ def _tls_files(args: argparse.Namespace) -> dict:
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     if args.ssl_keyfile is None:
-        if args.ssl_ca_certs is not None:
-            raise ConfigError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        for flag, value in (("--ssl-ca-certs", args.ssl_ca_certs), ("--ssl-cert-reqs", args.ssl_cert_reqs or None)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --ssl-keyfile and --ssl-certfile")
         return {}
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+        raise ConfigError(f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs (the CAs that sign client "
+                          "certificates)")
     files = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile}
     if args.ssl_ca_certs is not None:
         files["ssl_ca_certs"] = args.ssl_ca_certs
     for flag, path in files.items():
         if not Path(path).is_file():
             raise ConfigError(f"--{flag.replace('_', '-')} {path}: no such file")
-    return files
+    return {**files, "ssl_cert_reqs": args.ssl_cert_reqs} if args.ssl_cert_reqs else files
 
 
 def _cors_settings(args: argparse.Namespace):
