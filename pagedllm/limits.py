@@ -130,6 +130,20 @@ def check_token_ids(token_ids: Iterable[object], vocab_size: int, param: str) ->
             )
 
 
+def check_sampling_lists(allowed_token_ids: list | None, bad_words: list | None, limits: RequestLimits,
+                         vocab_size: int) -> None:
+    """allowed_token_ids within the vocabulary (and no longer than it), and at most
+    ``max_logit_bias`` bad words of at most ``max_stop_chars`` characters each."""
+    if allowed_token_ids:
+        check_at_most("allowed_token_ids", len(allowed_token_ids), vocab_size, "allowed token ids (the vocabulary's size)")
+        check_token_ids(allowed_token_ids, vocab_size, "allowed_token_ids")
+    if bad_words:
+        check_at_most("bad_words", len(bad_words), limits.max_logit_bias, "bad words")
+        longest = max(len(w) for w in bad_words)
+        if longest > limits.max_stop_chars:
+            _fail("bad_words", f"each bad word may have at most {limits.max_stop_chars} characters, got {longest}")
+
+
 def check_text(text: str, param: str) -> None:
     """Text must be encodable as UTF-8 (JSON can carry lone surrogates, which are not)."""
     try:

@@ -19,6 +19,7 @@ from pagedllm.limits import (
     check_at_most,
     check_bool,
     check_float32,
+    check_sampling_lists,
     check_token_ids,
     parse_token_id_key,
 )
@@ -168,15 +169,7 @@ class SamplingParams:
         if self.logit_bias:
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self.logit_bias, vocab_size, "logit_bias")
-        if self.allowed_token_ids:
-            check_at_most("allowed_token_ids", len(self.allowed_token_ids), vocab_size,
-                          "allowed token ids (the vocabulary's size)")
-            check_token_ids(self.allowed_token_ids, vocab_size, "allowed_token_ids")
-        if self.bad_words:
-            check_at_most("bad_words", len(self.bad_words), limits.max_logit_bias, "bad words")
-            longest = max(len(w) for w in self.bad_words)
-            if longest > limits.max_stop_chars:
-                _fail("bad_words", f"each bad word may have at most {limits.max_stop_chars} characters, got {longest}")
+        check_sampling_lists(self.allowed_token_ids, self.bad_words, limits, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > limits.max_logprobs:

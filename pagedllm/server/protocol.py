@@ -33,6 +33,7 @@ from pagedllm.limits import (
     MAX_ABS_LOGIT_BIAS,
     RequestLimits,
     check_at_most,
+    check_sampling_lists,
     check_token_ids,
     parse_token_id_key,
 )
@@ -315,18 +316,7 @@ class _SamplingRequest(_Body):
         if self.logit_bias:
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
-        if self.allowed_token_ids:
-            check_at_most("allowed_token_ids", len(self.allowed_token_ids), vocab_size,
-                          "allowed token ids (the vocabulary's size)")
-            check_token_ids(self.allowed_token_ids, vocab_size, "allowed_token_ids")
-        if self.bad_words:
-            check_at_most("bad_words", len(self.bad_words), limits.max_logit_bias, "bad words")
-            longest = max(len(w) for w in self.bad_words)
-            if longest > limits.max_stop_chars:
-                raise RequestError(
-                    f"bad_words: each bad word may have at most {limits.max_stop_chars} characters, got {longest}",
-                    param="bad_words",
-                )
+        check_sampling_lists(self.allowed_token_ids, self.bad_words, limits, vocab_size)
         if self.priority != 0:
             raise RequestError(
                 f"priority: this server schedules first come, first served (no priority scheduling policy); "
