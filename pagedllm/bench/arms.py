@@ -199,8 +199,7 @@ class ArmServer:
         self.pool: KVPool | None = None
         self._process = None
         self._host = "127.0.0.1"
-        self._port = free_port(self._host)
-        self._set_port(self._port)
+        self._set_port(free_port(self._host))
 
     def _set_port(self, port: int) -> None:
         """Serve on ``port``: the base URL and the command that serves there."""

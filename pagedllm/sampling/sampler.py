@@ -31,7 +31,7 @@ its tokens do not depend on the rest of the batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +106,9 @@ class Sampler:
             logits = grammar_mask.apply(logits)  # in place; constrained rows' logprobs are the masked ones
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
-            token_ids = _choose_tokens(_apply_logit_processors(logits, rows, grammar_mask), rows)  # [rows]
+            token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)  # [rows]
             return _gather_logprobs(raw_logprobs, token_ids, rows)
-        token_ids, chosen = self._sample_masked(logits, rows, grammar_mask)
+        token_ids, chosen = self._sample_masked(logits, rows)
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), None, None)
 
     def sample_tensors(
@@ -125,12 +125,10 @@ class Sampler:
         logits = logits.float()
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)
-        return self._sample_masked(logits, rows, grammar_mask)
+        return self._sample_masked(logits, rows)
 
-    def _sample_masked(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sample_tensors`` on float32 logits that ``grammar_mask`` (if any) was already applied to."""
+    def _sample_masked(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample_tensors`` on float32 logits that the grammar mask (if any) was already applied to."""
         # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
         # materialising the whole log-softmax.
         argmax = None
@@ -138,7 +136,7 @@ class Sampler:
             argmax, normaliser = cpu_ops.argmax_logsumexp(logits)  # one pass over each row
         else:
             normaliser = torch.logsumexp(logits, dim=-1)  # [rows]
-        processed = _apply_logit_processors(logits, rows, grammar_mask)
+        processed = _apply_logit_processors(logits, rows)
         if argmax is not None and processed is logits and all(r.params.is_greedy for r in rows):
             token_ids = argmax
         else:
@@ -174,22 +172,18 @@ def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------- logit processors
 
 
-def _apply_logit_processors(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None = None
-) -> torch.Tensor:
-    """Bias, min_tokens ban and penalties; returns a new tensor only when something applies.
+def _apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Bias, allowed ids, bans and penalties; returns a new tensor only when something applies.
 
-    The order is the pipeline's: additive bias, then bans (the min_tokens ban
-    here; a per-row allowed-token mask, such as a grammar's bitmask, is one
-    more ban applied at this point, before penalties and temperature), then
-    penalties. ``grammar_mask`` (already applied to ``logits``) exempts the rows
-    whose grammar may only end from the min_tokens ban.
+    The order is the pipeline's: additive bias, then allowed_token_ids and the
+    bans (min_tokens, bad words; a grammar's bitmask, applied to ``logits``
+    before, is one more ban at this point), then penalties. A ban that would
+    leave a row without a token is not applied to it (``_ban``).
     """
     vocab = logits.shape[1]
     bias = _sparse_entries(rows, vocab, _bias_entries)
     allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
-    grammar_ends = _rows_the_grammar_ends(rows, grammar_mask, vocab)
-    banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries, skip=grammar_ends)
+    banned = _sparse_entries(rows, vocab, _min_tokens_ban_entries)
     bad_words = _sparse_entries(rows, vocab, _bad_word_entries)
     uses_repetition = any(r.params.repetition_penalty != 1.0 for r in rows)
     uses_output_penalty = any(
@@ -220,21 +214,23 @@ def _bias_entries(row: SamplingRow) -> dict[int, float]:
 
 def _keep_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow], allowed_rows: Sequence[int]) -> None:
     """Every token outside a row's allowed_token_ids to -inf (rows whose allowed tokens are all
-    -inf already, e.g. outside their grammar, are left as they were)."""
+    -inf already, e.g. outside their grammar, are left as they were). Tensor ops only, so nothing
+    here waits for the device."""
     vocab = logits.shape[1]
     for i in allowed_rows:
-        allowed = torch.tensor([t for t in rows[i].params.allowed_token_ids if 0 <= t < vocab], dtype=torch.long)
-        allowed = _move(allowed, logits.device)
-        if allowed.numel() == 0 or not torch.isfinite(logits[i, allowed]).any():
+        ids = [t for t in rows[i].params.allowed_token_ids if 0 <= t < vocab]
+        if not ids:
             continue
+        allowed = _move(torch.tensor(ids, dtype=torch.long), logits.device)
         kept = logits[i, allowed]
-        logits[i] = float("-inf")
-        logits[i, allowed] = kept
+        masked = torch.full_like(logits[i], float("-inf"))
+        masked[allowed] = kept
+        logits[i] = torch.where(torch.isfinite(kept).any(), masked, logits[i])
 
 
 def _bad_word_entries(row: SamplingRow) -> dict[int, float]:
     """The last token of every bad word whose other tokens the row generated last."""
-    sequences = getattr(row.params, "bad_words_token_ids", None)
+    sequences = row.params.bad_words_token_ids
     if not sequences:
         return {}
     tokens, generated = row.token_ids, row.num_output_tokens
@@ -247,14 +243,16 @@ def _bad_word_entries(row: SamplingRow) -> dict[int, float]:
 
 
 def _ban(logits: torch.Tensor, row_idx: torch.Tensor, tok_idx: torch.Tensor) -> None:
-    """logits[row_idx, tok_idx] = -inf, except in rows this would leave with no finite logit."""
+    """logits[row_idx, tok_idx] = -inf, except in rows this would leave with no finite logit (a
+    grammar that may only end, under a min_tokens ban on its stop; an allowed token that is a bad
+    word), which keep their logits. Tensor ops only, so nothing here waits for the device."""
+    rows = _move(torch.unique(row_idx), logits.device)  # the indices are host tensors: no device sync
     row_idx, tok_idx = _move(row_idx, logits.device), _move(tok_idx, logits.device)
-    rows = torch.unique(row_idx)
     before = logits[rows].clone()
     logits[row_idx, tok_idx] = float("-inf")
-    emptied = ~torch.isfinite(logits[rows]).any(dim=1) & torch.isfinite(before).any(dim=1)
-    if emptied.any():
-        logits[rows[emptied]] = before[emptied]
+    after = logits[rows]
+    emptied = ~torch.isfinite(after).any(dim=1) & torch.isfinite(before).any(dim=1)
+    logits[rows] = torch.where(emptied.unsqueeze(1), before, after)
 
 
 def _min_tokens_ban_entries(row: SamplingRow) -> dict[int, float]:
@@ -267,22 +265,10 @@ def _min_tokens_ban_entries(row: SamplingRow) -> dict[int, float]:
     return dict.fromkeys(banned, 0.0)
 
 
-def _rows_the_grammar_ends(rows: Sequence[SamplingRow], grammar_mask: GrammarMask | None, vocab: int) -> set[int]:
-    """Constrained rows under a min_tokens ban whose grammar allows only banned tokens (its stop):
-    the grammar's end wins there, as banning it would forbid every token of the row."""
-    if grammar_mask is None:
-        return set()
-    return {
-        i for i in grammar_mask.rows
-        if (ban := _min_tokens_ban_entries(rows[i])) and grammar_mask.allows_only(i, ban, vocab)
-    }
-
-
 def _sparse_entries(
-    rows: Sequence[SamplingRow], vocab: int, entries_of, skip: Collection[int] = ()
+    rows: Sequence[SamplingRow], vocab: int, entries_of
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Flattens per-row ``{token: value}`` dicts into (row, token, value) index tensors,
-    leaving out the rows in ``skip``.
+    """Flattens per-row ``{token: value}`` dicts into (row, token, value) index tensors.
 
     Token ids outside the vocabulary are dropped: the engine rejects them at
     request time, and the sampler must not crash the batch for one bad row.
@@ -291,8 +277,6 @@ def _sparse_entries(
     tok_idx: list[int] = []
     values: list[float] = []
     for i, row in enumerate(rows):
-        if i in skip:
-            continue
         for token, value in entries_of(row).items():
             if 0 <= token < vocab:
                 row_idx.append(i)

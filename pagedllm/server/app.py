@@ -205,13 +205,13 @@ class OpenAIServer:
 
     def chat_prompt(
         self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-        continue_final: bool = False, template_kwargs: dict | None = None, add_special_tokens: bool = False,
+        continue_final: bool = False, template_vars: dict | None = None, add_special_tokens: bool = False,
         request_template: str | None = None, documents: list[dict] | None = None,
     ) -> _Prompt:
         """The rendered conversation; with ``continue_final`` it ends inside the last (assistant)
         message, right after its content, so the model carries on with that message.
-        ``template_kwargs`` (checked by ``protocol.template_kwargs``) are the template's extra variables."""
-        extra = dict(template_kwargs or {})
+        ``template_vars`` (checked by ``chat.template_kwargs``) are the template's extra variables."""
+        extra = dict(template_vars or {})
         if request_template is not None:
             if not self.trust_request_chat_template:
                 raise RequestError("chat_template: this server renders chats with its own template only; "
@@ -385,7 +385,7 @@ class OpenAIServer:
         req.check_limits(self.request_limits, self.vocab_size)
         prompt = self.chat_prompt(req.message_dicts(), req.add_generation_prompt, req.template_tools(),
                                   continue_final=req.continue_final_message,
-                                  template_kwargs=template_kwargs(req.chat_template_kwargs),
+                                  template_vars=template_kwargs(req.chat_template_kwargs),
                                   add_special_tokens=req.add_special_tokens, request_template=req.chat_template,
                                   documents=req.documents)
         keep = req.prompt_tokens_kept(self.engine.max_model_len)
@@ -544,7 +544,7 @@ class OpenAIServer:
         if req.messages is not None:
             messages = p.message_dicts(req.messages)
             tokens = self.chat_prompt(messages, req.add_generation_prompt,
-                                      template_kwargs=template_kwargs(req.chat_template_kwargs),
+                                      template_vars=template_kwargs(req.chat_template_kwargs),
                                       request_template=req.chat_template, documents=req.documents).token_ids
         else:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -593,8 +593,10 @@ def build_app(
     metrics = ServerMetrics(engine.get_stats, engine.model_name)
     engine.set_observer(metrics)
     server = OpenAIServer(
-        engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(), chat_template,
-        default_sampling, return_tokens_as_token_ids, response_role, trust_request_chat_template,
+        engine, served_model_name or engine.model_name, metrics, limits or ServerLimits(),
+        chat_template=chat_template, default_sampling=default_sampling,
+        return_tokens_as_token_ids=return_tokens_as_token_ids, response_role=response_role,
+        trust_request_chat_template=trust_request_chat_template,
     )
 
     _install_uvicorn_log_filter()
@@ -611,13 +613,18 @@ def build_app(
     _add_service_routes(app, engine, metrics)
     _add_token_routes(app, server)
     if dashboard:
-        from pagedllm.server.dashboard import install_dashboard
-
-        install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
-            401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
-            "invalid_request_error", code="invalid_api_key",
-        ), registry=metrics.registry)
+        _add_dashboard(app, engine, api_key, metrics)
     return app
+
+
+def _add_dashboard(app: FastAPI, engine: AsyncLLMEngine, api_key: str | None, metrics: ServerMetrics) -> None:
+    """The live KV-cache map at /dashboard, behind the same API key as /v1."""
+    from pagedllm.server.dashboard import install_dashboard
+
+    install_dashboard(app, engine, api_key, unauthorized=lambda: _error_response(
+        401, "missing or invalid API key; send 'Authorization: Bearer <key>' or open /dashboard?api_key=<key>",
+        "invalid_request_error", code="invalid_api_key",
+    ), registry=metrics.registry)
 
 
 def _add_request_id_headers(app: FastAPI) -> None:
