@@ -1,6 +1,7 @@
 """The native paged-attention kernel per ISA path against this machine's limits.
 
     python benchmarks/attention_kernel.py [--json FILE] [--paths scalar,avx2,...] [--layout shuffled|engine]
+                                          [--kv-layouts token,head]
 
 On a CPU with AMX-BF16 the avx512_bf16 path runs bfloat16 caches on the tiles;
 its vector kernels are then measured too, as ``avx512_bf16-vector``.
@@ -17,7 +18,10 @@ prefetch), the ceiling for this access pattern. ``--layout`` sets where the
 decode blocks lie: ``shuffled`` (the default) draws every block at random from
 the pool, as a long-running server's churned free queue does; ``engine`` puts
 them where a fresh pool does under W64 (each prompt's blocks side by side,
-decode blocks taken in turn). Prefill: one 300-token prompt, one
+decode blocks taken in turn). ``--kv-layouts`` measures each path over the pools in
+each of the kernels' layouts (KVCache's ``layout``: token-major blocks, or each head's
+part of a block contiguous with its keys stored dims by tokens); the same values, so
+the same outputs. Prefill: one 300-token prompt, one
 layer, causal; the figure is GFLOP/s (4 * head_dim flops per query head per
 visible key), set against a float32 matmul's rate. ``torch`` is the
 PyTorch path of TorchAttentionBackend (SDPA for prefill, the gathered-context
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import subprocess
@@ -135,6 +140,19 @@ def decode_layers(dtype: torch.dtype, layers: int = 30, batch: int = 64, context
     return out, kv_bytes
 
 
+def in_layout(batch, kv_layout: str):
+    """``batch`` with its caches in ``kv_layout`` (KVCache's): the same values, rearranged."""
+    if kv_layout == "token":
+        return batch
+    n, b, kh, d = batch.k_cache.shape
+    k = torch.empty(n, kh, d, b, dtype=batch.k_cache.dtype).permute(0, 3, 1, 2)
+    v = torch.empty(n, kh, b, d, dtype=batch.v_cache.dtype).permute(0, 2, 1, 3)
+    k.copy_(batch.k_cache)
+    v.copy_(batch.v_cache)
+    assert cpu_ops.kv_layout(k, v) == cpu_ops.KV_LAYOUT_HEAD
+    return dataclasses.replace(batch, k_cache=k, v_cache=v)
+
+
 def run_kernel(batch, use_native: bool):
     md = batch.metadata
     backend = TorchAttentionBackend(use_native=use_native)
@@ -172,6 +190,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=("shuffled", "engine"), default="shuffled",
                         help="decode block tables: drawn at random from the pool, or as a fresh pool "
                              "hands them out under W64 (prompts side by side, decode blocks in turn)")
+    parser.add_argument("--kv-layouts", default="token",
+                        help="comma-separated pool layouts to measure each path over: token, head")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     assert cpu_ops.available(), "the native kernels did not build"
@@ -197,14 +217,18 @@ def main() -> None:
         paths = args.paths.split(",")
         if "avx512_bf16" in paths and dtype == torch.bfloat16 and cpu_ops.attention_amx():
             paths.insert(paths.index("avx512_bf16") + 1, "avx512_bf16-vector")  # the same path without AMX
-        for path in paths:
+        for path, kv_layout in [(p, k) for p in paths for k in args.kv_layouts.split(",")]:
+            laid = [in_layout(b, kv_layout) for b in decode]
+            laid_prefill = in_layout(prefill, kv_layout)
             if path == "torch":
-                row = measure_path(path, dtype, args.repeats, decode, kv_bytes, prefill)
+                row = measure_path(path, dtype, args.repeats, laid, kv_bytes, laid_prefill)
             else:
                 isa = path.removesuffix("-vector")
                 with cpu_ops.using_isa(isa) as library, cpu_ops.attention_amx_set(isa == path, library):
-                    row = measure_path(path, dtype, args.repeats, decode, kv_bytes, prefill)
+                    row = measure_path(path, dtype, args.repeats, laid, kv_bytes, laid_prefill)
                     row["attention_amx"] = dtype == torch.bfloat16 and cpu_ops.attention_amx(library)
+            row["kv_layout"] = kv_layout
+            del laid
             row["decode_pct_of_read_bw"] = 100 * row["decode_gbs"] / limits["read_gbs"]
             if pattern_gbs:
                 row["decode_pct_of_pattern_read"] = 100 * row["decode_gbs"] / pattern_gbs

@@ -10,6 +10,10 @@ its block table. For a sequence, its new tokens sit at positions
 KV cache layout per layer: ``k_cache`` and ``v_cache`` each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. The slot of the token at
 position ``p`` of a sequence is ``table[p // block_size] * block_size + p % block_size``.
+Those are the tensors' shapes, not necessarily their memory order: a backend
+names the physical layout it wants (:meth:`AttentionBackend.kv_layout`, see
+``KVCache``), and on the CPU the native kernels' "head" layout makes K and V
+permuted views whose blocks keep each KV head's part contiguous.
 
 Quantized KV (``kv_cache_dtype`` other than ``auto``): the cache tensors hold
 8-bit codes (``torch.int8``, ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``;
@@ -80,6 +84,10 @@ class AttentionBackend(ABC):
         k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float16
         v_scale: torch.Tensor | None = None,
     ) -> None: ...
+
+    def kv_layout(self, device: torch.device) -> str:
+        """The layout of the KV pools this backend reads on ``device`` (``KVCache``'s ``layout``)."""
+        return "token"
 
     @abstractmethod
     def forward(

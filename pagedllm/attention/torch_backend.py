@@ -102,6 +102,13 @@ class TorchAttentionBackend(AttentionBackend):
             self._plan_block_size = block_size
         return self._plan
 
+    def kv_layout(self, device: torch.device) -> str:
+        """On the CPU, the layout the native kernels read fastest on this machine (or the one
+        ``PAGEDLLM_KV_LAYOUT`` names: both this path and the kernels read either)."""
+        if device.type != "cpu":
+            return "token"
+        return cpu_ops.preferred_kv_layout(native=self.use_native is not False and cpu_ops.available())
+
     def _native_enabled(self, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
         if query.device.type != "cpu" or self.use_native is False:
             return False
@@ -294,9 +301,18 @@ def _write_targets(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, tor
 
 def _store(new: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor) -> None:
     """cache slot ``slots[i]`` <- ``new[rows[i]]`` (``new[i]`` when rows is None)."""
-    flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, KH, D]
     src = new if rows is None else new.index_select(0, rows)
-    flat.index_copy_(0, slots, src.to(cache.dtype))
+    _put_slots(cache, slots, src.to(cache.dtype))
+
+
+def _put_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache`` ``[num_blocks, block_size, ...]`` at flat ``slots`` <- ``values`` ``[n, ...]``, in
+    either KV layout (a KV_LAYOUT_HEAD pool's tensors are permuted views, see KVCache)."""
+    if cache.is_contiguous():
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)
+    else:
+        block_size = cache.shape[1]
+        cache[slots // block_size, slots % block_size] = values
 
 
 def _store_quantized(
@@ -309,8 +325,7 @@ def _store_quantized(
     """As :func:`_store`, quantizing each (token, head) vector with its own scale."""
     src = new if rows is None else new.index_select(0, rows)
     new_codes, new_scales = kv_format.quantize_kv(src, codes.dtype)
-    flat = kv_format.as_bytes(codes).view(-1, codes.shape[2], codes.shape[3])  # [num_slots, KH, D]
-    flat.index_copy_(0, slots, kv_format.as_bytes(new_codes))
+    _put_slots(kv_format.as_bytes(codes), slots, kv_format.as_bytes(new_codes))
     scales.view(-1, scales.shape[2]).index_copy_(0, slots, new_scales)
 
 
@@ -380,7 +395,10 @@ def decode_attention(
 
 
 def _gather_tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, KH, D], slots [n] -> [n, KH * D]."""
+    """cache [num_blocks, block_size, KH, D] (either KV layout), slots [n] -> [n, KH * D]."""
+    if not cache.is_contiguous():
+        block_size = cache.shape[1]
+        return cache[slots // block_size, slots % block_size].reshape(slots.shape[0], -1)
     flat = cache.view(-1, cache.shape[2] * cache.shape[3])
     return flat.index_select(0, slots)
 

@@ -15,6 +15,8 @@ import torch
 from pagedllm.kv import kv_format
 from pagedllm.native import host_memory
 
+KV_LAYOUTS = ("token", "head")
+
 
 class KVCache:
     """Owns the per-layer K/V tensors; the runner applies the block manager's instructions through it.
@@ -29,6 +31,14 @@ class KVCache:
     host (pinned when the device is CUDA), and is empty when that count is 0.
     ``prefault``: zero-fill the CPU pools now, so that every page is resident
     from the start (see the comment in ``__init__``).
+    ``layout``: where a block's elements lie in memory. ``"token"``: K and V
+    are contiguous (a slot's heads side by side). ``"head"`` (the native CPU
+    kernels' KV_LAYOUT_HEAD): K and V are permuted views of
+    ``[num_blocks, num_kv_heads, head_dim, block_size]`` and
+    ``[num_blocks, num_kv_heads, block_size, head_dim]``, so each head's part of
+    a block is contiguous and its keys are stored dims by tokens. Either way
+    the tensors index as above, so torch code reads both; the scales stay
+    contiguous.
     """
 
     def __init__(
@@ -43,8 +53,12 @@ class KVCache:
         device: torch.device | str,
         num_cpu_blocks: int = 0,
         prefault: bool = False,
+        layout: str = "token",
     ) -> None:
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown KV cache layout {layout!r}; one of {KV_LAYOUTS}")
         self.device = torch.device(device)
+        self.layout = layout
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -87,7 +101,7 @@ class KVCache:
 
     def _pools(self, shape: tuple[int, ...], num_layers: int, *, zero: bool, device: torch.device,
                pin_memory: bool = False) -> list[tuple[torch.Tensor, ...]]:
-        specs = self._specs(shape)
+        specs = self._storage_specs(shape)
         if device.type == "cpu" and not pin_memory:
             flat = host_memory.host_tensors(specs * num_layers, zero=zero, huge=zero)
         else:
@@ -95,7 +109,23 @@ class KVCache:
             flat = [allocate(s, dtype=d, device=device, pin_memory=pin_memory)
                     for _ in range(num_layers) for s, d in specs]
         n = len(specs)
-        return [tuple(flat[i * n:(i + 1) * n]) for i in range(num_layers)]
+        return [self._as_logical(tuple(flat[i * n:(i + 1) * n])) for i in range(num_layers)]
+
+    def _storage_specs(self, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes the pools are allocated in: :meth:`_specs`, with K and V in the layout's order."""
+        specs = self._specs(shape)
+        if self.layout == "head":
+            n, b, kh, d = shape
+            specs[0] = ((n, kh, d, b), specs[0][1])
+            specs[1] = ((n, kh, b, d), specs[1][1])
+        return specs
+
+    def _as_logical(self, layer: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A layer's tensors as allocated -> ``[num_blocks, block_size, num_kv_heads, head_dim]`` views."""
+        if self.layout == "token":
+            return layer
+        k, v, *scales = layer
+        return (k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3), *scales)
 
     @staticmethod
     def bytes_per_block(

@@ -639,8 +639,17 @@ def _unlink(path: Path) -> None:
 
 
 def _block_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes as [blocks, bytes per block] (a view: the KV tensors are contiguous)."""
+    """A contiguous ``tensor``'s bytes as [blocks, bytes per block] (a view)."""
     return tensor.view(torch.uint8).view(tensor.shape[0], -1)
+
+
+def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Blocks ``index`` of ``tensor`` as [n, bytes per block], each block's bytes in its logical
+    order (a KV_LAYOUT_HEAD pool's permuted views included)."""
+    if tensor.is_contiguous():
+        return _block_rows(tensor).index_select(0, index)
+    picked = as_bytes(tensor).index_select(0, index).contiguous()
+    return picked.view(torch.uint8).view(index.shape[0], -1)
 
 
 def read_blocks(block_tensors: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
@@ -664,7 +673,7 @@ def read_blocks_reference(block_tensors: list[torch.Tensor], block_ids: list[int
     if not block_ids:
         return []
     index = torch.tensor(block_ids, dtype=torch.int64, device=block_tensors[0].device)
-    gathered = torch.cat([_block_rows(t).index_select(0, index) for t in block_tensors], dim=1).cpu()
+    gathered = torch.cat([_gather_rows(t, index) for t in block_tensors], dim=1).cpu()
     return list(gathered.unbind(0))
 
 
@@ -683,8 +692,13 @@ def write_blocks_reference(block_tensors: list[torch.Tensor], block_ids: list[in
     """write_blocks in torch ops."""
     if not block_ids:
         return
-    rows = [_block_rows(t) for t in block_tensors]
-    parts = [raw.split([r.shape[1] for r in rows]) for raw in raws]  # one call per block: views of its slices
+    sizes = [t[0].numel() * t.element_size() for t in block_tensors]
+    parts = [raw.split(sizes) for raw in raws]  # one call per block: views of its slices
     index = torch.tensor(block_ids, dtype=torch.int64, device=block_tensors[0].device)
-    for k, target in enumerate(rows):
-        target.index_copy_(0, index, torch.stack([part[k] for part in parts]).to(target.device))
+    for k, tensor in enumerate(block_tensors):
+        stacked = torch.stack([part[k] for part in parts]).to(tensor.device)
+        if tensor.is_contiguous():
+            _block_rows(tensor).index_copy_(0, index, stacked)
+        else:  # a permuted view: the raw bytes are its blocks in logical order
+            target = as_bytes(tensor)
+            target.index_copy_(0, index, stacked.view(target.dtype).view(len(block_ids), *tensor.shape[1:]))

@@ -25,7 +25,8 @@
  * [head_dim][VW], so every query row's VW scores come out of one chain of
  * fused multiply-adds with no horizontal sums; softmax is online in float32.
  *
- * Caches: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
+ * Caches: [num_blocks, block_size, num_kv_heads, head_dim] (KV_LAYOUT_TOKEN; or
+ * KV_LAYOUT_HEAD, below, where each head's part of a block is contiguous), float32 or
  * bfloat16 (query and output in the cache's dtype), or 8-bit codes (int8,
  * fp8 e4m3, fp8 e5m2) with one float16 scale per slot and KV head
  * [num_blocks, block_size, num_kv_heads] (query and output float32 or
@@ -47,6 +48,24 @@
    elements), rotary and Hadamard rotations split over 2 threads measured 2-4% faster on W64 than
    on the calling thread alone (the threshold was 65,536); row-wise ops, so the same bits */
 #define PARALLEL_MIN_ELEMENTS 16384
+
+/* Where a block's elements lie, for a block of B slots, KH KV heads of D dims. KV_LAYOUT_TOKEN:
+   K and V both [B][KH][D] (a slot's heads side by side). KV_LAYOUT_HEAD: K [KH][D][B] (a
+   head's keys of the block transposed, dims by tokens) and V [KH][B][D]. With the second the
+   vector tiles read keys as they use them, VW tokens of one dim per load, with no transposes,
+   and a head's values as one run: decode attention streamed from memory read 20-24 GB/s
+   against 15-17 on AMD Zen 3, 2 threads (docs/profile.md, twelfth round). The scores are
+   the same sums in the same order, so the two layouts give the same bits. The scales of
+   8-bit caches stay [B][KH] in both. */
+#define KV_LAYOUT_TOKEN 0
+#define KV_LAYOUT_HEAD 1
+/* offset of slot `slot`'s key (first dim) / value row of head h */
+static inline int64_t key_at(int64_t slot, int64_t h, int64_t KH, int64_t D, int64_t B, int32_t layout) {
+    return layout ? ((slot / B) * KH + h) * D * B + slot % B : (slot * KH + h) * D;
+}
+static inline int64_t value_at(int64_t slot, int64_t h, int64_t KH, int64_t D, int64_t B, int32_t layout) {
+    return layout ? (((slot / B) * KH + h) * B + slot % B) * D : (slot * KH + h) * D;
+}
 
 typedef uint16_t bf16_t;
 
@@ -544,11 +563,12 @@ DEFINE_ACCUMULATE_V(accumulate_v_e4m3, kv8_t, vloadu_e4m3)
 DEFINE_ACCUMULATE_V(accumulate_v_e5m2, kv8_t, vloadu_e5m2)
 
 /* Scores of NR query rows from row r against the SUB transposed key chunks
-   KT[sub][d][VW], then their online-softmax update: P[row] gets the weights
+   KTs[sub] ([d][VW], rows kstr[sub] floats apart), then their online-softmax update: P[row] gets the weights
    (times V's scales when quant), corr[row] the factor acc[row] takes.
    visible0 = what row 0 of the tile sees from the chunks' first key on. */
 static inline __attribute__((always_inline)) void score_rows(
-    const float *Q, const float *KT, const int CH, const int NSUB, int64_t r, const int NR, int64_t G,
+    const float *Q, const float *const *KTs, const int64_t *kstr, const int CH, const int NSUB, int64_t r,
+    const int NR, int64_t G,
     int64_t visible0, const int64_t *ns, const int64_t *offs, const int quant, const float *KS,
     const float *VS, float *run_max, float *run_sum, float *corr, float *P) {
     const int64_t D = VW * CH;
@@ -557,7 +577,7 @@ static inline __attribute__((always_inline)) void score_rows(
         for (int sub = 0; sub < NSUB; ++sub) s[j][sub] = vzero();
     for (int64_t d = 0; d < D; ++d) {
         vf k[SUB];
-        for (int sub = 0; sub < NSUB; ++sub) k[sub] = vload(KT + (sub * D + d) * VW);
+        for (int sub = 0; sub < NSUB; ++sub) k[sub] = vload(KTs[sub] + d * kstr[sub]);
         for (int j = 0; j < NR; ++j) {
             const vf q = vset1(Q[(r + j) * D + d]);
             for (int sub = 0; sub < NSUB; ++sub) s[j][sub] = vfmadd(q, k[sub], s[j][sub]);
@@ -615,11 +635,14 @@ static inline __attribute__((always_inline)) void NAME(                         
     const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale,   \
     const uint16_t *v_scale, const int32_t *table,                                                \
     const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads, int64_t num_kv_heads,           \
-    const int CH, const int NSUB, int64_t block_size, float scale, int64_t next_head,            \
+    const int CH, const int NSUB, int64_t block_size, int32_t layout, float scale, int64_t next_head, \
     const int32_t *next_table, int64_t next_len, TQ *out) {                                       \
     const int64_t D = VW * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
-    const int64_t tok_stride = num_kv_heads * D, max_len = tile.len0 + tile.rows - 1;             \
-    const int64_t stride_bytes = tok_stride * (int64_t)sizeof(T), row_bytes = D * (int64_t)sizeof(T); \
+    const int64_t max_len = tile.len0 + tile.rows - 1, row_bytes = D * (int64_t)sizeof(T);        \
+    /* element strides (see KV_LAYOUT_HEAD): a key's tokens and dims, a value's tokens */         \
+    const int64_t k_tok = layout ? 1 : num_kv_heads * D, k_dim = layout ? block_size : 1;         \
+    const int64_t v_tok = layout ? D : num_kv_heads * D;                                          \
+    const int64_t k_stride_bytes = k_tok * (int64_t)sizeof(T), v_stride_bytes = v_tok * (int64_t)sizeof(T); \
     float Q[MAX_ROW_FLOATS] __attribute__((aligned(64)));   /* [nh][R][D], pre-scaled */         \
     float acc[MAX_ROW_FLOATS] __attribute__((aligned(64))); /* [nh][R][D] */                     \
     float KT[SUB * MAX_HEAD_DIM * VW] __attribute__((aligned(64))); /* [SUB][D][VW] */           \
@@ -682,8 +705,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         float *const Qh = Q + hh * R * D, *const acch = acc + hh * R * D;                         \
         float *const maxh = run_max + hh * R, *const sumh = run_sum + hh * R;                     \
         for (int sub = 0; sub < NSUB; ++sub) {                                                     \
-            kbs[sub] = k_cache + (slots[sub] * num_kv_heads + h) * D;                             \
-            vbs[sub] = v_cache + (slots[sub] * num_kv_heads + h) * D;                             \
+            kbs[sub] = k_cache + key_at(slots[sub], h, num_kv_heads, D, block_size, layout);      \
+            vbs[sub] = v_cache + value_at(slots[sub], h, num_kv_heads, D, block_size, layout);    \
         }                                                                                         \
         if (QUANT) /* these chunks' scales; lanes past a chunk's end (masked below) are 0 */      \
             for (int sub = 0; sub < NSUB; ++sub)                                                   \
@@ -694,12 +717,37 @@ static inline __attribute__((always_inline)) void NAME(                         
                 }                                                                                 \
         const char *nk[SUB], *nv[SUB];                                                            \
         for (int sub = 0; sub < NSUB; ++sub) {                                                     \
-            const int64_t at = (next_slots[sub] * num_kv_heads + (next_h >= 0 ? next_h : h)) * D; \
-            nk[sub] = (const char *)(k_cache + at);                                               \
-            nv[sub] = (const char *)(v_cache + at);                                               \
+            const int64_t hn = next_h >= 0 ? next_h : h;                                          \
+            nk[sub] = (const char *)(k_cache + key_at(next_slots[sub], hn, num_kv_heads, D, block_size, layout)); \
+            nv[sub] = (const char *)(v_cache + value_at(next_slots[sub], hn, num_kv_heads, D, block_size, layout)); \
         }                                                                                         \
+        const float *kts[SUB];                                                                    \
+        int64_t kstr[SUB];                                                                        \
         for (int sub = 0; sub < NSUB; ++sub) { /* keys -> KT[sub][d][token] */                     \
             float *kt = KT + sub * D * VW;                                                        \
+            kts[sub] = kt;                                                                        \
+            kstr[sub] = VW;                                                                       \
+            if (layout && ns[sub] > 0) {                                                          \
+                /* the cache holds a block's keys of a head as [d][token]: a whole chunk of      \
+                   float32 keys is read in place, others are converted (a short chunk's missing  \
+                   tokens as 0, as the transposes below give them). Not prefetched: on AMD Zen 3 \
+                   these reads ran as fast without. */                                            \
+                const T *kb = kbs[sub];                                                           \
+                if (ns[sub] == VW && sizeof(T) == sizeof(float)) {                                \
+                    kts[sub] = (const float *)kb;                                                 \
+                    kstr[sub] = k_dim;                                                            \
+                } else if (ns[sub] == VW) {                                                       \
+                    for (int64_t d = 0; d < D; ++d) vstore(kt + d * VW, LOADV(kb + d * k_dim));   \
+                } else {                                                                          \
+                    for (int64_t d = 0; d < D; ++d) {                                             \
+                        T part[VW];                                                               \
+                        memset(part, 0, sizeof part);                                             \
+                        for (int64_t t = 0; t < ns[sub]; ++t) part[t] = kb[d * k_dim + t];        \
+                        vstore(kt + d * VW, LOADV(part));                                         \
+                    }                                                                             \
+                }                                                                                 \
+                continue;                                                                         \
+            }                                                                                     \
             if (ns[sub] == 0) {                                                                   \
                 memset(kt, 0, (size_t)(D * VW) * sizeof(float));                                  \
                 continue;                                                                         \
@@ -711,11 +759,11 @@ static inline __attribute__((always_inline)) void NAME(                         
                 for (int cg = 0; cg < CH / (PAIRS); ++cg) {                                       \
                     vf rows[VW];                                                                  \
                     for (int t = 0; t < VW; ++t)                                                  \
-                        rows[t] = t < ns[sub] ? vloadu_f32((const float *)(kbs[sub] + t * tok_stride + (PAIRS) * VW * cg)) \
+                        rows[t] = t < ns[sub] ? vloadu_f32((const float *)(kbs[sub] + t * k_tok + (PAIRS) * VW * cg)) \
                                               : vzero();                                          \
                     if (64 * cg < row_bytes)                                                      \
                         for (int64_t t = 0; t < ahead[sub]; ++t)                                  \
-                            _mm_prefetch(nk[sub] + t * stride_bytes + 64 * cg, PF_HINT);      \
+                            _mm_prefetch(nk[sub] + t * k_stride_bytes + 64 * cg, PF_HINT);      \
                     vtranspose(rows);                                                             \
                     for (int j = 0; j < VW; ++j) {                                                \
                         vf codes[4];                                                              \
@@ -730,10 +778,10 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int c = 0; c < CH; ++c) {                                                        \
                 vf rows[VW];                                                                      \
                 for (int t = 0; t < VW; ++t)                                                      \
-                    rows[t] = t < ns[sub] ? LOADV(kbs[sub] + t * tok_stride + VW * c) : vzero();  \
+                    rows[t] = t < ns[sub] ? LOADV(kbs[sub] + t * k_tok + VW * c) : vzero();  \
                 if (64 * c < row_bytes)                                                           \
                     for (int64_t t = 0; t < ahead[sub]; ++t)                                      \
-                        _mm_prefetch(nk[sub] + t * stride_bytes + 64 * c, PF_HINT);           \
+                        _mm_prefetch(nk[sub] + t * k_stride_bytes + 64 * c, PF_HINT);           \
                 vtranspose(rows);                                                                 \
                 for (int j = 0; j < VW; ++j) vstore(kt + (VW * c + j) * VW, rows[j]);             \
             }                                                                                     \
@@ -744,10 +792,10 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t r_first = first * G, visible0 = tile.len0 - start;                          \
         for (int64_t r = r_first; r < R; r += QK_ROWS) {                                          \
             switch (R - r < QK_ROWS ? (int)(R - r) : QK_ROWS) {                                   \
-            case 4: score_rows(Qh, KT, CH, NSUB, r, 4, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
-            case 3: score_rows(Qh, KT, CH, NSUB, r, 3, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
-            case 2: score_rows(Qh, KT, CH, NSUB, r, 2, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
-            default: score_rows(Qh, KT, CH, NSUB, r, 1, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            case 4: score_rows(Qh, kts, kstr, CH, NSUB, r, 4, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            case 3: score_rows(Qh, kts, kstr, CH, NSUB, r, 3, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            case 2: score_rows(Qh, kts, kstr, CH, NSUB, r, 2, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            default: score_rows(Qh, kts, kstr, CH, NSUB, r, 1, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
             }                                                                                     \
         }                                                                                         \
         /* acc = acc * corr + P @ V, PASS_ROWS(CH) rows per pass; the first pass also            \
@@ -757,10 +805,10 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t r = r_first; r < R; r += per_pass) {                                         \
             const int64_t *pf = r == r_first ? ahead : no_prefetch;                               \
             switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                 \
-            case 4: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 4, CH, nv, pf, stride_bytes, row_bytes); break; \
-            case 3: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 3, CH, nv, pf, stride_bytes, row_bytes); break; \
-            case 2: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 2, CH, nv, pf, stride_bytes, row_bytes); break; \
-            default: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, tok_stride, r, 1, CH, nv, pf, stride_bytes, row_bytes); break; \
+            case 4: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 4, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+            case 3: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 3, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+            case 2: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 2, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+            default: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 1, CH, nv, pf, v_stride_bytes, row_bytes); break; \
             }                                                                                     \
         }                                                                                         \
         }                                                                                         \
@@ -1275,8 +1323,10 @@ TARGET_AMX_ATTN static void NAME(                                               
     const bf16_t *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale, \
     const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh,     \
     int64_t num_heads, int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size,     \
-    float scale, int64_t next_head, const int32_t *next_table, int64_t next_len, bf16_t *out) {  \
+    int32_t layout, float scale, int64_t next_head, const int32_t *next_table, int64_t next_len,  \
+    bf16_t *out) {                                                                                \
     (void)NSUB;                                                                                   \
+    (void)layout; /* KV_LAYOUT_TOKEN only (the dispatch) */                                       \
     tile_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, tile, h0, nh, num_heads,     \
              num_kv_heads, CH, block_size, scale, next_head, next_table, next_len, out, I8);      \
 }
@@ -1305,7 +1355,7 @@ static int amx_int8_unit(void) {
 #define DISPATCH_NSUB(TILE_FN, CH_VALUE, NSUB_VALUE)                                               \
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
-            h, nh, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, scale,              \
+            h, nh, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, layout, scale,      \
             nh == 1 && h + 1 < first_head + heads_per_item ? h + 1 : -1, next_table, next_len, out)
 /* Every tile takes SUB chunks per softmax update, a decode token's too: a row's float
    operations are then the same whatever tile it is in (a decode step, a prefill chunk, a
@@ -1344,7 +1394,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
           const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-          float scale, int32_t split_heads, TQ *out) {                                            \
+          int32_t layout, float scale, int32_t split_heads, TQ *out) {                            \
     const int64_t heads_per_item = split_heads ? 1 : num_kv_heads;                                \
     const int64_t items = num_tiles * (num_kv_heads / heads_per_item);                            \
     int decode_only = !split_heads && num_heads * head_dim <= MAX_ROW_FLOATS && num_heads <= MAX_ROWS; \
@@ -1501,8 +1551,9 @@ static inline float lookup_e5m2(kv8_t c) { return e5m2_table[c]; }
 static void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,              \
                  const uint16_t *k_scale, const uint16_t *v_scale,                                \
                  const int32_t *table, const tile_t tile, int64_t h, int64_t num_heads,           \
-                 int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, TQ *out) {     \
-    const int64_t G = num_heads / num_kv_heads, tok_stride = num_kv_heads * D;                    \
+                 int64_t num_kv_heads, int64_t D, int64_t block_size, int32_t layout, float scale, \
+                 TQ *out) {                                                                       \
+    const int64_t G = num_heads / num_kv_heads, k_dim = layout ? block_size : 1;                  \
     float qs[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];                                                    \
     for (int64_t r = 0; r < tile.rows * G; ++r) {                                                 \
         const int64_t row = tile.q_row + r / G, head = h * G + r % G, len = tile.len0 + r / G;    \
@@ -1513,10 +1564,10 @@ static void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cac
         float run_max = -INFINITY, run_sum = 0.0f;                                                \
         for (int64_t p = 0; p < len; ++p) {                                                       \
             const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;    \
-            const T *k = k_cache + (slot * num_kv_heads + h) * D;                                 \
-            const T *v = v_cache + (slot * num_kv_heads + h) * D;                                 \
+            const T *k = k_cache + key_at(slot, h, num_kv_heads, D, block_size, layout);          \
+            const T *v = v_cache + value_at(slot, h, num_kv_heads, D, block_size, layout);        \
             float s = 0.0f;                                                                       \
-            for (int64_t d = 0; d < D; ++d) s += qs[d] * DECODE(k[d]);                            \
+            for (int64_t d = 0; d < D; ++d) s += qs[d] * DECODE(k[d * k_dim]);                    \
             if (QUANT) s *= f16_to_f32(k_scale[slot * num_kv_heads + h]) * (UNIT);                \
             if (s > run_max) {                                                                    \
                 const float c = expf(run_max - s);                                                \
@@ -1532,7 +1583,6 @@ static void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cac
         TQ *dst = out + (row * num_heads + head) * D;                                             \
         for (int64_t d = 0; d < D; ++d) dst[d] = FROM_F32(acc[d] / run_sum);                      \
     }                                                                                             \
-    (void)tok_stride;                                                                             \
 }
 
 DEFINE_TILE_SCALAR(tile_f32, float, f32_identity, f32_identity, float, f32_identity, 0, 1.0f)
@@ -1549,7 +1599,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
           const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-          float scale, int32_t split_heads, TQ *out) {                                            \
+          int32_t layout, float scale, int32_t split_heads, TQ *out) {                            \
     const int64_t items = num_tiles * num_kv_heads;                                               \
     (void)split_heads;                                                                            \
     _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
@@ -1557,8 +1607,8 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
         const tile_t tile = tiles[item / num_kv_heads];                                           \
         TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                  \
                 tables + (int64_t)tile.table_row * table_stride,                                  \
-                tile, item % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size, scale,  \
-                out);                                                                             \
+                tile, item % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size, layout, \
+                scale, out);                                                                      \
     }                                                                                             \
 }
 
@@ -1667,12 +1717,13 @@ int set_attention_amx(int on) {
 void NAME(const bf16_t *q, int64_t q_stride, const T *k_cache, const T *v_cache,                  \
           const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,                \
           int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,        \
-          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,                \
+          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int32_t layout, float scale, \
           int32_t split_heads, bf16_t *out) {                                                     \
-    const int amx = head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && attention_amx() && (UNIT); \
+    const int amx = head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && layout == KV_LAYOUT_TOKEN \
+                    && attention_amx() && (UNIT);                                                 \
     (amx ? NAME##_amx : NAME##_vector)(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables,  \
                                        table_stride, tiles, num_tiles, num_heads, num_kv_heads,   \
-                                       head_dim, block_size, scale, split_heads, out);            \
+                                       head_dim, block_size, layout, scale, split_heads, out);    \
 }
 DEFINE_AMX_DISPATCH(paged_attention_bf16, bf16_t, 1)
 DEFINE_AMX_DISPATCH(paged_attention_bf16_i8, kv8_t, amx_int8_unit())
@@ -1688,15 +1739,28 @@ DEFINE_ENTRY(paged_attention_bf16_e4m3, bf16_t, kv8_t, tile_bf16_e4m3)
 DEFINE_ENTRY(paged_attention_f32_e5m2, float, kv8_t, tile_f32_e5m2)
 DEFINE_ENTRY(paged_attention_bf16_e5m2, bf16_t, kv8_t, tile_bf16_e5m2)
 
-/* Token t's K and V rows (width elements each, at k_stride / v_stride elements
-   apart) go to cache slot slots[t]; slot -1 is padding and skipped. */
+/* Token t's K and V rows (kv_heads x head_dim elements each, at k_stride / v_stride
+   elements apart) go to cache slot slots[t] (blocks of block_size slots in `layout`); slot
+   -1 is padding and skipped. */
 #define DEFINE_WRITE_KV(NAME, T)                                                                  \
 void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *slots,      \
-          int64_t rows, int64_t width, T *k_cache, T *v_cache) {                                  \
+          int64_t rows, int64_t kv_heads, int64_t head_dim, T *k_cache, T *v_cache,               \
+          int64_t block_size, int32_t layout) {                                                   \
+    const int64_t width = kv_heads * head_dim;                                                    \
     for (int64_t t = 0; t < rows; ++t) {                                                          \
         if (slots[t] < 0) continue;                                                               \
-        memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(T));          \
-        memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(T));          \
+        if (layout == KV_LAYOUT_TOKEN) {                                                          \
+            memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(T));      \
+            memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(T));      \
+            continue;                                                                             \
+        }                                                                                         \
+        for (int64_t h = 0; h < kv_heads; ++h) {                                                  \
+            T *kd = k_cache + key_at(slots[t], h, kv_heads, head_dim, block_size, layout);        \
+            const T *ks = k + t * k_stride + h * head_dim;                                        \
+            for (int64_t d = 0; d < head_dim; ++d) kd[d * block_size] = ks[d];                    \
+            memcpy(v_cache + value_at(slots[t], h, kv_heads, head_dim, block_size, layout),       \
+                   v + t * v_stride + h * head_dim, (size_t)head_dim * sizeof(T));                \
+        }                                                                                         \
     }                                                                                             \
 }
 
@@ -1736,17 +1800,23 @@ static inline void quantize_head_f32(const float *x, int64_t D, float qmax, kv8_
 #define DEFINE_WRITE_KV_Q(NAME, T, TO_F32, ENCODE, QMAX)                                          \
 void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, const int64_t *slots,      \
           int64_t rows, int64_t kv_heads, int64_t head_dim, kv8_t *k_cache, kv8_t *v_cache,       \
-          uint16_t *k_scale, uint16_t *v_scale) {                                                 \
+          uint16_t *k_scale, uint16_t *v_scale, int64_t block_size, int32_t layout) {             \
     _Pragma("omp parallel for schedule(static) if(rows * kv_heads * head_dim >= PARALLEL_MIN_ELEMENTS)") \
     for (int64_t t = 0; t < rows; ++t) {                                                          \
         if (slots[t] < 0) continue;                                                               \
         float x[MAX_HEAD_DIM];                                                                    \
+        kv8_t codes[MAX_HEAD_DIM];                                                                \
         for (int64_t h = 0; h < kv_heads; ++h) {                                                  \
             const int64_t at = slots[t] * kv_heads + h;                                           \
+            kv8_t *kd = k_cache + key_at(slots[t], h, kv_heads, head_dim, block_size, layout);    \
             for (int64_t d = 0; d < head_dim; ++d) x[d] = TO_F32(k[t * k_stride + h * head_dim + d]); \
-            quantize_head_f32(x, head_dim, QMAX, ENCODE, k_cache + at * head_dim, k_scale + at);  \
+            quantize_head_f32(x, head_dim, QMAX, ENCODE, layout ? codes : kd, k_scale + at);      \
+            if (layout)                                                                           \
+                for (int64_t d = 0; d < head_dim; ++d) kd[d * block_size] = codes[d];             \
             for (int64_t d = 0; d < head_dim; ++d) x[d] = TO_F32(v[t * v_stride + h * head_dim + d]); \
-            quantize_head_f32(x, head_dim, QMAX, ENCODE, v_cache + at * head_dim, v_scale + at);  \
+            quantize_head_f32(x, head_dim, QMAX, ENCODE,                                          \
+                              v_cache + value_at(slots[t], h, kv_heads, head_dim, block_size, layout), \
+                              v_scale + at);                                                      \
         }                                                                                         \
     }                                                                                             \
 }
@@ -1827,28 +1897,57 @@ void hadamard_bf16(bf16_t *x, int64_t rows, int64_t row_stride, int64_t heads, i
 
 /* The disk tier's block moves (pagedllm.kv.tiers). A raw block is one block's slice of each
    of nt tensors, back to back: row[k] bytes of tensor k, whose block b starts at
-   tensors[k] + b * row[k]. scatter_blocks stores raw block raws[i] into block ids[i] of every
-   tensor; gather_blocks copies them out. Plain copies, so any dtype; blocks split between
-   the threads when there are enough bytes to share. */
+   tensors[k] + b * row[k]. A raw block holds every slice in the token-major order
+   ([B][KH][D], KV_LAYOUT_TOKEN), whatever the pool's layout, so a tier's files do not depend
+   on it: kinds[k] says how tensor k lays out its block (0: as the raw block; 1: a
+   KV_LAYOUT_HEAD key, [KH][D][B]; 2: a KV_LAYOUT_HEAD value, [KH][B][D]; shape[] = B, KH,
+   D). scatter_blocks stores raw block raws[i] into block ids[i] of every tensor;
+   gather_blocks copies them out. Plain copies, so any dtype; blocks split between the
+   threads when there are enough bytes to share. */
+static inline void move_slice(uint8_t *block, uint8_t *raw, int64_t bytes, int32_t kind, const int64_t *shape,
+                              int into_block) {
+    if (kind == 0) {
+        if (into_block) memcpy(block, raw, (size_t)bytes);
+        else memcpy(raw, block, (size_t)bytes);
+        return;
+    }
+    const int64_t B = shape[0], KH = shape[1], D = shape[2], e = bytes / (B * KH * D);
+    for (int64_t t = 0; t < B; ++t)
+        for (int64_t h = 0; h < KH; ++h) {
+            uint8_t *r = raw + (t * KH + h) * D * e;
+            if (kind == 2) {
+                uint8_t *v = block + (h * B + t) * D * e;
+                if (into_block) memcpy(v, r, (size_t)(D * e));
+                else memcpy(r, v, (size_t)(D * e));
+                continue;
+            }
+            uint8_t *k = block + (h * D * B + t) * e; /* dim d at k + d * B * e */
+            for (int64_t d = 0; d < D; ++d) {
+                if (into_block) memcpy(k + d * B * e, r + d * e, (size_t)e);
+                else memcpy(r + d * e, k + d * B * e, (size_t)e);
+            }
+        }
+}
+
 void scatter_blocks(int64_t n, const int64_t *ids, uint8_t *const *raws, int64_t nt, uint8_t *const *tensors,
-                    const int64_t *row, int64_t parallel) {
+                    const int64_t *row, const int32_t *kinds, const int64_t *shape, int64_t parallel) {
     _Pragma("omp parallel for schedule(static) if(parallel)")
     for (int64_t i = 0; i < n; ++i) {
-        const uint8_t *src = raws[i];
+        uint8_t *src = raws[i];
         for (int64_t k = 0; k < nt; ++k) {
-            memcpy(tensors[k] + ids[i] * row[k], src, (size_t)row[k]);
+            move_slice(tensors[k] + ids[i] * row[k], src, row[k], kinds[k], shape, 1);
             src += row[k];
         }
     }
 }
 
 void gather_blocks(int64_t n, const int64_t *ids, uint8_t *const *raws, int64_t nt, uint8_t *const *tensors,
-                   const int64_t *row, int64_t parallel) {
+                   const int64_t *row, const int32_t *kinds, const int64_t *shape, int64_t parallel) {
     _Pragma("omp parallel for schedule(static) if(parallel)")
     for (int64_t i = 0; i < n; ++i) {
         uint8_t *dst = raws[i];
         for (int64_t k = 0; k < nt; ++k) {
-            memcpy(dst, tensors[k] + ids[i] * row[k], (size_t)row[k]);
+            move_slice(tensors[k] + ids[i] * row[k], dst, row[k], kinds[k], shape, 0);
             dst += row[k];
         }
     }

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.errors import ConfigError
 from pagedllm.native.build_cache import compiled
 
 logger = logging.getLogger("pagedllm")
@@ -121,8 +122,74 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and head_dim % _vector_width == 0
         and group <= MAX_ROWS
         and group * head_dim <= MAX_ROW_FLOATS
-        and k_cache.is_contiguous()
+        and slice_kind(k_cache) in (SLICE_PLAIN, SLICE_HEAD_KEYS)
     )
+
+
+# The two physical layouts of a K/V pool the kernels read (cpu_ops.c, KV_LAYOUT_*). Either is
+# seen from torch as [num_blocks, block_size, num_kv_heads, head_dim]; KV_LAYOUT_HEAD's tensors
+# are permuted views of [num_blocks, KH, D, B] (keys) and [num_blocks, KH, B, D] (values).
+KV_LAYOUT_TOKEN = 0
+KV_LAYOUT_HEAD = 1
+# How a tensor lays out each block (slice_kind); the numbers are cpu_ops.c's move_slice kinds.
+SLICE_PLAIN, SLICE_HEAD_KEYS, SLICE_HEAD_VALUES = 0, 1, 2
+
+
+def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """``t`` has these strides, over its dims longer than 1 (the rule ``is_contiguous`` uses)."""
+    return all(size == 1 or got == want for size, got, want in zip(t.shape, t.stride(), strides, strict=True))
+
+
+def _head_strides(t: torch.Tensor, values: bool) -> tuple[int, ...]:
+    _, b, kh, d = t.shape
+    return (b * kh * d, d, b * d, 1) if values else (b * kh * d, 1, d * b, b)
+
+
+def slice_kind(t: torch.Tensor) -> int | None:
+    """SLICE_PLAIN for a contiguous tensor; for ``[N, B, KH, D]`` views of a KV_LAYOUT_HEAD
+    pool, SLICE_HEAD_KEYS or SLICE_HEAD_VALUES; None for any other layout."""
+    if t.is_contiguous():
+        return SLICE_PLAIN
+    if t.dim() != 4:
+        return None
+    if _strides_match(t, _head_strides(t, values=False)):
+        return SLICE_HEAD_KEYS
+    if _strides_match(t, _head_strides(t, values=True)):
+        return SLICE_HEAD_VALUES
+    return None
+
+
+def kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+    """KV_LAYOUT_TOKEN or KV_LAYOUT_HEAD for a K/V pool pair the kernels read; None otherwise.
+    (Where a dim of 1 makes both layouts put every element in the same place, TOKEN.)"""
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        return KV_LAYOUT_TOKEN
+    if (
+        k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+        and _strides_match(k_cache, _head_strides(k_cache, values=False))
+        and _strides_match(v_cache, _head_strides(v_cache, values=True))
+    ):
+        return KV_LAYOUT_HEAD
+    return None
+
+
+KV_LAYOUT_ENV = "PAGEDLLM_KV_LAYOUT"  # auto (default), token or head: the CPU pools' layout
+# The paths whose decode attention measured faster over KV_LAYOUT_HEAD pools (docs/profile.md,
+# twelfth round: AMD Zen 3). The AVX-512 paths keep the layout they were tuned on until
+# measured; AMX attention reads token-major blocks only.
+HEAD_LAYOUT_PATHS = frozenset({"avx2"})
+
+
+def preferred_kv_layout(native: bool = True) -> str:
+    """The layout for CPU KV pools (KVCache's ``layout``): ``$PAGEDLLM_KV_LAYOUT`` when set to
+    token or head; by default head where the native kernels run the path of
+    ``HEAD_LAYOUT_PATHS``, token elsewhere (and where ``native`` is False)."""
+    value = os.environ.get(KV_LAYOUT_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "token", "head"):
+        raise ConfigError(f"{KV_LAYOUT_ENV}={value!r}: use auto, token or head")
+    if value != "auto":
+        return value
+    return "head" if native and selected_isa() in HEAD_LAYOUT_PATHS else "token"
 
 
 def tile_tokens(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -189,10 +256,12 @@ def paged_attention(
     # one per tile (its KV heads in turn), fewer and longer items.
     if split_heads is None:
         split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
+    layout = kv_layout(k_cache, v_cache)
+    assert layout is not None, "the K/V caches are in neither layout the kernels read"
     kernel(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *scales,
         tables.data_ptr(), tables.stride(0), tiles.data_ptr(), tiles.shape[0],
-        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, int(split_heads), out.data_ptr(),
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], layout, scale, int(split_heads), out.data_ptr(),
     )
     return out
 
@@ -267,10 +336,11 @@ def can_write_kv(
 
 
 def _write_kv_layout(key, value, k_cache, v_cache, slots) -> bool:
-    """Rows of contiguous heads (the rows may be strided), contiguous caches, int64 slots."""
+    """Rows of contiguous heads (the rows may be strided), caches in a layout the kernels know
+    (:func:`kv_layout`), int64 slots."""
     return (
         all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
-        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and kv_layout(k_cache, v_cache) is not None
         and slots.dtype == torch.int64
     )
 
@@ -286,7 +356,7 @@ def write_kv(
     slots = slots.contiguous()
     _kernel("write_kv", key.dtype, library)(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), rows,
-        kv_heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], kv_layout(k_cache, v_cache),
     )
 
 
@@ -322,6 +392,7 @@ def write_kv_quantized(
     getattr(library, f"write_kv_{suffix}")(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), rows,
         kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+        k_cache.shape[1], kv_layout(k_cache, v_cache),
     )
 
 
@@ -356,11 +427,13 @@ PARALLEL_MIN_COPY_BYTES = 1 << 22
 
 
 def can_move_blocks(tensors: list[torch.Tensor], raws: list[torch.Tensor]) -> bool:
-    """Whether :func:`move_blocks` applies: contiguous CPU tensors and raw blocks, kernels loaded."""
+    """Whether :func:`move_blocks` applies: CPU tensors in a layout it knows (:func:`slice_kind`:
+    contiguous, or a KV_LAYOUT_HEAD pool's keys or values) and contiguous raw blocks, kernels loaded."""
     return (
         available()
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and all(t.device.type == "cpu" and slice_kind(t) is not None for t in tensors)
         and all(r.device.type == "cpu" and r.dtype == torch.uint8 and r.is_contiguous() for r in raws)
+        and len({tuple(t.shape[1:]) for t in tensors if slice_kind(t) != SLICE_PLAIN}) <= 1
     )
 
 
@@ -368,13 +441,13 @@ def move_blocks(
     tensors: list[torch.Tensor], block_ids: list[int], raws: list[torch.Tensor], *, into_tensors: bool,
     library: ctypes.CDLL | None = None,
 ) -> None:
-    """Raw block ``raws[i]`` (every tensor's slice [block_ids[i]], back to back, see
-    ``kv.tiers.pack_block``) into the tensors (``into_tensors``) or out of them into ``raws``;
-    one call for every block and tensor. Check :func:`can_move_blocks` first."""
+    """Raw block ``raws[i]`` (every tensor's slice [block_ids[i]] in its logical order, back to
+    back, see ``kv.tiers.pack_block``) into the tensors (``into_tensors``) or out of them into
+    ``raws``; one call for every block and tensor. Check :func:`can_move_blocks` first."""
     library = library or _library
     assert library is not None, "call available() first"
     n, nt = len(block_ids), len(tensors)
-    rows = [t.stride(0) * t.element_size() for t in tensors]  # bytes per block (contiguous tensors)
+    rows = [t.stride(0) * t.element_size() for t in tensors]  # bytes per block (dense blocks)
     size = sum(rows)
     for raw in raws:
         assert raw.numel() == size, f"a raw block of {raw.numel()} bytes, the tensors' blocks hold {size}"
@@ -384,8 +457,12 @@ def move_blocks(
     raw_ptrs = (ctypes.c_void_p * n)(*(r.data_ptr() for r in raws))
     bases = (ctypes.c_void_p * nt)(*(t.data_ptr() for t in tensors))
     row = (ctypes.c_int64 * nt)(*rows)
+    kinds = [slice_kind(t) for t in tensors]
+    shaped = [t for t, kind in zip(tensors, kinds) if kind != SLICE_PLAIN]
+    shape = (ctypes.c_int64 * 3)(*(shaped[0].shape[1:] if shaped else (0, 0, 0)))
     move = library.scatter_blocks if into_tensors else library.gather_blocks
-    move(n, ids, raw_ptrs, nt, bases, row, int(n * size >= PARALLEL_MIN_COPY_BYTES))
+    move(n, ids, raw_ptrs, nt, bases, row, (ctypes.c_int32 * nt)(*kinds), shape,
+         int(n * size >= PARALLEL_MIN_COPY_BYTES))
 
 
 # ---------------------------------------------------------------- ISA paths, build and load
@@ -563,7 +640,7 @@ def build_library(extra_flags: tuple[str, ...] = (), isa: str | None = None) -> 
 
 def _declare(library: ctypes.CDLL) -> None:
     """The C signatures, for ctypes."""
-    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     library.vector_width.restype = ctypes.c_int
     library.isa_name.restype = ctypes.c_char_p
     codes = [""] + [f"_{suffix}" for suffix in _CODE_SUFFIX.values()]
@@ -571,17 +648,18 @@ def _declare(library: ctypes.CDLL) -> None:
         for code in codes:
             fn = getattr(library, f"paged_attention_{query_type}{code}")
             fn.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64,
-                           i64, i64, f32, ctypes.c_int32, pointer]
+                           i64, i64, i32, f32, i32, pointer]
             fn.restype = None
             if code:
                 fn = getattr(library, f"write_kv_{query_type}{code}")
-                fn.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, i64, pointer, pointer, pointer, pointer]
+                fn.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, i64, pointer, pointer, pointer, pointer,
+                               i64, i32]
                 fn.restype = None
     signatures = {
         "rms_norm": [pointer, pointer, pointer, f32, i64, i64, pointer],
         "silu_mul": [pointer, i64, i64, pointer],
         "rotary": [pointer, i64, i64, i64, i64, pointer, pointer, pointer],
-        "write_kv": [pointer, i64, pointer, i64, pointer, i64, i64, pointer, pointer],
+        "write_kv": [pointer, i64, pointer, i64, pointer, i64, i64, i64, pointer, pointer, i64, i32],
     }
     library.attention_amx.restype = ctypes.c_int
     library.set_attention_amx.argtypes = [ctypes.c_int]
@@ -593,7 +671,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer]
     library.row_argmax_logsumexp.restype = None
     for name in ("scatter_blocks", "gather_blocks"):
-        getattr(library, name).argtypes = [i64, pointer, pointer, i64, pointer, pointer, i64]
+        getattr(library, name).argtypes = [i64, pointer, pointer, i64, pointer, pointer, pointer, pointer, i64]
         getattr(library, name).restype = None
     for name, argtypes in signatures.items():
         for suffix in ("f32", "bf16"):

@@ -2041,14 +2041,16 @@ typedef void (*RmsNormFn)(void *residual, const void *delta, const void *weight,
 typedef void (*RotaryFn)(void *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,
                          const int64_t *positions, const float *cos_table, const float *sin_table);
 typedef void (*WriteKvFn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
-                          int64_t rows, int64_t width, void *k_cache, void *v_cache);
+                          int64_t rows, int64_t kv_heads, int64_t head_dim, void *k_cache, void *v_cache,
+                          int64_t block_size, int32_t layout);
 typedef void (*WriteKv8Fn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                            const int64_t *slots, int64_t rows, int64_t kv_heads, int64_t head_dim, void *k_cache,
-                           void *v_cache, void *k_scale, void *v_scale);
+                           void *v_cache, void *k_scale, void *v_scale, int64_t block_size, int32_t layout);
 typedef void (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const void *k_scale, const void *v_scale, const int32_t *tables, int64_t table_stride,
                             const int32_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale, int32_t split_heads, void *out);
+                            int64_t head_dim, int64_t block_size, int32_t layout, float scale, int32_t split_heads,
+                            void *out);
 typedef void (*SiluMulFn)(const void *gate_up, int64_t rows, int64_t n, void *out);
 typedef void (*Hadamard16Fn)(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                              float scale, int64_t narrow_heads, float *y, int64_t y_stride);
@@ -2080,6 +2082,7 @@ typedef struct {
     int64_t elem;   /* bytes per activation: 4 (float32, packed codes) or 2 (bfloat16: dense w16 weights, or
                        packed codes on a CPU without AMX-BF16) */
     void *hadamard16; /* cpu_ops' hadamard_bf16 */
+    int64_t kv_layout; /* the caches' layout, cpu_ops.c's KV_LAYOUT_TOKEN (0) or KV_LAYOUT_HEAD (1) */
 } LayerStack;
 
 /* cpu_ops.c's bf16_to_f32 and f32_to_bf16 (each library is built from its one source). */
@@ -2189,11 +2192,12 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
         }
         if (s->kv8)
             ((WriteKv8Fn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH, D, L->k_cache, L->v_cache,
-                                      L->k_scale, L->v_scale);
+                                      L->k_scale, L->v_scale, s->block_size, (int32_t)s->kv_layout);
         else
-            ((WriteKvFn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH * D, L->k_cache, L->v_cache);
+            ((WriteKvFn)s->write_kv)(k, qkv_width, v, qkv_width, slots, rows, KH, D, L->k_cache, L->v_cache,
+                                     s->block_size, (int32_t)s->kv_layout);
         ((AttentionFn)s->attention)(qkv, qkv_width, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables,
-                                    table_stride, tiles, num_tiles, H, KH, D, s->block_size,
+                                    table_stride, tiles, num_tiles, H, KH, D, s->block_size, (int32_t)s->kv_layout,
                                     s->rotate ? s->scale / (float)D : s->scale, split_heads, attn_out);
         if (num_rows < rows) memset(attn_out + num_rows * H * D * e, 0, (size_t)((rows - num_rows) * H * D * e));
         if (s->rotate && e == 4) ((HadamardFn)s->hadamard)((float *)attn_out, rows, H * D, H, D, 1.0f / (float)D);

@@ -60,7 +60,7 @@ class _Stack(ctypes.Structure):
                 ("isa", _i64), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
                 ("kv8", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", _p),
-                ("hadamard", _p), ("rotate", _i64), ("elem", _i64), ("hadamard16", _p)]
+                ("hadamard", _p), ("rotate", _i64), ("elem", _i64), ("hadamard16", _p), ("kv_layout", _i64)]
 
 
 def _address(fn) -> int:
@@ -216,8 +216,9 @@ class LayerStack:
             a is b for a, b in zip(kv_caches, self._cache_tensors)
         ):
             return True  # the same (immutable) per-layer tuples as last time
-        if len(kv_caches) != len(self._layers) or not all(
-            t.is_contiguous() for layer in kv_caches for t in layer
+        layouts = {cpu_ops.kv_layout(layer[0], layer[1]) for layer in kv_caches}
+        if len(kv_caches) != len(self._layers) or len(layouts) != 1 or None in layouts or not all(
+            s.is_contiguous() for layer in kv_caches for s in layer[2:]
         ) or (kv8 and not all(s.dtype == torch.float16 for layer in kv_caches for s in layer[2:])):
             return False
         library = self._library
@@ -235,6 +236,7 @@ class LayerStack:
         self._stack.kv8 = int(kv8)
         self._stack.rotate = int(rotate)
         self._stack.block_size = first[0].shape[1]
+        self._stack.kv_layout = layouts.pop()
         for layer, tensors in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = tensors[0].data_ptr(), tensors[1].data_ptr()
             layer.k_scale, layer.v_scale = (tensors[2].data_ptr(), tensors[3].data_ptr()) if kv8 else (None, None)
