@@ -1904,6 +1904,15 @@ void hadamard_bf16(bf16_t *x, int64_t rows, int64_t row_stride, int64_t heads, i
    D). scatter_blocks stores raw block raws[i] into block ids[i] of every tensor;
    gather_blocks copies them out. Plain copies, so any dtype; blocks split between the
    threads when there are enough bytes to share. */
+/* D elements of type T: the block's, B apart from `strided`, to or from the raw ones at `packed` */
+#define MOVE_STRIDED(T, strided, packed, D, B, into_block)                                         \
+    do {                                                                                          \
+        T *s_ = (T *)(void *)(strided), *p_ = (T *)(void *)(packed);                              \
+        if (into_block)                                                                           \
+            for (int64_t d_ = 0; d_ < (D); ++d_) s_[d_ * (B)] = p_[d_];                           \
+        else                                                                                      \
+            for (int64_t d_ = 0; d_ < (D); ++d_) p_[d_] = s_[d_ * (B)];                           \
+    } while (0)
 static inline void move_slice(uint8_t *block, uint8_t *raw, int64_t bytes, int32_t kind, const int64_t *shape,
                               int into_block) {
     if (kind == 0) {
@@ -1922,9 +1931,15 @@ static inline void move_slice(uint8_t *block, uint8_t *raw, int64_t bytes, int32
                 continue;
             }
             uint8_t *k = block + (h * D * B + t) * e; /* dim d at k + d * B * e */
-            for (int64_t d = 0; d < D; ++d) {
-                if (into_block) memcpy(k + d * B * e, r + d * e, (size_t)e);
-                else memcpy(r + d * e, k + d * B * e, (size_t)e);
+            switch (e) { /* typed copies the compiler can unroll (a key's dims are B elements apart) */
+            case 4: MOVE_STRIDED(uint32_t, k, r, D, B, into_block); break;
+            case 2: MOVE_STRIDED(uint16_t, k, r, D, B, into_block); break;
+            case 1: MOVE_STRIDED(uint8_t, k, r, D, B, into_block); break;
+            default:
+                for (int64_t d = 0; d < D; ++d) {
+                    if (into_block) memcpy(k + d * B * e, r + d * e, (size_t)e);
+                    else memcpy(r + d * e, k + d * B * e, (size_t)e);
+                }
             }
         }
 }
