@@ -142,6 +142,8 @@ HTTP_NOTES = {
     "chat_template": SAME_NOTE + "rendered only where the server has --trust-request-chat-template, a 400 "
                      "otherwise; also on /tokenize with messages",
     "priority": SAME_NOTE + "0 only (first come, first served); another value is a 400",
+    "logits_processors": "no custom logits processors are loaded: a non-empty list is a 400 (vLLM: a 400 "
+                         "unless the server allows the named classes)",
     "add_special_tokens": SAME_NOTE + "default true on completions, false on chat, as vLLM",
     "return_tokens_as_token_ids": SAME_NOTE + "logprobs name tokens 'token_id:<id>'; unset, the server's "
                                   "--return-tokens-as-token-ids decides",

@@ -224,6 +224,9 @@ class _SamplingRequest(_Body):
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens 'token_id:<id>' (None: the server's)
     priority: Int64 = 0  # vLLM's priority scheduling: this server is first come, first served (0 only)
+    # vLLM's custom logits processors (names of server-side classes): none are loaded here, so a
+    # non-empty list is refused; vllm_xargs (their extra arguments) are ignored like other unknown fields
+    logits_processors: list[Any] | None = None
     request_id: str | None = None  # names the response (an X-Request-Id header wins), see response_id
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
@@ -317,6 +320,12 @@ class _SamplingRequest(_Body):
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
         check_sampling_lists(self.allowed_token_ids, self.bad_words, limits, vocab_size)
+        if self.logits_processors:
+            raise RequestError(
+                "logits_processors: this server loads no custom logits processors; leave the field out "
+                "(sampling fields such as logit_bias, allowed_token_ids and bad_words are built in)",
+                param="logits_processors",
+            )
         if self.priority != 0:
             raise RequestError(
                 f"priority: this server schedules first come, first served (no priority scheduling policy); "
