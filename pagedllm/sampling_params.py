@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pagedllm.errors import RequestError
 from pagedllm.limits import (
@@ -79,9 +79,12 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # keep only the last k prompt tokens (-1: the model's context length); None keeps all
     truncate_prompt_tokens: int | None = None
+    # vLLM's arguments for custom sampling code: kept with the request, read by nothing built in
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
+        check_extra_args(self.extra_args)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -271,6 +274,32 @@ def _normalise_logit_bias(logit_bias: object) -> dict[int, float] | None:
             )
         normalised[token] = bias
     return normalised
+
+
+def check_extra_args(value: object) -> None:
+    """None, or a dict of string keys whose values are JSON-like (None, bools, numbers, strings,
+    lists and dicts of them), integers within 64 bits, as vLLM's engine can carry them."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        _fail("extra_args", f"must be a dict, got {type(value).__name__}")
+    pending: list[object] = [value]
+    seen = 0
+    while pending:
+        item = pending.pop()
+        seen += 1
+        if seen > 100_000:
+            _fail("extra_args", "holds more than 100000 values")
+        if isinstance(item, dict):
+            if not all(isinstance(k, str) for k in item):
+                _fail("extra_args", "keys must be strings")
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif _is_int(item) and not INT64_MIN <= item < 2**64:
+            _fail("extra_args", f"integers must be between -2**63 and 2**64 - 1, got {item}")
+        elif item is not None and not isinstance(item, (bool, int, float, str)):
+            _fail("extra_args", f"values must be JSON-like, got {type(item).__name__}")
 
 
 def _structured_outputs(value: object) -> StructuredOutputsParams | None:

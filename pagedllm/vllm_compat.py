@@ -144,6 +144,8 @@ HTTP_NOTES = {
     "priority": SAME_NOTE + "0 only (first come, first served); another value is a 400",
     "logits_processors": "no custom logits processors are loaded: a non-empty list is a 400 (vLLM: a 400 "
                          "unless the server allows the named classes)",
+    "vllm_xargs": SAME_NOTE + "SamplingParams.extra_args of the request (read by nothing built in); "
+                  "JSON-like values, integers within 64 bits",
     "add_special_tokens": SAME_NOTE + "default true on completions, false on chat, as vLLM",
     "return_tokens_as_token_ids": SAME_NOTE + "logprobs name tokens 'token_id:<id>'; unset, the server's "
                                   "--return-tokens-as-token-ids decides",

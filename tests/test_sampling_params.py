@@ -61,6 +61,10 @@ def test_normalisation():
         ("logit_bias", {1: math.inf}),
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", [1, 2]),
+        ("extra_args", [1]),
+        ("extra_args", {1: "a"}),
+        ("extra_args", {"a": {"b": object()}}),
+        ("extra_args", {"a": [2**64]}),
     ],
 )
 def test_invalid_values_raise_request_error_naming_the_field(field, value):
@@ -100,3 +104,14 @@ def test_beam_search_params_validation(kwargs, field):
     with pytest.raises(RequestError) as info:
         BeamSearchParams(**kwargs)
     assert info.value.param == field
+
+
+def test_extra_args_are_kept_for_custom_code():
+    """vLLM's extra_args: JSON-like values under string keys, carried and read by nothing built in."""
+    args = {"k": [1, 2.5, None, True, {"n": -(2**63)}], "s": "x"}
+    assert SamplingParams(extra_args=args).extra_args == args
+    assert SamplingParams().extra_args is None
+    looped: list = []
+    looped.append(looped)
+    with pytest.raises(RequestError, match="more than 100000"):
+        SamplingParams(extra_args={"loop": looped})

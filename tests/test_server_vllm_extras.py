@@ -162,7 +162,7 @@ def test_priority_other_than_0_is_a_400(server):
     assert info.value.body["param"] == "priority" and "first come, first served" in info.value.body["message"]
 
 
-def test_custom_logits_processors_are_a_400_and_their_extra_args_are_ignored(server):
+def test_custom_logits_processors_are_a_400_and_vllm_xargs_are_checked(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     for route in ("completions", "chat"):
         create = (lambda **kw: client.completions.create(prompt="hi", **kw)) if route == "completions" else (
@@ -170,8 +170,11 @@ def test_custom_logits_processors_are_a_400_and_their_extra_args_are_ignored(ser
         with pytest.raises(openai.BadRequestError) as info:
             create(model="tiny", max_tokens=1, extra_body={"logits_processors": ["my.module:Processor"]})
         assert info.value.body["param"] == "logits_processors" and "no custom logits processors" in info.value.body["message"]
-        # an empty list asks for nothing; vllm_xargs alone reach no processor, as on a vLLM server without any
-        assert create(model="tiny", max_tokens=1, extra_body={"logits_processors": [], "vllm_xargs": {"k": 1}})
+        # an empty list asks for nothing; vllm_xargs are checked and carried (SamplingParams.extra_args)
+        assert create(model="tiny", max_tokens=1, extra_body={"logits_processors": [], "vllm_xargs": {"k": [1, "a"]}})
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="tiny", max_tokens=1, extra_body={"vllm_xargs": {"k": 2**70}})
+        assert info.value.body["param"] == "vllm_xargs" and "2**64" in info.value.body["message"]
 
 
 def test_a_trusting_server_renders_a_requests_own_chat_template(server):

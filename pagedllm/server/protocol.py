@@ -38,7 +38,12 @@ from pagedllm.limits import (
     parse_token_id_key,
 )
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, prompt_tokens_kept
+from pagedllm.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    check_extra_args,
+    prompt_tokens_kept,
+)
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.tools import (
     ToolChoice,
@@ -225,8 +230,10 @@ class _SamplingRequest(_Body):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens 'token_id:<id>' (None: the server's)
     priority: Int64 = 0  # vLLM's priority scheduling: this server is first come, first served (0 only)
     # vLLM's custom logits processors (names of server-side classes): none are loaded here, so a
-    # non-empty list is refused; vllm_xargs (their extra arguments) are ignored like other unknown fields
+    # non-empty list is refused
     logits_processors: list[Any] | None = None
+    # vLLM's extra arguments for custom sampling code: SamplingParams.extra_args (read by nothing built in)
+    vllm_xargs: dict[str, Any] | None = None
     request_id: str | None = None  # names the response (an X-Request-Id header wins), see response_id
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
@@ -320,6 +327,7 @@ class _SamplingRequest(_Body):
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
         check_sampling_lists(self.allowed_token_ids, self.bad_words, limits, vocab_size)
+        self._extra_args()
         if self.logits_processors:
             raise RequestError(
                 "logits_processors: this server loads no custom logits processors; leave the field out "
@@ -332,6 +340,16 @@ class _SamplingRequest(_Body):
                 f"send 0 or leave it out, got {self.priority}", param="priority",
             )
         self._check_prompt_logprobs(limits)
+
+    def _extra_args(self) -> dict[str, Any] | None:
+        """vllm_xargs as SamplingParams.extra_args, checked as that field is (errors name vllm_xargs)."""
+        if self.vllm_xargs is None:
+            return None
+        try:
+            check_extra_args(self.vllm_xargs)
+        except RequestError as exc:
+            raise RequestError(str(exc).replace("extra_args", "vllm_xargs", 1), param="vllm_xargs") from None
+        return self.vllm_xargs
 
     def _check_prompt_logprobs(self, limits: RequestLimits) -> None:
         """vLLM's rules (not with a stream unless 0, -1 is the whole vocabulary) and the server's cap."""
@@ -392,6 +410,7 @@ class _SamplingRequest(_Body):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=structured,
+            extra_args=self._extra_args(),
         )
 
     def _beam_params(self, max_tokens: int, structured: StructuredOutputsParams | None) -> BeamSearchParams:
