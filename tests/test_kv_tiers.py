@@ -368,6 +368,29 @@ def test_disk_tier_serves_evicted_prefixes_and_a_restart(tiny_dir, reference, tm
     restarted.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("first,second", [("token", "head"), ("head", "token")])
+def test_a_disk_tier_written_in_one_kv_layout_serves_a_restart_in_the_other(tiny_dir, reference, tmp_path,
+                                                                           monkeypatch, first, second):
+    """Raw blocks hold token-major slices whatever the pools' layout (cpu_ops.c KV_LAYOUT_*), so a
+    restart with the other layout reads the files; and both layouts give the reference's tokens."""
+    monkeypatch.setenv("PAGEDLLM_KV_LAYOUT", first)
+    llm = tiny_llm(tiny_dir, kv_cache_dir=str(tmp_path))
+    assert llm.llm_engine.worker.kv_cache.layout == first
+    assert run_turns(llm) == reference
+    llm.llm_engine.shutdown()
+    monkeypatch.setenv("PAGEDLLM_KV_LAYOUT", second)
+    restarted = tiny_llm(tiny_dir, kv_cache_dir=str(tmp_path))
+    assert restarted.llm_engine.worker.kv_cache.layout == second
+    outputs = []
+    for prompt in conversation_prompts(1):
+        (out,) = restarted.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+        outputs.append(list(out.outputs[0].token_ids))
+    assert outputs == reference[NUM_CONVERSATIONS:]
+    assert restarted.kv_cache_stats().tier("disk").num_hit_tokens >= (NUM_CONVERSATIONS - 2) * PREFIX_LEN
+    restarted.llm_engine.block_manager.check_invariants()
+    restarted.llm_engine.shutdown()
+
+
 def test_a_restarted_engine_waits_for_its_prefix_without_polling(tiny_dir, reference, tmp_path):
     llm = tiny_llm(tiny_dir, kv_cache_dir=str(tmp_path))
     assert run_turns(llm, turns=(0,)) == reference[:NUM_CONVERSATIONS]
