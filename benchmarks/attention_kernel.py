@@ -49,6 +49,7 @@ from attention_reference import make_paged_batch  # noqa: E402
 from pagedllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagedllm.bench import report  # noqa: E402
 from pagedllm.kv.kernel_bench import engine_tables  # noqa: E402
+from pagedllm.kv.kv_cache import in_layout  # noqa: E402
 from pagedllm.native import cpu_ops  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -140,15 +141,11 @@ def decode_layers(dtype: torch.dtype, layers: int = 30, batch: int = 64, context
     return out, kv_bytes
 
 
-def in_layout(batch, kv_layout: str):
+def batch_in_layout(batch, kv_layout: str):
     """``batch`` with its caches in ``kv_layout`` (KVCache's): the same values, rearranged."""
     if kv_layout == "token":
         return batch
-    n, b, kh, d = batch.k_cache.shape
-    k = torch.empty(n, kh, d, b, dtype=batch.k_cache.dtype).permute(0, 3, 1, 2)
-    v = torch.empty(n, kh, b, d, dtype=batch.v_cache.dtype).permute(0, 2, 1, 3)
-    k.copy_(batch.k_cache)
-    v.copy_(batch.v_cache)
+    k, v = in_layout(batch.k_cache, kv_layout, values=False), in_layout(batch.v_cache, kv_layout, values=True)
     assert cpu_ops.kv_layout(k, v) == cpu_ops.KV_LAYOUT_HEAD
     return dataclasses.replace(batch, k_cache=k, v_cache=v)
 
@@ -218,8 +215,8 @@ def main() -> None:
         if "avx512_bf16" in paths and dtype == torch.bfloat16 and cpu_ops.attention_amx():
             paths.insert(paths.index("avx512_bf16") + 1, "avx512_bf16-vector")  # the same path without AMX
         for path, kv_layout in [(p, k) for p in paths for k in args.kv_layouts.split(",")]:
-            laid = [in_layout(b, kv_layout) for b in decode]
-            laid_prefill = in_layout(prefill, kv_layout)
+            laid = [batch_in_layout(b, kv_layout) for b in decode]
+            laid_prefill = batch_in_layout(prefill, kv_layout)
             if path == "torch":
                 row = measure_path(path, dtype, args.repeats, laid, kv_bytes, laid_prefill)
             else:

@@ -15,7 +15,7 @@ from native_paths import LIBRARY_PARAMS, built_library
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.errors import ConfigError
 from pagedllm.kv import tiers
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.kv_cache import KVCache, in_layout
 from pagedllm.kv.kv_format import as_bytes
 from pagedllm.native import cpu_ops
 
@@ -29,13 +29,7 @@ def library(request):
 
 def head_layout(cache: torch.Tensor, values: bool) -> torch.Tensor:
     """A KV_LAYOUT_HEAD pool (as KVCache builds one) holding ``cache``'s logical contents."""
-    n, b, kh, d = cache.shape
-    if values:
-        out = torch.empty(n, kh, b, d, dtype=cache.dtype).permute(0, 2, 1, 3)
-    else:
-        out = torch.empty(n, kh, d, b, dtype=cache.dtype).permute(0, 3, 1, 2)
-    as_bytes(out).copy_(as_bytes(cache))
-    return out
+    return in_layout(cache, "head", values)
 
 
 def test_kv_cache_builds_the_head_layout_as_permuted_views():

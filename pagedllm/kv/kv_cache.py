@@ -16,6 +16,30 @@ from pagedllm.kv import kv_format
 from pagedllm.native import host_memory
 
 KV_LAYOUTS = ("token", "head")
+# The "head" layout's storage of keys / values, as an order of the dims of [N, B, KH, D]:
+# keys [N, KH, D, B], values [N, KH, B, D] (the native kernels' KV_LAYOUT_HEAD).
+_HEAD_ORDER = {False: (0, 2, 3, 1), True: (0, 2, 1, 3)}
+
+
+def head_storage_shape(shape: tuple[int, ...], values: bool) -> tuple[int, ...]:
+    """The shape a "head" layout pool of logical ``shape`` [N, B, KH, D] is allocated in."""
+    return tuple(shape[i] for i in _HEAD_ORDER[values])
+
+
+def head_view(storage: torch.Tensor, values: bool) -> torch.Tensor:
+    """A "head" layout pool as allocated -> its [N, B, KH, D] view."""
+    order = _HEAD_ORDER[values]
+    return storage.permute(*sorted(range(4), key=order.__getitem__))
+
+
+def in_layout(cache: torch.Tensor, layout: str, values: bool) -> torch.Tensor:
+    """A copy of the pool ``cache`` [N, B, KH, D] stored in ``layout`` (the same values)."""
+    if layout == "token":
+        return cache.clone(memory_format=torch.contiguous_format)
+    out = head_view(torch.empty(head_storage_shape(tuple(cache.shape), values), dtype=cache.dtype,
+                                device=cache.device), values)
+    kv_format.as_bytes(out).copy_(kv_format.as_bytes(cache))
+    return out
 
 
 class KVCache:
@@ -115,9 +139,8 @@ class KVCache:
         """The shapes the pools are allocated in: :meth:`_specs`, with K and V in the layout's order."""
         specs = self._specs(shape)
         if self.layout == "head":
-            n, b, kh, d = shape
-            specs[0] = ((n, kh, d, b), specs[0][1])
-            specs[1] = ((n, kh, b, d), specs[1][1])
+            specs[0] = (head_storage_shape(shape, values=False), specs[0][1])
+            specs[1] = (head_storage_shape(shape, values=True), specs[1][1])
         return specs
 
     def _as_logical(self, layer: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -125,7 +148,7 @@ class KVCache:
         if self.layout == "token":
             return layer
         k, v, *scales = layer
-        return (k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3), *scales)
+        return (head_view(k, values=False), head_view(v, values=True), *scales)
 
     @staticmethod
     def bytes_per_block(

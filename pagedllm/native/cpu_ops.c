@@ -1925,12 +1925,12 @@ static inline void move_slice(uint8_t *block, uint8_t *raw, int64_t bytes, int32
         for (int64_t h = 0; h < KH; ++h) {
             uint8_t *r = raw + (t * KH + h) * D * e;
             if (kind == 2) {
-                uint8_t *v = block + (h * B + t) * D * e;
+                uint8_t *v = block + value_at(t, h, KH, D, B, KV_LAYOUT_HEAD) * e;
                 if (into_block) memcpy(v, r, (size_t)(D * e));
                 else memcpy(r, v, (size_t)(D * e));
                 continue;
             }
-            uint8_t *k = block + (h * D * B + t) * e; /* dim d at k + d * B * e */
+            uint8_t *k = block + key_at(t, h, KH, D, B, KV_LAYOUT_HEAD) * e; /* dim d at k + d * B * e */
             switch (e) { /* typed copies the compiler can unroll (a key's dims are B elements apart) */
             case 4: MOVE_STRIDED(uint32_t, k, r, D, B, into_block); break;
             case 2: MOVE_STRIDED(uint16_t, k, r, D, B, into_block); break;

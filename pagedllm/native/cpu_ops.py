@@ -136,8 +136,10 @@ SLICE_PLAIN, SLICE_HEAD_KEYS, SLICE_HEAD_VALUES = 0, 1, 2
 
 
 def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
-    """``t`` has these strides, over its dims longer than 1 (the rule ``is_contiguous`` uses)."""
-    return all(size == 1 or got == want for size, got, want in zip(t.shape, t.stride(), strides, strict=True))
+    """``t`` has these strides, over its dims longer than 1 (the rule ``is_contiguous`` uses).
+    (Called per layer each step: the plain comparison first, the per-dim rule only if it fails.)"""
+    got = t.stride()
+    return got == strides or all(size == 1 or g == w for size, g, w in zip(t.shape, got, strides, strict=True))
 
 
 def _head_strides(t: torch.Tensor, values: bool) -> tuple[int, ...]:

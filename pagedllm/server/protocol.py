@@ -327,7 +327,7 @@ class _SamplingRequest(_Body):
             check_at_most("logit_bias", len(self.logit_bias), limits.max_logit_bias, "logit_bias entries")
             check_token_ids(self._logit_bias() or {}, vocab_size, "logit_bias")
         check_sampling_lists(self.allowed_token_ids, self.bad_words, limits, vocab_size)
-        self._extra_args()
+        self._check_vllm_xargs()
         if self.logits_processors:
             raise RequestError(
                 "logits_processors: this server loads no custom logits processors; leave the field out "
@@ -341,15 +341,12 @@ class _SamplingRequest(_Body):
             )
         self._check_prompt_logprobs(limits)
 
-    def _extra_args(self) -> dict[str, Any] | None:
-        """vllm_xargs as SamplingParams.extra_args, checked as that field is (errors name vllm_xargs)."""
-        if self.vllm_xargs is None:
-            return None
+    def _check_vllm_xargs(self) -> None:
+        """vllm_xargs become SamplingParams.extra_args: checked as that field is, errors naming vllm_xargs."""
         try:
             check_extra_args(self.vllm_xargs)
         except RequestError as exc:
             raise RequestError(str(exc).replace("extra_args", "vllm_xargs", 1), param="vllm_xargs") from None
-        return self.vllm_xargs
 
     def _check_prompt_logprobs(self, limits: RequestLimits) -> None:
         """vLLM's rules (not with a stream unless 0, -1 is the whole vocabulary) and the server's cap."""
@@ -410,7 +407,7 @@ class _SamplingRequest(_Body):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=structured,
-            extra_args=self._extra_args(),
+            extra_args=self.vllm_xargs,
         )
 
     def _beam_params(self, max_tokens: int, structured: StructuredOutputsParams | None) -> BeamSearchParams:
