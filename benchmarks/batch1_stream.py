@@ -1,6 +1,7 @@
 """Batch-1 packed matmuls streamed from memory, as one decode token of the default model reads them.
 
     python benchmarks/batch1_stream.py [--tokens 40] [--threads 2] [--path avx2|avx512-vnni|...]
+    PAGEDLLM_QUANT_ROW_TABLES=0 python benchmarks/batch1_stream.py    # the scales transposed per call
 
 Builds the default model's packed matrices with random weights (30 decoder layers of the fused
 qkv, o, gate|up and down (Q4 with mins, as Q4_1), plus the tied LM head in Q8 with group 32), far more
@@ -52,8 +53,8 @@ def main() -> None:
     x576, x1536 = torch.randn(1, 576, generator=gen), torch.randn(1, 1536, generator=gen)
 
     # each matrix bound once, as the layers bind theirs (quant_ops.bind_gemm)
-    calls = [(quant_ops.bind_gemm(*q._kernel_args(), isa_override=isa), x1536 if q.padded_in >= 1536 else x576)
-             for q in mats]
+    calls = [(quant_ops.bind_gemm(*q._kernel_args(), isa_override=isa, tables=q.row_tables()),
+              x1536 if q.padded_in >= 1536 else x576) for q in mats]
 
     def token() -> float:
         start = time.perf_counter()
@@ -68,7 +69,9 @@ def main() -> None:
     big.sum()
     read = min((lambda t: (big.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
     med, best = statistics.median(times), min(times)
+    tables = sum(q.table_nbytes for q in mats)
     print(f"path {quant_ops.ISA_NAMES[isa if isa is not None else quant_ops.isa()]}, {len(mats)} matrices, "
+          f"row-scale tables {tables / 1e6:.1f} MB, "
           f"{total / 1e6:.1f} MB per token, {args.threads} threads")
     print(f"ms per token: median {1000 * med:.2f}, best {1000 * best:.2f}; "
           f"GB/s {total / med / 1e9:.1f} (median) {total / best / 1e9:.1f} (best); "

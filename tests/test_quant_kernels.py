@@ -344,3 +344,70 @@ def test_bfloat16_activations_take_the_amx_bf16_kernel_from_its_row_count(monkey
     monkeypatch.setenv("PAGEDLLM_QUANT_BF16_AMX", "0")
     assert not quant_ops.amx_bf16_available()
     assert torch.equal(weight.apply(many), quant_ops.gemm(many.float(), *weight._kernel_args()).bfloat16())
+
+
+TABLE_PATHS = [isa for isa in quant_ops.ROW_TABLE_COLS if isa in quant_ops.runnable_isas()] if PATHS else []
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("isa", TABLE_PATHS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_per_row_kernel_reading_row_scale_tables_gives_the_same_bits(isa, name, levels):
+    """Row-scale tables replace the per-pass transpose of the scales and mins: the same values
+    in pass order, so the same bits as the transposing kernel and the portable path, on
+    random inputs, for widths whose scales fill whole chunks or not, and output counts with a
+    short last pass."""
+    bits = FORMATS[name][0]
+    for out_features, in_features in ((37, 160), (8, 576), (21, 800), (64, 1536)):
+        weight = _exact_weight(name, out_features, in_features, seed=out_features)
+        tables = quant_ops.row_scale_tables(weight.scales, weight.mins, isa)
+        cols = quant_ops.ROW_TABLE_COLS[isa]
+        # the layout: entry (pass, group, lane) is scales[pass * cols + lane, group], zeros past N
+        padded = torch.zeros(tables[0].shape[0] * cols, weight.scales.shape[1], dtype=torch.float16)
+        padded[:out_features] = weight.scales
+        assert torch.equal(tables[0], padded.reshape(-1, cols, padded.shape[1]).transpose(1, 2))
+        assert (tables[1] is None) == (weight.mins is None)
+        for rows in (1, 2, 3, 5):
+            x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+            portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0, levels=levels)
+            plain = quant_ops.gemm(x, *weight._kernel_args(), isa_override=isa, tiled=False, levels=levels)
+            read = quant_ops.gemm(x, *weight._kernel_args(), isa_override=isa, tiled=False, levels=levels,
+                                  tables=tables)
+            bound = quant_ops.bind_gemm(*weight._kernel_args(), levels=levels, isa_override=isa, tables=tables)
+            assert torch.equal(plain, portable), (out_features, in_features, rows)
+            assert torch.equal(read, portable), (out_features, in_features, rows)
+            if rows < quant_ops.tiled_min_rows(bits, isa, levels):
+                assert torch.equal(bound(x), portable), (out_features, in_features, rows)
+
+
+def test_row_scale_tables_of_another_shape_are_refused():
+    weight = quantize_rtn(torch.randn(16, 128), 4, 32)
+    other = quantize_rtn(torch.randn(24, 128), 4, 32)
+    for isa in TABLE_PATHS:
+        tables = quant_ops.row_scale_tables(other.scales, other.mins, isa)
+        with pytest.raises(ValueError, match="do not fit scales"):
+            quant_ops.gemm(torch.randn(1, 128), *weight._kernel_args(), isa_override=isa, tables=tables)
+        # a path whose kernel reads no tables ignores them
+        assert torch.equal(quant_ops.gemm(torch.randn(1, 128).zero_(), *weight._kernel_args(), isa_override=0,
+                                          tables=tables), torch.zeros(1, 16))
+
+
+def test_a_weight_makes_its_row_tables_once_where_its_kernel_reads_them(monkeypatch):
+    weight = quantize_rtn(torch.randn(40, 576), 4, 32)
+    assert weight.table_nbytes == 0
+    x = torch.randn(1, 576)
+    want = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0)
+    monkeypatch.setenv(quant_ops.ROW_TABLES_ENV, "0")
+    assert weight.row_tables() is None
+    assert torch.equal(weight.apply(x), want) and weight.table_nbytes == 0
+    monkeypatch.setenv(quant_ops.ROW_TABLES_ENV, "1")
+    tables = weight.row_tables()
+    if quant_ops.isa() not in quant_ops.ROW_TABLE_COLS:
+        assert tables is None and weight.table_nbytes == 0
+    else:  # as many bytes again as the scales and mins (40 outputs: 5 whole passes of 8)
+        assert weight.row_tables() is tables and weight.table_nbytes == weight.scales.nbytes + weight.mins.nbytes
+        assert weight.rows(0, 8).table_nbytes == 0  # a shard makes its own
+    assert torch.equal(weight.apply(x), want)
+    monkeypatch.setenv(quant_ops.ROW_TABLES_ENV, "yes")
+    with pytest.raises(ConfigError, match="PAGEDLLM_QUANT_ROW_TABLES must be 0 or 1"):
+        weight.row_tables()

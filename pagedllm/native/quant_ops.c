@@ -249,7 +249,8 @@ static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uin
 typedef void (*TransposeScales)(const uint16_t *s, int64_t n0, int64_t count, int64_t blocks, int r, float *out);
 typedef void (*RowPass)(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits,
                         int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16, const float *dx,
-                        const int32_t *xsum, const float *dw, const float *mw, const uint8_t *next, float *out);
+                        const int32_t *xsum, const float *dw, const float *mw, const uint16_t *dt,
+                        const uint16_t *mt, int r_shift, const uint8_t *next, float *out);
 typedef struct {
     TransposeScales transpose; /* a pass's scales and mins into [blocks][cols] floats */
     RowPass pass;              /* one activation row . the pass's outputs */
@@ -257,17 +258,36 @@ typedef struct {
     int64_t prefetch_passes;   /* a pass prefetches the weights of the pass this far ahead */
     /* where the pass takes two levels joined: x16 = 256 xq + xq2 for n codes (NULL: x16 is NULL) */
     void (*join)(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16);
+    int tables; /* the pass reads a row-scale table (quant_row_scales, cols wide) in place of dw / mw */
 } RowKernel;
 
 #define MAX_ROW_COLS 16
 
+/* The row-scale table of s [N][per_row] float16 (scales or mins) for a per-row kernel of `cols`
+ * outputs per pass: out [ceil(N / cols)][per_row][cols], entry (p, j, c) = s[p cols + c][j] (0 past
+ * N). The same values, reordered so that a pass reads one group's values of its outputs as one
+ * vector instead of transposing them on every call (a tenth to a fifth of a batch-1 matmul). */
+void quant_row_scales(const uint16_t *s, int64_t N, int64_t per_row, int64_t cols, uint16_t *out) {
+    const int64_t passes = (N + cols - 1) / cols;
+    for (int64_t p = 0; p < passes; p++)
+        for (int64_t j = 0; j < per_row; j++)
+            for (int64_t c = 0; c < cols; c++) {
+                const int64_t n = p * cols + c;
+                out[(p * per_row + j) * cols + c] = n < N ? s[n * per_row + j] : 0;
+            }
+}
+
 /* y [rows, N] by passes of k.cols outputs, the parallel work items; each pass transposes its
- * scales once and runs every row on them (its weights stay in L1 for the later rows). */
-static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp,
-                      int bits, int r, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
-                      const int32_t *xsum, int64_t rows, float *y) {
+ * scales once (or reads them from the row-scale tables dt / mt, where the kernel takes them and
+ * they are given) and runs every row on them (its weights stay in L1 for the later rows). */
+static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, const uint16_t *dt,
+                      const uint16_t *mt, int64_t N, int64_t Kp, int bits, int r, int zero, const int8_t *xq,
+                      const int8_t *xq2, const float *dx, const int32_t *xsum, int64_t rows, float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32;
     const int64_t cols = k.cols, num_passes = (N + cols - 1) / cols;
+    if (!m) mt = 0;
+    if (!k.tables || (m && !mt)) dt = mt = 0;
+    const int r_shift = r == 4 ? 2 : r == 2 ? 1 : 0;
     /* the rows' two levels joined once per call, for a kernel that takes them so (NULL when out of
        memory: the pass then takes them as bytes, the same sums) */
     int16_t *x16 = k.join && xq2 ? malloc((size_t)(rows * Kp) * sizeof(int16_t)) : 0;
@@ -285,7 +305,14 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
             }
             const int64_t ahead = n0 + k.prefetch_passes * cols;
             const uint8_t *next = ahead + cols <= N ? q + ahead * row_bytes : 0;
-            if (next) { /* and that pass's scales and mins, which the transpose below would wait for */
+            const uint16_t *dtp = dt ? dt + p * (blocks / r) * cols : 0, *mtp = mt ? mt + p * (blocks / r) * cols : 0;
+            if (next && dt) { /* that pass's table rows */
+                const int64_t table_bytes = cols * (blocks / r) * 2, at = (p + k.prefetch_passes) * table_bytes;
+                for (int64_t off = 0; off < table_bytes + 63; off += 64) {
+                    _mm_prefetch((const char *)dt + at + off, _MM_HINT_T0);
+                    if (mt) _mm_prefetch((const char *)mt + at + off, _MM_HINT_T0);
+                }
+            } else if (next) { /* and that pass's scales and mins, which the transpose below would wait for */
                 const int64_t scale_bytes = cols * (blocks / r) * 2;
                 const char *ds = (const char *)(d + ahead * (blocks / r)), *ms = m ? (const char *)(m + ahead * (blocks / r)) : 0;
                 for (int64_t off = 0; off < scale_bytes + 63; off += 64) {
@@ -293,12 +320,14 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
                     if (ms) _mm_prefetch(ms + off, _MM_HINT_T0);
                 }
             }
-            k.transpose(d, n0, count, blocks, r, dw);
-            if (m) k.transpose(m, n0, count, blocks, r, mw);
+            if (!dt) {
+                k.transpose(d, n0, count, blocks, r, dw);
+                if (m) k.transpose(m, n0, count, blocks, r, mw);
+            }
             for (int64_t i = 0; i < rows; i++) {
                 k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, xq2 ? xq2 + i * Kp : 0,
                        x16 ? x16 + i * Kp : 0, dx + i * blocks,
-                       xsum + i * blocks, dw, mw, i == 0 ? next : 0, out);
+                       xsum + i * blocks, dw, mw, dtp, mtp, r_shift, i == 0 ? next : 0, out);
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
@@ -452,15 +481,17 @@ TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
 TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
                                      int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
                                      const float *dx, const int32_t *xsum, const float *dw, const float *mw,
-                                     const uint8_t *next, float *out) {
-    (void)x16;
+                                     const uint16_t *dt, const uint16_t *mt, int r_shift, const uint8_t *next,
+                                     float *out) {
+    (void)x16, (void)dt, (void)mt, (void)r_shift; /* VNNI_ROWS takes no tables */
     if (bits == 4 && xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
     else if (bits == 4) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, dx, xsum, dw, mw, next, out);
     else if (xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, dx, xsum, dw, mw, next, out);
     else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
 }
 
-static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, NULL};
+static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, NULL,
+                                    0};
 /* ------------------------------------------------------------ many rows: the tiled kernels */
 
 #define VNNI_TILE_ROWS 16 /* activation rows per zmm: one int32 lane each */
@@ -829,7 +860,8 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void group_sums_x16_avx
 TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
     const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
     const int8_t *xq, const int8_t *xq2, const int16_t *x16, const int joined, const float *dx, const int32_t *xsum,
-    const float *dw, const float *mw, const uint8_t *next, float *out) {
+    const float *dw, const float *mw, const uint16_t *dt, const uint16_t *mt, int r_shift, const int table,
+    const uint8_t *next, float *out) {
     const uint8_t *rows[AVX2_ROW_COLS];  /* spare lanes: any row */
     for (int j = 0; j < AVX2_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes;
     const int64_t prefetch_step = ((AVX2_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
@@ -854,9 +886,16 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
             __m256i isum = sums[h];
             if (zero && bits == 4) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
             const float dxb = dx[b];
-            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), _mm256_loadu_ps(dw + b * AVX2_ROW_COLS));
+            /* the block's scales (and mins) of the 8 outputs: the pass's table row, or its transpose */
+            const __m256 dwb = table ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (b >> r_shift) * AVX2_ROW_COLS)))
+                                     : _mm256_loadu_ps(dw + b * AVX2_ROW_COLS);
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(dxb), dwb);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
-            if (mw) acc = _mm256_fmadd_ps(_mm256_set1_ps(dxb * (float)xsum[b]), _mm256_loadu_ps(mw + b * AVX2_ROW_COLS), acc);
+            if (table ? mt != 0 : mw != 0) {
+                const __m256 mwb = table ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (b >> r_shift) * AVX2_ROW_COLS)))
+                                         : _mm256_loadu_ps(mw + b * AVX2_ROW_COLS);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(dxb * (float)xsum[b]), mwb, acc);
+            }
         }
     }
     float lanes[AVX2_ROW_COLS];
@@ -864,19 +903,34 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
     memcpy(out, lanes, (size_t)count * sizeof(float));
 }
 
-/* row_pass_avx2 compiled once per code width and level count, so the inner loops test neither. */
+/* row_pass_avx2 compiled once per code width, level count and scale source, so the inner
+ * loops test none of them. */
+#define AVX2_ROW_PASS(bits_, xq_, xq2_, x16_, joined_, table_)                                                 \
+    row_pass_avx2(q, row_bytes, n0, count, Kp, bits_, zero, xq_, xq2_, x16_, joined_, dx, xsum, dw, mw, dt, mt, \
+                  r_shift, table_, next, out)
 TARGET_AVX2 static void row_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
                                      int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
                                      const float *dx, const int32_t *xsum, const float *dw, const float *mw,
-                                     const uint8_t *next, float *out) {
+                                     const uint16_t *dt, const uint16_t *mt, int r_shift, const uint8_t *next,
+                                     float *out) {
     /* two levels come joined (gemm_rows, AVX2_ROWS.join); one level as bytes */
-    if (bits == 4 && x16) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, 0, 0, x16, 1, dx, xsum, dw, mw, next, out);
-    else if (x16) row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, 0, 0, x16, 1, dx, xsum, dw, mw, next, out);
-    else if (bits == 4 && xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, 0, 0, dx, xsum, dw, mw, next, out);
-    else if (bits == 4) row_pass_avx2(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, 0, 0, dx, xsum, dw, mw, next, out);
-    else if (xq2) row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, 0, 0, dx, xsum, dw, mw, next, out);
-    else row_pass_avx2(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, 0, 0, dx, xsum, dw, mw, next, out);
+    if (dt) {
+        if (bits == 4 && x16) AVX2_ROW_PASS(4, 0, 0, x16, 1, 1);
+        else if (x16) AVX2_ROW_PASS(8, 0, 0, x16, 1, 1);
+        else if (bits == 4 && xq2) AVX2_ROW_PASS(4, xq, xq2, 0, 0, 1);
+        else if (bits == 4) AVX2_ROW_PASS(4, xq, 0, 0, 0, 1);
+        else if (xq2) AVX2_ROW_PASS(8, xq, xq2, 0, 0, 1);
+        else AVX2_ROW_PASS(8, xq, 0, 0, 0, 1);
+        return;
+    }
+    if (bits == 4 && x16) AVX2_ROW_PASS(4, 0, 0, x16, 1, 0);
+    else if (x16) AVX2_ROW_PASS(8, 0, 0, x16, 1, 0);
+    else if (bits == 4 && xq2) AVX2_ROW_PASS(4, xq, xq2, 0, 0, 0);
+    else if (bits == 4) AVX2_ROW_PASS(4, xq, 0, 0, 0, 0);
+    else if (xq2) AVX2_ROW_PASS(8, xq, xq2, 0, 0, 0);
+    else AVX2_ROW_PASS(8, xq, 0, 0, 0, 0);
 }
+#undef AVX2_ROW_PASS
 
 /* x16[i] = 256 xq[i] + xq2[i] for n (a multiple of 16: rows x Kp) codes of two levels: exact in int16. */
 TARGET_AVX2 static void join_levels_avx2(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16) {
@@ -888,7 +942,7 @@ TARGET_AVX2 static void join_levels_avx2(const int8_t *xq, const int8_t *xq2, in
 }
 
 static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES,
-                                    join_levels_avx2};
+                                    join_levels_avx2, 1};
 
 /* One block's integer sums of an AVX2 tile into its float accumulators: x scale x w scale,
  * plus the block's min term (Q4_1-style) when the weights have mins. */
@@ -1918,7 +1972,8 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
  * the tiled kernel out of memory) falls back to the next one down,
  * which gives the same bits. */
-void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
+void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m,
+                const uint16_t *dt, const uint16_t *mt, int64_t N,
                 int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
                 const int32_t *xsum, int64_t rows, float *y) {
 #ifdef QUANT_X86
@@ -1933,14 +1988,14 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
         if (rows >= tiled_min_rows &&
             gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(VNNI_ROWS, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+        gemm_rows(VNNI_ROWS, q, d, m, 0, 0, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
         if (rows >= tiled_min_rows && gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r,
                                                  zero, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(AVX2_ROWS, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+        gemm_rows(AVX2_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
         return;
     }
 #endif
@@ -1952,8 +2007,8 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
 /* quantize_activations (levels: 1 or 2) then quant_gemm, scratch from the heap: one call per
  * matmul. Returns 0 when out of memory (y not written). */
 int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, int64_t rows, int64_t K,
-                 const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits, int r,
-                 int32_t zero, float *y) {
+                 const uint8_t *q, const uint16_t *d, const uint16_t *m, const uint16_t *dt, const uint16_t *mt,
+                 int64_t N, int64_t Kp, int bits, int r, int32_t zero, float *y) {
     const int64_t blocks = Kp / 32, code_bytes = (levels == 2 ? 2 : 1) * rows * Kp;
     char *scratch = malloc((size_t)(code_bytes + rows * blocks * 8));
     if (!scratch) return 0;
@@ -1961,7 +2016,7 @@ int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, in
     float *dx = (float *)(scratch + code_bytes); /* Kp is a multiple of 64: aligned */
     int32_t *xsum = (int32_t *)(dx + rows * blocks);
     quantize_activations(isa, x, rows, K, Kp, xq, xq2, dx, xsum);
-    quant_gemm(isa, tiled_min_rows, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+    quant_gemm(isa, tiled_min_rows, q, d, m, dt, mt, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
     free(scratch);
     return 1;
 }
@@ -2060,6 +2115,7 @@ typedef void (*HadamardFn)(float *x, int64_t rows, int64_t row_stride, int64_t h
 typedef struct {
     const uint8_t *q;
     const uint16_t *d, *m;
+    const uint16_t *dt, *mt; /* their row-scale tables for the isa's per-row kernel (quant_row_scales), or NULL */
     const void *bias; /* [N] or NULL: float32, or bfloat16 beside w16 */
     int64_t N, K, Kp, bits, r, zero, tiled_min_rows, levels;
     const uint16_t *w16; /* a dense bfloat16 weight in dense_bf16_pack's layout (the codes above unused), or NULL */
@@ -2111,7 +2167,7 @@ static int stack_linear_packed_bf16(const LayerStack *s, const StackLinear *l, c
     _Pragma("omp parallel for schedule(static) if(rows * K >= 16384)")
     for (int64_t i = 0; i < rows; i++)
         for (int64_t k = 0; k < K; k++) xf[i * K + k] = stack_bf16_to_f32(x[i * K + k]);
-    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, xf, rows, K, l->q, l->d, l->m, N, l->Kp,
+    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, xf, rows, K, l->q, l->d, l->m, l->dt, l->mt, N, l->Kp,
                       (int)l->bits, (int)l->r, (int32_t)l->zero, yf))
         return 0;
     const uint16_t *bias = l->bias;
@@ -2128,7 +2184,7 @@ static int stack_linear_packed_bf16(const LayerStack *s, const StackLinear *l, c
 static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x, int64_t rows, void *y, float *wide) {
     if (l->w16) return dense_linear_bf16(x, rows, l->K, l->w16, l->N, l->Kp, l->bias, y);
     if (s->elem == 2) return stack_linear_packed_bf16(s, l, x, rows, y, wide);
-    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, x, rows, l->K, l->q, l->d, l->m, l->N, l->Kp,
+    if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, x, rows, l->K, l->q, l->d, l->m, l->dt, l->mt, l->N, l->Kp,
                       (int)l->bits, (int)l->r, (int32_t)l->zero, y))
         return 0;
     if (l->bias) {

@@ -11,6 +11,14 @@ AMX tiles, all four). The AMX path asks Linux for the tile state once per proces
 (``arch_prctl``); where the kernel refuses, the best path is AVX-512 VNNI. ``PAGEDLLM_NATIVE_OPS=0``
 disables the kernels, as it does the other native ones; the quantized layers
 then compute on their dequantized weight.
+
+Row-scale tables: the AVX2 per-row kernel (one or a few activation rows, a
+decode step) reads each pass's float16 scales and mins as one vector per block
+from a table made once per matrix (:func:`row_scale_tables`: the same values
+in pass order, as many bytes again as the scales and mins) instead of
+transposing them on every call. The layers build it where that kernel is the
+path; ``PAGEDLLM_QUANT_ROW_TABLES=0`` leaves it out (the transposing kernel,
+the same bits, no extra bytes).
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ _FORCED_TILED_FROM = {True: 1, False: 2**62}  # the same for gemm(tiled=True / F
 # (the residual of the first at a 256 times finer scale: 16-bit fixed point, the dequantized
 # weights' accuracy), "int8" one level (llama.cpp's Q8 activations; less integer work).
 ACTIVATION_LEVELS = {"int16": 2, "int8": 1}
+ROW_TABLES_ENV = "PAGEDLLM_QUANT_ROW_TABLES"
+ROW_TABLE_COLS = {1: 8}  # path -> outputs per pass of the per-row kernels that read row-scale tables
 
 
 def available() -> bool:
@@ -127,9 +137,11 @@ def build_library() -> ctypes.CDLL:
     library.quant_isa.argtypes = []
     library.quant_tiled_min_rows.argtypes = [c_int, c_int, c_int]
     library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, p, p, p, p]
-    library.quant_gemm.argtypes = [c_int, i64, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, i64, p]
+    library.quant_gemm.argtypes = [c_int, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, i64, p]
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
-    library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
+    library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, p]
+    library.quant_row_scales.argtypes = [p, i64, i64, i64, p]
+    library.quant_row_scales.restype = None
     library.quant_linear.restype = c_int
     library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
@@ -163,6 +175,7 @@ def gemm(
     mins: torch.Tensor | None,  # like scales
     bits: int, group_size: int, zero: int, padded_in: int,
     isa_override: int | None = None, tiled: bool | None = None, levels: int = 2,
+    tables: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:  # [T, N] float32
     """``x @ W^T`` of a quantized weight (see quant_ops.c for the layout), the activations
     quantized per 32-block to ``levels`` int8 levels (2: 16-bit fixed point; 1: int8).
@@ -170,15 +183,18 @@ def gemm(
     ``isa_override`` runs another path of :func:`runnable_isas` than :func:`isa`. The
     AVX-512 VNNI and AVX2 paths take their tiled kernel from :func:`tiled_min_rows` rows
     (``tiled=None``), at any row count (``True``) or never (``False``); for the AMX path
-    the tiled kernel is the AMX one, and ``False`` runs path 2's dispatch."""
+    the tiled kernel is the AMX one, and ``False`` runs path 2's dispatch. ``tables``:
+    :func:`row_scale_tables` of this weight for the path, read by its per-row kernel (the
+    same bits as without)."""
     path = _check_path(isa_override, levels)
+    dt, mt = _table_pointers(tables, scales, mins, path)
     rows, in_features = x.shape
     out_features = qweight.shape[0]
     y = torch.empty((rows, out_features), dtype=torch.float32)
     done = _library.quant_linear(
         path, _tiled_from[(path, bits, levels)] if tiled is None else _FORCED_TILED_FROM[tiled], levels, x.data_ptr(), rows,
         in_features,
-        qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+        qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(), dt, mt,
         out_features, padded_in, bits, group_size // 32, zero, y.data_ptr(),
     )
     if not done:
@@ -195,21 +211,69 @@ def _check_path(isa_override: int | None, levels: int) -> int:
     return path
 
 
+def row_tables_wanted(path: int | None = None) -> bool:
+    """Whether the per-row kernel of ``path`` (default: :func:`isa`) reads row-scale tables and
+    ``PAGEDLLM_QUANT_ROW_TABLES`` does not turn them off."""
+    if not available():
+        return False
+    value = os.environ.get(ROW_TABLES_ENV, "1")
+    if value not in ("0", "1"):
+        from pagedllm.errors import ConfigError
+
+        raise ConfigError(f"{ROW_TABLES_ENV} must be 0 or 1, got {value!r}")
+    return value == "1" and (_isa if path is None else path) in ROW_TABLE_COLS
+
+
+def row_scale_tables(
+    scales: torch.Tensor, mins: torch.Tensor | None, path: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The row-scale tables of one packed weight for the per-row kernel of ``path`` (default:
+    :func:`isa`; one of ``ROW_TABLE_COLS``): ``scales`` (and ``mins``) ``[N, per_row]`` float16
+    reordered to ``[ceil(N / cols), per_row, cols]``, zeros past N."""
+    assert available(), "row_scale_tables needs the native kernels"
+    cols = ROW_TABLE_COLS[_isa if path is None else path]
+    out = []
+    for s in (scales, mins):
+        if s is None:
+            out.append(None)
+            continue
+        s = s.contiguous()
+        n, per_row = s.shape
+        table = torch.empty(((n + cols - 1) // cols, per_row, cols), dtype=torch.float16)
+        _library.quant_row_scales(s.data_ptr(), n, per_row, cols, table.data_ptr())
+        out.append(table)
+    return out[0], out[1]
+
+
+def _table_pointers(tables, scales: torch.Tensor, mins: torch.Tensor | None, path: int) -> tuple[int | None, int | None]:
+    """The C pointers of ``tables`` where ``path``'s per-row kernel reads them, else (None, None)."""
+    if tables is None or path not in ROW_TABLE_COLS:
+        return None, None
+    dt, mt = tables
+    cols, (n, per_row) = ROW_TABLE_COLS[path], scales.shape
+    if dt.shape != ((n + cols - 1) // cols, per_row, cols) or (mins is None) != (mt is None):
+        raise ValueError(f"row-scale tables of shape {tuple(dt.shape)} do not fit scales {tuple(scales.shape)} "
+                         f"on path {ISA_NAMES[path]}")
+    return dt.data_ptr(), None if mt is None else mt.data_ptr()
+
+
 def bind_gemm(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     bits: int, group_size: int, zero: int, padded_in: int, levels: int = 2, isa_override: int | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`gemm` on one weight, its arguments converted once: ``f(x)`` takes a float32,
     contiguous ``[T, K]`` and returns ``[T, N]``. For the layers' forward passes, where the
     per-call cost of :func:`gemm`'s checks is a few percent of a batch-1 decode step.
-    ``isa_override`` as for :func:`gemm`."""
+    ``isa_override`` and ``tables`` as for :func:`gemm`."""
     assert available(), "bind_gemm needs the native kernels"
     path, kernel = _check_path(isa_override, levels), _library.quant_linear
     tiled_from = _tiled_from[(path, bits, levels)]
     out_features = qweight.shape[0]
-    weight_args = (qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+    dt, mt = _table_pointers(tables, scales, mins, path)
+    weight_args = (qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(), dt, mt,
                    out_features, padded_in, bits, group_size // 32, zero)
-    keep = (qweight, scales, mins)  # the pointers stay valid while the closure lives
+    keep = (qweight, scales, mins, tables)  # the pointers stay valid while the closure lives
 
     def call(x: torch.Tensor) -> torch.Tensor:
         rows, in_features = x.shape

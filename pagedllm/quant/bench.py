@@ -26,7 +26,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(m.matmul.nbytes for m in model.modules() if isinstance(getattr(m, "matmul", None), _HeldMatmul))
-    return total + sum(w.nbytes for w in quantized_weights(model))
+    return total + sum(w.nbytes + w.table_nbytes for w in quantized_weights(model))
 
 
 def run_one(setting: str, args: argparse.Namespace) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -69,6 +69,9 @@ class QuantizedWeight:
     # int8 levels per activation the native kernel quantizes inputs to: 2 (16-bit fixed point
     # per 32-block, the dequantized weights' accuracy) or 1 (int8, less integer work)
     activation_levels: int = 2
+    # the row-scale tables of the CPU's per-row kernel (quant_ops.row_scale_tables), made by
+    # row_tables() on first use; a copy or shard of the weight starts without
+    _tables: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
@@ -87,6 +90,21 @@ class QuantizedWeight:
         """Resident bytes of the packed matrix."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
 
+    @property
+    def table_nbytes(self) -> int:
+        """Resident bytes of the row-scale tables, once made (0 before, or where no kernel reads them)."""
+        return sum(t.numel() * t.element_size() for t in (self._tables or ()) if t is not None)
+
+    def row_tables(self) -> tuple | None:
+        """The row-scale tables the native per-row kernel of this CPU reads (as many bytes again as
+        the scales and mins), made once; None where that kernel takes none or they are turned off
+        (``PAGEDLLM_QUANT_ROW_TABLES=0``)."""
+        if not quant_ops.row_tables_wanted():
+            return None
+        if self._tables is None:
+            self._tables = quant_ops.row_scale_tables(self.scales, self.mins)
+        return self._tables
+
     # ---- compute
 
     def apply(self, x: Tensor) -> Tensor:
@@ -99,7 +117,7 @@ class QuantizedWeight:
         dequantized matrix (made at each call: the reference, not a serving path)."""
         if device.type != "cpu" or not quant_ops.available():
             return lambda x: F.linear(x, self.dequantize().to(x.device, x.dtype))
-        native = quant_ops.bind_gemm(*self._kernel_args(), levels=self.activation_levels)
+        native = quant_ops.bind_gemm(*self._kernel_args(), levels=self.activation_levels, tables=self.row_tables())
         # bfloat16 activations in many rows: the AMX-BF16 tiles on the weights dequantized to
         # bfloat16 where the CPU has them (faster from AMX_BF16_MIN_ROWS rows, kernel_bench)
         amx_bf16, args = quant_ops.amx_bf16_available(), self._kernel_args()
