@@ -5,7 +5,8 @@
 30 layers x the default model's four matmul shapes, int4 with per-32 scales
 and mins (as Q4_1), one activation row at two levels (the default int16
 activations), the builds called through ctypes in alternating passes (40
-each); prints the median, first quartile and best.
+each); prints the median, first quartile and best. Both builds need quant_linear's signature
+with the row-scale table pointers (passed NULL here: the per-call transpose).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pagedllm.quant import quantize_rtn
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 ARGTYPES = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
             ctypes.c_int, ctypes.c_int32, ctypes.c_void_p]
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     def one_pass(kernel) -> float:
         start = time.perf_counter()
         for (n, k), w, q, d, m in matrices:
-            kernel(isa, 3, 2, xs[k].data_ptr(), 1, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), n, w.padded_in, 4,
+            kernel(isa, 3, 2, xs[k].data_ptr(), 1, k, q.data_ptr(), d.data_ptr(), m.data_ptr(), None, None, n, w.padded_in, 4,
                    w.group_size // 32, w.zero, ys[n].data_ptr())
         return time.perf_counter() - start
 

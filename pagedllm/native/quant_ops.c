@@ -38,7 +38,9 @@
  *      saturate since |w| <= 128 and |x| <= 127 (so 8-bit codes need zero
  *      128, as Q8_0 and int8 have; any other takes the portable path); the
  *      tiled kernel for 8-bit codes widens codes and activations to int16 and
- *      takes vpmaddwd alone (tile_avx2_q8).
+ *      takes vpmaddwd alone (tile_avx2_q8). Its per-row kernel reads each pass's
+ *      scales and mins from a row-scale table (quant_row_scales) where the caller
+ *      gives one, else transposes them per call.
  *   0  portable C, the reference the others are tested against.
  * Many rows (from quant_tiled_min_rows()), paths 2 and 1 take a
  * tiled kernel: the activations are transposed so that one vector holds 4
