@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.distributed import head_shard
+from pagedllm.distributed import ALL_REDUCE_ENV, head_shard
 from pagedllm.errors import ConfigError, EngineDeadError
 from pagedllm.native import quant_ops
 
@@ -83,12 +83,15 @@ def test_tp2_greedy_equals_tp1_on_the_default_model():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the quantized kernels")
-def test_tp2_with_packed_gguf_weights_equals_tp1_bit_for_bit():
+@pytest.mark.parametrize("collectives", ["gloo", "shm"])
+def test_tp2_with_packed_gguf_weights_equals_tp1_bit_for_bit(collectives, monkeypatch):
     """Each rank serves its shard of the GGUF's packed matrices, and every output of every layer
     is computed whole on one rank in TP=1's float sequence (the row-parallel ones gather their
     input), so TP=2 gives TP=1's tokens and logprobs exactly, not only where ties are far.
     With an int8 KV cache, so that each rank's Hadamard-rotated K/V of its own heads are
-    checked too (the dense test above keeps the float32 cache)."""
+    checked too (the dense test above keeps the float32 cache). Both CPU transports: gloo's
+    zero-padded all-reduces and the shared-memory slots' column gathers."""
+    monkeypatch.setenv(ALL_REDUCE_ENV, collectives)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
     tp2 = _llm(2, quantization="gguf", kv_cache_dtype="int8")
     try:
@@ -101,7 +104,7 @@ def test_tp2_with_packed_gguf_weights_equals_tp1_bit_for_bit():
         assert list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids), g.prompt
         for mine, theirs in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
             assert {t: lp.logprob for t, lp in mine.items()} == {t: lp.logprob for t, lp in theirs.items()}
-    # per layer: the attention's and the MLP's row-parallel layer sum twice (input, output); plus the embedding's
+    # per layer: the attention's and the MLP's row-parallel layer gather twice (input, output); plus the embedding's sum
     assert all(t.all_reduce.num_calls == (4 * 30 + 1) * t.num_steps > 0 for t in times)
 
 

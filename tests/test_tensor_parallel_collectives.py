@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import os
 import socket
 import types
@@ -60,6 +61,12 @@ def _rank_main(rank: int, port: int, results) -> None:
     gathered = tp.gather_columns(local, 5)
     summed = tp.all_reduce(torch.full((4, 3), float(rank + 1)))
     times = copy.deepcopy(tp.times)  # before the shared-memory calls below
+    # column gathers, 2 | 3 columns of 5 (rank r's column c holds 100 r + 10 c + row): over gloo
+    # (no slots yet), then through the slots on both parities, then one too wide for a slot
+    def columns(rows: int) -> torch.Tensor:
+        return torch.tensor([[100.0 * rank + 10 * c + row for c in range(first, end)] for row in range(rows)])
+
+    gathers = [tp.all_gather_columns(columns(2), first, 5)]
     # the shared-memory all-reduce: many calls in a row (both parities of its slots), one too
     # large for a slot (gloo), and bit-equal sums on both ranks
     os.environ[ALL_REDUCE_ENV] = "shm"  # opt in (gloo is the default)
@@ -67,9 +74,18 @@ def _rank_main(rank: int, port: int, results) -> None:
     gen = torch.Generator().manual_seed(rank)
     shm_sums = [tp.all_reduce(torch.randn(4, 16, generator=gen)) for _ in range(5)]
     shm_sums.append(tp.all_reduce(torch.randn(8, 16, generator=gen)))  # 512 bytes > 256: gloo
+    reduces_before = tp.times.all_reduce.num_calls
+    gathers += [tp.all_gather_columns(columns(rows), first, 5) for rows in (2, 3, 1)]
+    signed = columns(1)
+    signed[0, 0] = -0.0  # this rank's first column; moved, not added: the sign of a zero survives
+    gathers.append(tp.all_gather_columns(signed, first, 5))
+    gathers.append(tp.all_gather_columns(columns(12), first, 5))  # 64 + 12 x 3 x 4 bytes > 256: gloo
+    gather_calls = tp.times.all_reduce.num_calls - reduces_before
+    signs = [math.copysign(1.0, v) for v in gathers[-2][0].tolist()]
     # plain lists through the queue: torch would share tensors by file descriptor, gone with the process
     gathered = None if gathered is None else gathered.tolist()
-    results.put((rank, received, gathered, summed.tolist(), times, [t.tolist() for t in shm_sums]))
+    results.put((rank, received, gathered, summed.tolist(), times, [t.tolist() for t in shm_sums],
+                 [g.tolist() for g in gathers], gather_calls, signs))
     dist.destroy_process_group()
 
 
@@ -156,3 +172,19 @@ def test_smollm2_mlp_split_gives_the_rank_with_fewer_heads_more_features():
         (0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)
     ]
     assert mlp_shard(SMOLLM2, TensorParallelGroup()) == (0, 1536)
+
+
+def test_column_gathers_give_every_rank_the_whole_tensor(two_ranks):
+    """Uneven shards (2 | 3 columns), over gloo before the slots exist, through the slots on both
+    parities and at several row counts, and over gloo again when a shard is too large for a slot."""
+
+    def want(rows: int) -> list:
+        return [[100.0 * (0 if c < 2 else 1) + 10 * c + row for c in range(5)] for row in range(rows)]
+
+    for rank in (0, 1):
+        gathers, calls, signs = two_ranks[rank][5], two_ranks[rank][6], two_ranks[rank][7]
+        assert gathers[:4] == [want(2), want(2), want(3), want(1)]
+        assert gathers[5] == want(12)
+        assert calls == 5  # each gather counted with the collectives
+        # through the slots the values move: each rank's -0.0 (its first column) stays -0.0
+        assert signs == [-1.0, 1.0, -1.0, 1.0, 1.0]

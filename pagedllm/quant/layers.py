@@ -67,9 +67,10 @@ class QuantizedRowParallelMethod(QuantizedLinearMethod):
     sequences summed across ranks, which round differently from TP=1's single sequence; the
     next layer's int8 activations then turn that rounding into different codes and, at
     near ties, different tokens. Instead each rank holds rows ``[out_start, out_end)`` over
-    every input column: it gathers the full input (its columns, zeros elsewhere, summed
-    across ranks: exact), computes its outputs as TP=1 does, and the outputs are gathered the
-    same way. Two sums of zero-padded tensors instead of one of partial products.
+    every input column: it gathers the full input from every rank's columns (exact), computes
+    its outputs as TP=1 does, and the outputs are gathered the same way
+    (:meth:`TensorParallelGroup.all_gather_columns`). Two gathers instead of one sum of
+    partial products.
     """
 
     gathers_input = True
@@ -79,16 +80,12 @@ class QuantizedRowParallelMethod(QuantizedLinearMethod):
         self.out_start = out_start
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None) -> Tensor:
-        tp, rows = layer.tp, x.shape[0]
-        full = x.new_zeros((rows, layer.full_input_size))
-        full[:, layer.input_start : layer.input_start + layer.input_size] = x
-        y = self.matmul(tp.all_reduce(full))  # [T, this rank's outputs]
-        end = self.out_start + y.shape[1]
+        tp = layer.tp
+        full = tp.all_gather_columns(x.contiguous(), layer.input_start, layer.full_input_size)
+        y = self.matmul(full)  # [T, this rank's outputs]
         if bias is not None:
-            y = y + bias[self.out_start : end]
-        out = y.new_zeros((rows, layer.output_size))
-        out[:, self.out_start : end] = y
-        return tp.all_reduce(out)
+            y = y + bias[self.out_start : self.out_start + y.shape[1]]
+        return tp.all_gather_columns(y.contiguous(), self.out_start, layer.output_size)
 
 
 class QuantizedEmbedding(nn.Module):
