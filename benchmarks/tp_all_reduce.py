@@ -4,7 +4,9 @@ Two processes with one thread each, as tensor parallelism runs them on a
 2-core machine; the tensors are SmolLM2's ``[tokens, 576]`` float32 hidden
 states (a decode step of 1 and 64 sequences, prefill chunks of 512 and 2048
 tokens). Both transports are timed in the same invocation, one after the
-other per shape.
+other per shape, and so is the column gather of packed GGUF layers
+(``all_gather_columns``: each rank's half of the columns, through the
+shared-memory slots; "shm-gather" below).
 
     python benchmarks/tp_all_reduce.py --iters 200 [--json out.json]
 """
@@ -31,10 +33,13 @@ def _rank_main(rank: int, port: int, iters: int, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tp = TensorParallelGroup(rank=rank, size=2, group=dist.group.WORLD, control_group=dist.group.WORLD)
     os.environ[ALL_REDUCE_ENV] = "shm"  # the opt-in path, timed beside gloo
-    attach_shared_memory(tp, max(r * c for r, c in SHAPES) * 4, timeout_s=60)
+    attach_shared_memory(tp, max(r * c for r, c in SHAPES) * 4 + 64, timeout_s=60)
     for shape in SHAPES:
         x = torch.randn(*shape)
-        calls = {"gloo": lambda x=x: dist.all_reduce(x), "shm": lambda x=x: tp.shared_memory.all_reduce(x)}
+        half = x[:, : shape[1] // 2].contiguous() if rank == 0 else x[:, shape[1] // 2 :].contiguous()
+        start_col = 0 if rank == 0 else shape[1] // 2
+        calls = {"gloo": lambda x=x: dist.all_reduce(x), "shm": lambda x=x: tp.shared_memory.all_reduce(x),
+                 "shm-gather": lambda h=half, s=start_col, c=shape[1]: tp.shared_memory.all_gather_columns(h, s, c)}
         for name, call in calls.items():
             for _ in range(5):
                 call()
@@ -64,7 +69,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"1-min load average {load:.2f}")
     for row in rows:
-        print(f"{row['transport']:4s} {str(tuple(row['shape'])):12s} {row['bytes'] / 1e3:8.0f} KB  "
+        print(f"{row['transport']:10s} {str(tuple(row['shape'])):12s} {row['bytes'] / 1e3:8.0f} KB  "
               f"{row['us_per_call']:9.1f} us")
     if args.json:
         with open(args.json, "w") as f:

@@ -258,6 +258,7 @@ class SharedMemoryAllReduce:
         # all_gather_columns: each slot's first line holds the sender's (start, width)
         self.columns = [[self.slots[p, r, : self._LINE].view(torch.int64).numpy() for r in range(size)]
                         for p in range(2)]
+        self._data: dict = {}  # (dtype, parity) -> every rank's slot past its first line, as 1-D views
         self.count = 0  # calls made
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -272,27 +273,28 @@ class SharedMemoryAllReduce:
         dtype and ``num_columns``; its own ``start`` and width)."""
         self.count += 1
         parity, rows, width = self.count % 2, x.shape[0], x.shape[1]
+        data = self._data.get((x.dtype, parity))
+        if data is None:  # made once per dtype: slicing the segment costs more than the copies
+            usable = (self.slot_bytes - self._LINE) // x.element_size() * x.element_size()
+            data = [self.slots[parity, r, self._LINE : self._LINE + usable].view(x.dtype) for r in range(self.size)]
+            self._data[(x.dtype, parity)] = data
         head = self.columns[parity][self.rank]
         head[0], head[1] = start, width
-        mine = self.slots[parity, self.rank, self._LINE : self._LINE + x.numel() * x.element_size()]
-        mine.view(x.dtype).view(x.shape).copy_(x)
+        data[self.rank][: x.numel()].view(x.shape).copy_(x)
         self.sequence[self.rank] = self.count
         self._wait_for_all(self.count)
-        out = torch.empty((rows, num_columns), dtype=x.dtype)
-        covered = 0
-        for r in range(self.size):
-            first, w = (start, width) if r == self.rank else (int(v) for v in self.columns[parity][r][:2])
-            if first < 0 or w < 0 or first + w > num_columns:
-                raise RuntimeError(f"rank {r} sent columns [{first}, {first + w}) of a {num_columns}-column gather")
-            if r == self.rank:
-                out[:, first : first + w] = x
-            else:
-                part = self.slots[parity, r, self._LINE : self._LINE + rows * w * x.element_size()]
-                out[:, first : first + w] = part.view(x.dtype).view(rows, w)
-            covered += w
-        if covered != num_columns:
-            raise RuntimeError(f"the ranks' columns cover {covered} of a {num_columns}-column gather")
-        return out
+        spans = [(start, width) if r == self.rank else tuple(int(v) for v in self.columns[parity][r][:2])
+                 for r in range(self.size)]
+        parts, at = [], 0
+        for r in sorted(range(self.size), key=lambda r: spans[r][0]):  # in column order
+            first, w = spans[r]
+            if first != at or w < 0:
+                raise RuntimeError(f"the ranks' columns {spans} do not tile the {num_columns} of this gather")
+            parts.append(x if r == self.rank else data[r][: rows * w].view(rows, w))
+            at += w
+        if at != num_columns:
+            raise RuntimeError(f"the ranks' columns {spans} do not tile the {num_columns} of this gather")
+        return torch.cat(parts, dim=1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the ranks, in place (every rank calls with the same shape and dtype)."""
