@@ -81,6 +81,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's arguments for custom sampling code: kept with the request, read by nothing built in
     extra_args: dict[str, Any] | None = None
+    # True: the prompt is computed in full, no block taken from the prefix cache (its blocks are
+    # still cached for later requests); None: only where prompt_logprobs needs every position
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
@@ -155,6 +158,8 @@ class SamplingParams:
         if not self.detokenize and self.stop:
             _fail("stop", "stop strings need detokenize=True")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
+            _fail("skip_reading_prefix_cache", f"must be true, false or null, got {self.skip_reading_prefix_cache!r}")
 
     def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
         """The counts within ``limits`` and every token id within the vocabulary."""

@@ -61,16 +61,21 @@ VLLM_SERVE_FLAGS = (
 )
 
 # vllm.SamplingParams / BeamSearchParams fields.
+# vllm.SamplingParams / BeamSearchParams fields: vLLM 0.32's public ones (its peer in
+# docs/benchmarks.md), then fields of earlier vLLM releases that code written for them still sets.
 VLLM_SAMPLING_FIELDS = (
-    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
-    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "bad_words", "ignore_eos",
-    "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
-    "logits_processors", "truncate_prompt_tokens", "structured_outputs", "guided_decoding",
-    "output_kind", "extra_args",
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "watermarking",
+    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+    "logprobs", "prompt_logprobs", "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids",
+    "flat_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "output_kind", "stream_interval", "skip_clone", "output_text_buffer_length",
+    "structured_outputs", "logit_bias", "allowed_token_ids", "extra_args", "bad_words",
+    "skip_reading_prefix_cache", "thinking_token_budget", "repetition_detection",
+    "routed_experts_prompt_start", "trace_decode_token_ids",
 )
+VLLM_EARLIER_SAMPLING_FIELDS = ("best_of", "logits_processors", "truncate_prompt_tokens", "guided_decoding")
 VLLM_BEAM_FIELDS = ("beam_width", "max_tokens", "ignore_eos", "temperature", "length_penalty",
-                    "include_stop_str_in_output")
+                    "include_stop_str_in_output", "structured_outputs", "skip_special_tokens", "watermarking")
 
 # Fields vLLM's OpenAI server takes beyond OpenAI's own ("extra_body" in the openai client).
 VLLM_HTTP_EXTRAS = (
@@ -167,7 +172,10 @@ SAMPLING_NOTES = {
     "seed": SAME_NOTE + "a per-request generator",
     "truncate_prompt_tokens": SAME_NOTE + "keeps the last k prompt tokens (-1: the context length); 0, below -1 "
                               "or more than the context length raises RequestError",
+    "skip_reading_prefix_cache": SAME_NOTE + "False does not make a prompt_logprobs request read the cache: "
+                                 "it needs every position's logits",
 }
+EARLIER_NOTE = "a field of vLLM releases before 0.32"
 
 
 @dataclass(frozen=True)
@@ -238,15 +246,19 @@ def sampling_rows() -> list[Row]:
     from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
     rows = []
-    for owner, names in ((SamplingParams, VLLM_SAMPLING_FIELDS), (BeamSearchParams, VLLM_BEAM_FIELDS)):
+    groups = ((SamplingParams, VLLM_SAMPLING_FIELDS, ""), (SamplingParams, VLLM_EARLIER_SAMPLING_FIELDS, EARLIER_NOTE),
+              (BeamSearchParams, VLLM_BEAM_FIELDS, ""))
+    for owner, names, when in groups:
         fields = {f.name for f in dataclasses.fields(owner)}
         for name in names:
             label = f"{owner.__name__}.{name}"
             if name in fields:
                 note = SAMPLING_NOTES.get(name, "") if owner is SamplingParams else ""
-                rows.append(_noted(label, note))
+                row = _noted(label, note)
+                note = "; ".join(n for n in (when, row.note) if n)
+                rows.append(Row(label, row.status, note))
             else:
-                rows.append(Row(label, MISSING, "TypeError: not a field"))
+                rows.append(Row(label, MISSING, "; ".join(n for n in (when, "TypeError: not a field") if n)))
     return rows
 
 
@@ -272,7 +284,7 @@ def render() -> str:
     sections = (
         ("Engine arguments (`LLM(...)`, `EngineConfig(...)`)", engine_rows()),
         ("`pagedllm serve` flags", serve_rows()),
-        ("`SamplingParams` / `BeamSearchParams` fields", sampling_rows()),
+        ("`SamplingParams` / `BeamSearchParams` fields (vLLM 0.32's, then earlier releases')", sampling_rows()),
         ("HTTP request fields beyond OpenAI's (vLLM's extras)", http_rows()),
     )
     lines = [

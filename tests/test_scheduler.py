@@ -10,7 +10,7 @@ import pytest
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler import MemoryOpKind, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import FinishReason, Request, SeqStatus, Sequence
-from pagedllm.errors import ConfigError
+from pagedllm.errors import ConfigError, RequestError
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -477,6 +477,36 @@ def test_prompt_logprobs_requests_read_no_cached_prefix_but_cache_their_blocks()
     assert again.num_cached_tokens == 0  # logits at every prompt position: nothing reused
     ((chunk, _),) = [(c, r) for c, (r, _) in zip(out.chunks, out.entries) if r is again]
     assert (chunk.start_pos, len(chunk.token_ids), chunk.all_logits) == (0, 20, True)
+
+
+def test_skip_reading_prefix_cache_computes_the_whole_prompt_and_still_caches_it():
+    sched = make_scheduler(num_blocks=32, budget=256, caching=True)
+    prompt = list(range(1, 21))  # 20 tokens: 2 full blocks of 8
+    first = _prompt_request("first", prompt, skip_reading_prefix_cache=True)
+    sched.add_request(first)
+    run_step(sched)
+    again = _prompt_request("again", prompt, skip_reading_prefix_cache=True)
+    sched.add_request(again)
+    out = run_step(sched)
+    assert again.num_cached_tokens == 0  # the cache holds the prompt; the request reads none of it
+    ((chunk, _),) = [(c, r) for c, (r, _) in zip(out.chunks, out.entries) if r is again]
+    assert (chunk.start_pos, len(chunk.token_ids), chunk.all_logits) == (0, 20, False)  # no prompt logits
+    for rid, skip in (("false", False), ("unset", None)):
+        plain = _prompt_request(rid, prompt, skip_reading_prefix_cache=skip)
+        sched.add_request(plain)
+        run_step(sched)
+        assert plain.num_cached_tokens == 16, rid  # the blocks the skipping requests computed
+    # prompt logprobs need every position's logits: an explicit False does not turn that off
+    logprobs = _prompt_request("logprobs", prompt, prompt_logprobs=1, skip_reading_prefix_cache=False)
+    sched.add_request(logprobs)
+    run_step(sched)
+    assert logprobs.num_cached_tokens == 0
+    sched.block_manager.check_invariants()
+
+
+def test_skip_reading_prefix_cache_takes_a_bool_or_none():
+    with pytest.raises(RequestError, match="skip_reading_prefix_cache: must be true, false or null"):
+        SamplingParams(skip_reading_prefix_cache="yes")
 
 
 def test_peak_num_running_is_the_largest_running_batch_any_step_had():

@@ -136,7 +136,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = SeqStatus.WAITING
         self.waiting.append(request)
-        if self.block_manager.disk_tier is not None and not request.needs_prompt_logits:
+        if self.block_manager.disk_tier is not None and not request.skips_prefix_cache:
             self._start_prefetch(request)  # its disk-tier blocks are then in memory at admission
 
     def has_unfinished_requests(self) -> bool:
@@ -415,7 +415,7 @@ class Scheduler:
             seq = seqs[0]
             return bm.can_allocate(
                 seq.token_ids, request.cache_salt, self._reserved_tokens(request, seq), num_headroom_blocks,
-                reuse_cached_prefix=not request.needs_prompt_logits,
+                reuse_cached_prefix=not request.skips_prefix_cache,
             )
         num_needed = self._blocks_for(request) + num_headroom_blocks
         return num_needed <= bm.get_num_free_blocks() - bm.watermark_blocks
@@ -486,7 +486,7 @@ class Scheduler:
         MAX_PREFETCH_WAIT_S in all (running requests keep stepping meanwhile);
         after that the blocks still on disk are computed.
         """
-        if self.block_manager.disk_tier is None or request.needs_prompt_logits:
+        if self.block_manager.disk_tier is None or request.skips_prefix_cache:
             return False
         if request.prefetch_deadline is None:
             return self._start_prefetch(request)
@@ -508,7 +508,7 @@ class Scheduler:
             return None
         bm = self.block_manager
         for i, request in enumerate(self.waiting):
-            if i >= self.config.max_num_seqs or request.needs_prompt_logits or len(request.live_seqs()) != 1:
+            if i >= self.config.max_num_seqs or request.skips_prefix_cache or len(request.live_seqs()) != 1:
                 break
             seq = request.live_seqs()[0]
             num_blocks, loading = bm.prefix_load_state(seq.token_ids, request.cache_salt)
@@ -554,7 +554,7 @@ class Scheduler:
         first, *others = request.live_seqs()
         num_cached = bm.allocate(first.seq_id, first.token_ids, request.cache_salt,
                                  self._reserved_tokens(request, first),
-                                 reuse_cached_prefix=not request.needs_prompt_logits)
+                                 reuse_cached_prefix=not request.skips_prefix_cache)
         first.num_computed_tokens = num_cached
         self._drain_tier_ops(out)
         if not request.forked and not request.is_beam_search:

@@ -132,9 +132,17 @@ class Request:
 
     @property
     def needs_prompt_logits(self) -> bool:
-        """Prompt logprobs need logits at every prompt position: no prompt block may come from the
-        prefix cache (the blocks it computes are still cached for other requests)."""
+        """Prompt logprobs need logits at every prompt position."""
         return not self.is_beam_search and self.params.prompt_logprobs is not None
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """No prompt block comes from the prefix cache (or a tier): where prompt logprobs need every
+        position's logits, or the request asks (``skip_reading_prefix_cache``). The blocks it
+        computes are still cached for other requests."""
+        if self.is_beam_search:
+            return False
+        return self.needs_prompt_logits or bool(self.params.skip_reading_prefix_cache)
 
     @property
     def num_samples(self) -> int:
