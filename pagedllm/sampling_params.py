@@ -332,6 +332,7 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True  # of the beams' text
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
@@ -340,7 +341,7 @@ class BeamSearchParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         _check_finite(self, ("temperature", "length_penalty"))
-        check_bool(self, ("ignore_eos", "include_stop_str_in_output"))
+        check_bool(self, ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"))
         if self.temperature < 0.0:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
         if self.early_stopping not in (True, False, "never"):

@@ -93,3 +93,29 @@ def test_a_forbidden_continuation_at_the_length_limit_is_no_hypothesis():
     _step(processor, request, [[(7, NEG_INF), (8, NEG_INF), (9, NEG_INF), (EOS, NEG_INF)]])
     assert request.is_finished
     assert request.beam.num_finished == 0 and beam_output(processor, request).outputs == []
+
+
+def test_the_beams_text_keeps_special_tokens_only_when_asked():
+    """BeamSearchParams.skip_special_tokens (vLLM's field) decides the finished beams' text, with the
+    default model's real tokenizer: a beam that ends with EOS shows it only when not skipped."""
+    from pagedllm.models.paths import default_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(default_model_path())
+    eos = tokenizer.eos_token_id
+    word = tokenizer.encode("Paris", add_special_tokens=False)
+    texts = {}
+    for skip in (True, False):
+        processor = _Processor()
+        processor.tokenizer, processor.eos_token_ids = tokenizer, (eos,)
+        request = Request("r", None, [1, 2], BeamSearchParams(beam_width=1, max_tokens=len(word) + 1,
+                                                             skip_special_tokens=skip), RequestMetrics(0.0))
+        request.seqs.append(Sequence(prompt_len=2, token_ids=[1, 2], seq_id=0))
+        for token in [*word, eos]:
+            others = [t for t in range(4, 10) if t not in (token, eos)][:3]
+            _step(processor, request, [[(token, -0.1)] + [(t, -9.0 - t) for t in others]])
+        (out,) = beam_output(processor, request).outputs
+        assert out.token_ids == [*word, eos] and out.finish_reason == "stop"
+        texts[skip] = out.text
+    assert texts[True] == "Paris"
+    assert texts[False] == "Paris" + tokenizer.decode([eos], skip_special_tokens=False) != "Paris"

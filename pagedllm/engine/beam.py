@@ -203,7 +203,7 @@ def beam_output(processor, request: Request) -> RequestOutput | None:
             outputs.append(
                 CompletionOutput(
                     index=len(outputs),
-                    text=processor.tokenizer.decode(tokens, skip_special_tokens=True),
+                    text=processor.tokenizer.decode(tokens, skip_special_tokens=request.params.skip_special_tokens),
                     token_ids=list(tokens),
                     cumulative_logprob=float(logprob),
                     finish_reason="stop" if ended_by_stop else "length",

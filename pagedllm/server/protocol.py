@@ -429,6 +429,7 @@ class _SamplingRequest(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
             structured_outputs=structured,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
