@@ -258,7 +258,7 @@ class SharedMemoryAllReduce:
         # all_gather_columns: each slot's first line holds the sender's (start, width)
         self.columns = [[self.slots[p, r, : self._LINE].view(torch.int64).numpy() for r in range(size)]
                         for p in range(2)]
-        self._data: dict = {}  # (dtype, parity) -> every rank's slot past its first line, as 1-D views
+        self._data: dict = {}  # (dtype, parity, offset) -> every rank's slot from offset, as 1-D views
         self.count = 0  # calls made
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -273,11 +273,7 @@ class SharedMemoryAllReduce:
         dtype and ``num_columns``; its own ``start`` and width)."""
         self.count += 1
         parity, rows, width = self.count % 2, x.shape[0], x.shape[1]
-        data = self._data.get((x.dtype, parity))
-        if data is None:  # made once per dtype: slicing the segment costs more than the copies
-            usable = (self.slot_bytes - self._LINE) // x.element_size() * x.element_size()
-            data = [self.slots[parity, r, self._LINE : self._LINE + usable].view(x.dtype) for r in range(self.size)]
-            self._data[(x.dtype, parity)] = data
+        data = self._views(x.dtype, parity, self._LINE)
         head = self.columns[parity][self.rank]
         head[0], head[1] = start, width
         data[self.rank][: x.numel()].view(x.shape).copy_(x)
@@ -296,11 +292,22 @@ class SharedMemoryAllReduce:
             raise RuntimeError(f"the ranks' columns {spans} do not tile the {num_columns} of this gather")
         return torch.cat(parts, dim=1)
 
+    def _views(self, dtype: torch.dtype, parity: int, offset: int) -> list[torch.Tensor]:
+        """Every rank's slot of set ``parity`` from byte ``offset`` as a 1-D ``dtype`` tensor, made once:
+        slicing and viewing the segment on every call cost more than a decode step's copies."""
+        key = (dtype, parity, offset)
+        views = self._data.get(key)
+        if views is None:
+            size = torch.empty((), dtype=dtype).element_size()
+            usable = (self.slot_bytes - offset) // size * size
+            views = [self.slots[parity, r, offset : offset + usable].view(dtype) for r in range(self.size)]
+            self._data[key] = views
+        return views
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the ranks, in place (every rank calls with the same shape and dtype)."""
         self.count += 1
-        slots = self.slots[self.count % 2, :, : x.numel() * x.element_size()]  # [size, bytes]
-        parts = [slot.view(x.dtype).view(x.shape) for slot in slots]
+        parts = [v[: x.numel()].view(x.shape) for v in self._views(x.dtype, self.count % 2, 0)]
         parts[self.rank].copy_(x)
         self.sequence[self.rank] = self.count
         self._wait_for_all(self.count)
