@@ -1,7 +1,7 @@
 """pagedllm: an LLM inference and serving engine built on PagedAttention.
 
 Public API: LLM, SamplingParams, BeamSearchParams, RequestOutput,
-CompletionOutput, EngineConfig. ``LLM`` is imported lazily so that
+RequestOutputKind, CompletionOutput, EngineConfig. ``LLM`` is imported lazily so that
 ``import pagedllm`` stays cheap.
 """
 
@@ -11,7 +11,7 @@ set_openmp_defaults()  # before torch starts its OpenMP runtime (see pagedllm/na
 
 from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 

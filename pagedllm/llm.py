@@ -16,7 +16,7 @@ from pagedllm.generation_config import default_sampling_fields
 from pagedllm.kv.stats import KVCacheStats
 from pagedllm.limits import RequestLimits
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
 PromptInput = str | dict
@@ -143,7 +143,7 @@ class LLM:
         ids = [str(next(self._request_ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY)
         except Exception:
             engine.abort_request(ids)
             raise

@@ -6,6 +6,7 @@ whose ``param`` names the field.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -47,6 +48,25 @@ def _check_finite(owner: object, names: tuple[str, ...]) -> None:
         check_float32(value, name)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What a request's step outputs hold (vLLM's enum of the same name): everything so far at
+    each step (CUMULATIVE), only what is new since its last output (DELTA: text, token ids and
+    logprobs; prompt logprobs in the first output only), or one output when it finishes
+    (FINAL_ONLY). ``LLMEngine.step`` and ``AsyncLLMEngine.generate`` honour it; ``LLM.generate``
+    returns finished outputs whatever it says."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+def check_output_kind(value: object) -> RequestOutputKind:
+    """``value`` as a :class:`RequestOutputKind` (a member or its integer), else a RequestError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in tuple(RequestOutputKind):
+        _fail("output_kind", f"must be RequestOutputKind.CUMULATIVE, DELTA or FINAL_ONLY (0, 1 or 2), got {value!r}")
+    return RequestOutputKind(value)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -84,10 +104,12 @@ class SamplingParams:
     # True: the prompt is computed in full, no block taken from the prefix cache (its blocks are
     # still cached for later requests); None: only where prompt_logprobs needs every position
     skip_reading_prefix_cache: bool | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
         check_extra_args(self.extra_args)
+        self.output_kind = check_output_kind(self.output_kind)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):

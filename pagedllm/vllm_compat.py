@@ -174,6 +174,8 @@ SAMPLING_NOTES = {
                               "or more than the context length raises RequestError",
     "skip_reading_prefix_cache": SAME_NOTE + "False does not make a prompt_logprobs request read the cache: "
                                  "it needs every position's logits",
+    "output_kind": SAME_NOTE + "pagedllm.RequestOutputKind; LLMEngine.step and AsyncLLMEngine.generate honour it, "
+                   "LLM.generate returns finished outputs",
 }
 EARLIER_NOTE = "a field of vLLM releases before 0.32"
 

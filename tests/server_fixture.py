@@ -181,7 +181,8 @@ class FakeEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, cache_salt=None) -> None:
+    def add_request(self, request_id, prompt, params, *, arrival_time=None, cache_salt=None, output_kind=None) -> None:
+        assert output_kind in (None, 0), "the fake engine's outputs are cumulative, as the async engine asks"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         if isinstance(prompt, dict):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedllm.errors import ConfigError, EngineDeadError, PagedLLMError, RequestError
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -86,14 +86,24 @@ class _Timing:
     num_tokens_per_sample: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass
+class _DeltaRecord:
+    """What a DELTA stream handed out so far (the fields delta_output keeps on a request)."""
+
+    sent: dict = field(default_factory=dict)
+    sent_prompt_logprobs: bool = False
+
+
 class RequestStream:
-    """The cumulative outputs of one request, consumed on the event loop.
+    """The outputs of one request, consumed on the event loop.
 
     Iterating yields the latest :class:`RequestOutput`. The stream holds one
-    output at most: outputs are cumulative, so a newer one replaces an unread
-    older one and nothing is lost, and a consumer that reads slowly (a client
-    that does not read its socket) costs one output of memory, not one per
-    engine step. Iteration ends after the output with ``finished=True``; an
+    output at most: the engine sends it cumulative outputs, so a newer one
+    replaces an unread older one and nothing is lost, and a consumer that reads
+    slowly (a client that does not read its socket) costs one output of memory,
+    not one per engine step. The request's ``output_kind`` applies as they are
+    read: DELTA yields what is new since the last output read, FINAL_ONLY only
+    the finished one. Iteration ends after the output with ``finished=True``; an
     error is raised after the output that preceded it. Closing the stream
     before the end aborts the request.
     """
@@ -110,6 +120,8 @@ class RequestStream:
         self.finished = False
         self.submit_time = time.monotonic()
         self._last_output: RequestOutput | None = None  # engine thread only
+        self.output_kind = RequestOutputKind.CUMULATIVE  # set from the params when submitted
+        self._sent: object | None = None  # DELTA: what was read so far (a Request-like record)
 
     # -- engine thread side ---------------------------------------------------
     def _post(self, item: RequestOutput | BaseException) -> None:
@@ -158,13 +170,23 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self._closed:
             raise StopAsyncIteration
-        while self._latest is None and self._error is None:
-            self._ready.clear()
-            await self._ready.wait()
+        while True:
+            while self._latest is None and self._error is None:
+                self._ready.clear()
+                await self._ready.wait()
+            if self._latest is None or not (self.output_kind == RequestOutputKind.FINAL_ONLY
+                                            and not self._latest.finished):
+                break
+            self._latest = None  # FINAL_ONLY: not this one
         if self._latest is not None:
             item, self._latest = self._latest, None
             if item.finished:
                 self._mark_done()
+            if self.output_kind == RequestOutputKind.DELTA:
+                from pagedllm.engine.llm_engine import delta_output
+
+                self._sent = self._sent or _DeltaRecord()
+                item = delta_output(self._sent, item)
             return item
         error, self._error = self._error, None
         self._mark_done()
@@ -292,6 +314,8 @@ class AsyncLLMEngine:
         (``RequestError`` for a bad prompt) otherwise.
         """
         stream = self._open_stream(request_id)
+        if isinstance(params, SamplingParams):
+            stream.output_kind = params.output_kind
         self._submit(_AddRequest(stream, prompt, params, cache_salt))
         try:
             await stream.wait_accepted()
@@ -421,8 +445,9 @@ class AsyncLLMEngine:
     def _apply_add(self, command: _AddRequest) -> None:
         stream = command.stream
         try:
-            self.engine.add_request(
-                stream.request_id, command.prompt, command.params, cache_salt=command.cache_salt
+            self.engine.add_request(  # cumulative: the stream may merge outputs (see RequestStream)
+                stream.request_id, command.prompt, command.params, cache_salt=command.cache_salt,
+                output_kind=RequestOutputKind.CUMULATIVE,
             )
         except Exception as exc:  # fails this request only
             stream._post_accepted(exc)

@@ -29,7 +29,13 @@ from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_id
 from pagedllm.models.loader import default_quantization
 from pagedllm.models.paths import model_display_name, resolve_model_path
 from pagedllm.outputs import RequestMetrics, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, prompt_tokens_kept
+from pagedllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    check_output_kind,
+    prompt_tokens_kept,
+)
 from pagedllm.step import StepResult
 from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.tokenizer import Tokenizer
@@ -287,7 +293,10 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
+        """``output_kind``, when given, replaces the params' (``LLM.generate`` asks for FINAL_ONLY;
+        the async engine for CUMULATIVE, which it turns into the params' kind per stream)."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -311,6 +320,10 @@ class LLMEngine:
             cache_salt=cache_salt,
             grammar=grammar,
         )
+        if output_kind is not None:
+            request.output_kind = check_output_kind(output_kind)
+        elif isinstance(params, SamplingParams):
+            request.output_kind = params.output_kind
         request.seqs.append(self.processor.new_sequence(request, sample_index=0))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -540,11 +553,15 @@ class LLMEngine:
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
+            if request.output_kind == RequestOutputKind.FINAL_ONLY and not request.is_finished:
+                continue  # nothing to build until it ends
             output = self.processor.make_output(request)
             if output is None:
                 continue
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+            if request.output_kind == RequestOutputKind.DELTA:
+                output = delta_output(request, output)
             outputs.append(output)
         self.num_generation_tokens_total += self.processor.take_num_new_tokens()
         return outputs
@@ -564,3 +581,20 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> list[Sequence]:
         return list(self.requests[request_id].seqs)
+
+
+def delta_output(request: Request, output: RequestOutput) -> RequestOutput:
+    """``output`` (cumulative) less what ``request`` already sent: each completion's new text, token
+    ids and logprobs (its cumulative logprob and finish reason as they are), the prompt logprobs
+    the first time only. Records what it hands out in ``request.sent``."""
+    completions = []
+    for c in output.outputs:
+        chars, tokens = request.sent.get(c.index, (0, 0))
+        completions.append(dataclasses.replace(
+            c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+            logprobs=None if c.logprobs is None else c.logprobs[tokens:],
+        ))
+        request.sent[c.index] = (max(chars, len(c.text)), max(tokens, len(c.token_ids)))
+    prompt_logprobs = None if request.sent_prompt_logprobs else output.prompt_logprobs
+    request.sent_prompt_logprobs = True
+    return dataclasses.replace(output, outputs=completions, prompt_logprobs=prompt_logprobs)

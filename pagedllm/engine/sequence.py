@@ -124,6 +124,12 @@ class Request:
     # While its disk-tier prefix blocks load (time.monotonic()), admission may wait for them.
     prefetch_deadline: float | None = None
     beam: object | None = None  # BeamState for beam search requests
+    # what its step outputs hold (RequestOutputKind; the engine's caller may override the params')
+    output_kind: int = 0
+    # DELTA outputs: per output index, the characters and tokens already sent; whether the prompt
+    # logprobs went out
+    sent: dict = field(default_factory=dict)
+    sent_prompt_logprobs: bool = False
     grammar: object | None = None  # CompiledGrammar of params.structured_outputs (pagedllm.structured)
 
     @property
