@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -84,3 +85,31 @@ class RequestOutput:
             )
             for o in self.outputs
         ]
+
+
+def delta_output(request, output: RequestOutput) -> RequestOutput:
+    """``output`` (cumulative) less what ``request`` (an engine Request, or any record with its
+    ``sent`` and ``sent_prompt_logprobs``) already sent: each completion's new text, token
+    ids and logprobs (its cumulative logprob and finish reason as they are), the prompt logprobs
+    the first time only. Records what it hands out in ``request.sent``."""
+    completions = []
+    for c in output.outputs:
+        chars, tokens = request.sent.get(c.index, (0, 0))
+        completions.append(dataclasses.replace(
+            c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+            logprobs=None if c.logprobs is None else c.logprobs[tokens:],
+        ))
+        request.sent[c.index] = (max(chars, len(c.text)), max(tokens, len(c.token_ids)))
+    prompt_logprobs = None if request.sent_prompt_logprobs else output.prompt_logprobs
+    request.sent_prompt_logprobs = True
+    return dataclasses.replace(output, outputs=completions, prompt_logprobs=prompt_logprobs)
+
+
+def stream_due(record, output: RequestOutput) -> bool:
+    """Whether ``output`` (cumulative) holds ``record.stream_interval`` tokens more than the last
+    one handed out (in its longest completion); if so, records it as handed out."""
+    tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+    if tokens - record.sent_tokens < record.stream_interval:
+        return False
+    record.sent_tokens = tokens
+    return True

@@ -105,6 +105,8 @@ class SamplingParams:
     # still cached for later requests); None: only where prompt_logprobs needs every position
     skip_reading_prefix_cache: bool | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # step outputs at most every this many new tokens (the finished one always)
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
@@ -180,6 +182,8 @@ class SamplingParams:
         if not self.detokenize and self.stop:
             _fail("stop", "stop strings need detokenize=True")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if not _is_int(self.stream_interval) or not 1 <= self.stream_interval <= INT64_MAX:
+            _fail("stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
         if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
             _fail("skip_reading_prefix_cache", f"must be true, false or null, got {self.skip_reading_prefix_cache!r}")
 

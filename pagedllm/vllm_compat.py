@@ -174,6 +174,7 @@ SAMPLING_NOTES = {
                               "or more than the context length raises RequestError",
     "skip_reading_prefix_cache": SAME_NOTE + "False does not make a prompt_logprobs request read the cache: "
                                  "it needs every position's logits",
+    "stream_interval": SAME_NOTE + "LLMEngine.step and AsyncLLMEngine.generate honour it",
     "output_kind": SAME_NOTE + "pagedllm.RequestOutputKind; LLMEngine.step and AsyncLLMEngine.generate honour it, "
                    "LLM.generate returns finished outputs",
 }

@@ -106,3 +106,33 @@ def test_an_unknown_output_kind_is_a_request_error(bad):
     with pytest.raises(RequestError, match="output_kind: must be RequestOutputKind"):
         SamplingParams(output_kind=bad)
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+
+
+def test_stream_interval_spaces_the_outputs_and_loses_nothing(llm):
+    """stream_interval (vLLM's field): an output once at least that many new tokens exist, and the
+    finished one always; with DELTA the pieces still join to the whole."""
+    want = _steps(llm, "every", _params(KINDS.CUMULATIVE, max_tokens=10))[-1]
+    spaced = _steps(llm, "spaced", _params(KINDS.CUMULATIVE, max_tokens=10, stream_interval=4))
+    assert [len(o.outputs[0].token_ids) for o in spaced] == [4, 8, 10]  # one token a step
+    assert spaced[-1].finished and spaced[-1].outputs[0].token_ids == want.outputs[0].token_ids
+    delta = _steps(llm, "spaced-delta", _params(KINDS.DELTA, max_tokens=10, stream_interval=3))
+    assert [len(o.outputs[0].token_ids) for o in delta] == [3, 3, 3, 1]
+    assert _joined(delta, 0)[:2] == (want.outputs[0].text, want.outputs[0].token_ids)
+
+    async def main():
+        served = AsyncLLMEngine(llm.llm_engine)
+        try:
+            return [o async for o in served.generate("async-spaced", PROMPT, _params(KINDS.DELTA, max_tokens=10,
+                                                                                    stream_interval=4))]
+        finally:
+            await served.shutdown(0)
+
+    streamed = asyncio.run(asyncio.wait_for(main(), 60))
+    assert all(len(o.outputs[0].token_ids) >= 4 for o in streamed[:-1]) and streamed[-1].finished
+    assert _joined(streamed, 0)[:2] == (want.outputs[0].text, want.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 1.5, "2"])
+def test_a_stream_interval_below_one_or_not_an_integer_is_a_request_error(bad):
+    with pytest.raises(RequestError, match="stream_interval: must be an integer >= 1"):
+        SamplingParams(stream_interval=bad)

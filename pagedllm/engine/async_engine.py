@@ -27,7 +27,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from pagedllm.errors import ConfigError, EngineDeadError, PagedLLMError, RequestError
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    delta_output,
+    stream_due,
+)
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -92,6 +98,8 @@ class _DeltaRecord:
 
     sent: dict = field(default_factory=dict)
     sent_prompt_logprobs: bool = False
+    stream_interval: int = 1
+    sent_tokens: int = 0
 
 
 class RequestStream:
@@ -121,7 +129,7 @@ class RequestStream:
         self.submit_time = time.monotonic()
         self._last_output: RequestOutput | None = None  # engine thread only
         self.output_kind = RequestOutputKind.CUMULATIVE  # set from the params when submitted
-        self._sent: object | None = None  # DELTA: what was read so far (a Request-like record)
+        self._sent = _DeltaRecord()  # what was read so far (DELTA, stream_interval)
 
     # -- engine thread side ---------------------------------------------------
     def _post(self, item: RequestOutput | BaseException) -> None:
@@ -174,18 +182,17 @@ class RequestStream:
             while self._latest is None and self._error is None:
                 self._ready.clear()
                 await self._ready.wait()
-            if self._latest is None or not (self.output_kind == RequestOutputKind.FINAL_ONLY
-                                            and not self._latest.finished):
+            latest = self._latest
+            if latest is None or latest.finished:
                 break
-            self._latest = None  # FINAL_ONLY: not this one
+            if self.output_kind != RequestOutputKind.FINAL_ONLY and stream_due(self._sent, latest):
+                break
+            self._latest = None  # not this one: FINAL_ONLY, or fewer new tokens than stream_interval
         if self._latest is not None:
             item, self._latest = self._latest, None
             if item.finished:
                 self._mark_done()
             if self.output_kind == RequestOutputKind.DELTA:
-                from pagedllm.engine.llm_engine import delta_output
-
-                self._sent = self._sent or _DeltaRecord()
                 item = delta_output(self._sent, item)
             return item
         error, self._error = self._error, None
@@ -315,7 +322,7 @@ class AsyncLLMEngine:
         """
         stream = self._open_stream(request_id)
         if isinstance(params, SamplingParams):
-            stream.output_kind = params.output_kind
+            stream.output_kind, stream._sent.stream_interval = params.output_kind, params.stream_interval
         self._submit(_AddRequest(stream, prompt, params, cache_salt))
         try:
             await stream.wait_accepted()

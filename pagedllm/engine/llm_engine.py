@@ -28,7 +28,7 @@ from pagedllm.kv.tiers import DiskTier, block_layout, layout_nbytes, model_ident
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.models.loader import default_quantization
 from pagedllm.models.paths import model_display_name, resolve_model_path
-from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.outputs import RequestMetrics, RequestOutput, delta_output, stream_due
 from pagedllm.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
@@ -323,7 +323,7 @@ class LLMEngine:
         if output_kind is not None:
             request.output_kind = check_output_kind(output_kind)
         elif isinstance(params, SamplingParams):
-            request.output_kind = params.output_kind
+            request.output_kind, request.stream_interval = params.output_kind, params.stream_interval
         request.seqs.append(self.processor.new_sequence(request, sample_index=0))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -558,6 +558,8 @@ class LLMEngine:
             output = self.processor.make_output(request)
             if output is None:
                 continue
+            if not output.finished and not stream_due(request, output):
+                continue
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
             if request.output_kind == RequestOutputKind.DELTA:
@@ -582,19 +584,3 @@ class LLMEngine:
     def sequence(self, request_id: str) -> list[Sequence]:
         return list(self.requests[request_id].seqs)
 
-
-def delta_output(request: Request, output: RequestOutput) -> RequestOutput:
-    """``output`` (cumulative) less what ``request`` already sent: each completion's new text, token
-    ids and logprobs (its cumulative logprob and finish reason as they are), the prompt logprobs
-    the first time only. Records what it hands out in ``request.sent``."""
-    completions = []
-    for c in output.outputs:
-        chars, tokens = request.sent.get(c.index, (0, 0))
-        completions.append(dataclasses.replace(
-            c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-            logprobs=None if c.logprobs is None else c.logprobs[tokens:],
-        ))
-        request.sent[c.index] = (max(chars, len(c.text)), max(tokens, len(c.token_ids)))
-    prompt_logprobs = None if request.sent_prompt_logprobs else output.prompt_logprobs
-    request.sent_prompt_logprobs = True
-    return dataclasses.replace(output, outputs=completions, prompt_logprobs=prompt_logprobs)

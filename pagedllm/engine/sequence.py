@@ -130,6 +130,9 @@ class Request:
     # logprobs went out
     sent: dict = field(default_factory=dict)
     sent_prompt_logprobs: bool = False
+    # outputs at most every stream_interval new tokens (the params'; 1 where the caller overrides the kind)
+    stream_interval: int = 1
+    sent_tokens: int = 0  # the longest completion's tokens in the last output handed out
     grammar: object | None = None  # CompiledGrammar of params.structured_outputs (pagedllm.structured)
 
     @property
