@@ -298,8 +298,7 @@ class SharedMemoryAllReduce:
         key = (dtype, parity, offset)
         views = self._data.get(key)
         if views is None:
-            size = torch.empty((), dtype=dtype).element_size()
-            usable = (self.slot_bytes - offset) // size * size
+            usable = (self.slot_bytes - offset) // dtype.itemsize * dtype.itemsize
             views = [self.slots[parity, r, offset : offset + usable].view(dtype) for r in range(self.size)]
             self._data[key] = views
         return views

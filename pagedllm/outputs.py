@@ -87,29 +87,56 @@ class RequestOutput:
         ]
 
 
-def delta_output(request, output: RequestOutput) -> RequestOutput:
-    """``output`` (cumulative) less what ``request`` (an engine Request, or any record with its
-    ``sent`` and ``sent_prompt_logprobs``) already sent: each completion's new text, token
-    ids and logprobs (its cumulative logprob and finish reason as they are), the prompt logprobs
-    the first time only. Records what it hands out in ``request.sent``."""
+
+class DeltaTracker:
+    """Turns cumulative outputs into deltas for one choice (text and token positions sent)."""
+
+    def __init__(self) -> None:
+        self.num_chars = 0
+        self.num_tokens = 0
+
+    def take(self, completion: CompletionOutput) -> tuple[str, int, int]:
+        """New text, and the [start, end) range of new token positions, since the last call."""
+        text = completion.text[self.num_chars :]
+        start, end = self.num_tokens, len(completion.token_ids)
+        self.num_chars = max(self.num_chars, len(completion.text))
+        self.num_tokens = max(self.num_tokens, end)
+        return text, start, end
+
+
+@dataclass
+class OutputProgress:
+    """What a request's outputs handed out so far: per output index a :class:`DeltaTracker`
+    (DELTA outputs), whether the prompt logprobs went out, and the longest completion's tokens in
+    the last output handed out (``stream_interval``, the request's)."""
+
+    stream_interval: int = 1
+    trackers: dict[int, DeltaTracker] = field(default_factory=dict)
+    sent_prompt_logprobs: bool = False
+    sent_tokens: int = 0
+
+
+def delta_output(progress: OutputProgress, output: RequestOutput) -> RequestOutput:
+    """``output`` (cumulative) less what ``progress`` says was handed out: each completion's new
+    text, token ids and logprobs (its cumulative logprob and finish reason as they are), the
+    prompt logprobs the first time only. Records what it hands out."""
     completions = []
     for c in output.outputs:
-        chars, tokens = request.sent.get(c.index, (0, 0))
+        text, start, end = progress.trackers.setdefault(c.index, DeltaTracker()).take(c)
         completions.append(dataclasses.replace(
-            c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-            logprobs=None if c.logprobs is None else c.logprobs[tokens:],
+            c, text=text, token_ids=c.token_ids[start:end],
+            logprobs=None if c.logprobs is None else c.logprobs[start:end],
         ))
-        request.sent[c.index] = (max(chars, len(c.text)), max(tokens, len(c.token_ids)))
-    prompt_logprobs = None if request.sent_prompt_logprobs else output.prompt_logprobs
-    request.sent_prompt_logprobs = True
+    prompt_logprobs = None if progress.sent_prompt_logprobs else output.prompt_logprobs
+    progress.sent_prompt_logprobs = True
     return dataclasses.replace(output, outputs=completions, prompt_logprobs=prompt_logprobs)
 
 
-def stream_due(record, output: RequestOutput) -> bool:
-    """Whether ``output`` (cumulative) holds ``record.stream_interval`` tokens more than the last
+def stream_due(progress: OutputProgress, output: RequestOutput) -> bool:
+    """Whether ``output`` (cumulative) holds ``progress.stream_interval`` tokens more than the last
     one handed out (in its longest completion); if so, records it as handed out."""
     tokens = max((len(c.token_ids) for c in output.outputs), default=0)
-    if tokens - record.sent_tokens < record.stream_interval:
+    if tokens - progress.sent_tokens < progress.stream_interval:
         return False
-    record.sent_tokens = tokens
+    progress.sent_tokens = tokens
     return True

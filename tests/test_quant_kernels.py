@@ -363,10 +363,15 @@ def test_the_per_row_kernel_reading_row_scale_tables_gives_the_same_bits(isa, na
         tables = quant_ops.row_scale_tables(weight.scales, weight.mins, isa)
         cols = quant_ops.ROW_TABLE_COLS[isa]
         # the layout: entry (pass, group, lane) is scales[pass * cols + lane, group], zeros past N
-        padded = torch.zeros(tables[0].shape[0] * cols, weight.scales.shape[1], dtype=torch.float16)
-        padded[:out_features] = weight.scales
-        assert torch.equal(tables[0], padded.reshape(-1, cols, padded.shape[1]).transpose(1, 2))
-        assert (tables[1] is None) == (weight.mins is None)
+        groups = weight.scales.shape[1]
+        assert tables[0].shape == (-(-out_features // cols), groups, cols)
+        for table, source in zip(tables, (weight.scales, weight.mins), strict=True):
+            if source is None:
+                assert table is None
+                continue
+            for n in range(tables[0].shape[0] * cols):
+                want = source[n] if n < out_features else torch.zeros(groups, dtype=torch.float16)
+                assert torch.equal(table[n // cols, :, n % cols], want), n
         for rows in (1, 2, 3, 5):
             x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
             portable = quant_ops.gemm(x, *weight._kernel_args(), isa_override=0, levels=levels)

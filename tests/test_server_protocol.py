@@ -13,7 +13,7 @@ from server_fixture import FakeEngine
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError
 from pagedllm.errors import RequestError
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, DeltaTracker, Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.server import protocol as p
 from pagedllm.server.app import build_app
@@ -205,7 +205,7 @@ def test_chat_logprobs_shape():
 
 
 def test_delta_tracker_yields_only_new_text_and_positions():
-    tracker = p.DeltaTracker()
+    tracker = DeltaTracker()
     assert tracker.take(output(["ab"]).outputs[0]) == ("ab", 0, 2)
     assert tracker.take(output(["abcd"]).outputs[0]) == ("cd", 2, 4)
     assert tracker.take(output(["abcd"]).outputs[0]) == ("", 4, 4)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from pagedllm.errors import ConfigError, EngineDeadError, PagedLLMError, RequestError
 from pagedllm.outputs import (
     CompletionOutput,
+    OutputProgress,
     RequestMetrics,
     RequestOutput,
     delta_output,
@@ -92,16 +93,6 @@ class _Timing:
     num_tokens_per_sample: dict[int, int] = field(default_factory=dict)
 
 
-@dataclass
-class _DeltaRecord:
-    """What a DELTA stream handed out so far (the fields delta_output keeps on a request)."""
-
-    sent: dict = field(default_factory=dict)
-    sent_prompt_logprobs: bool = False
-    stream_interval: int = 1
-    sent_tokens: int = 0
-
-
 class RequestStream:
     """The outputs of one request, consumed on the event loop.
 
@@ -129,7 +120,7 @@ class RequestStream:
         self.submit_time = time.monotonic()
         self._last_output: RequestOutput | None = None  # engine thread only
         self.output_kind = RequestOutputKind.CUMULATIVE  # set from the params when submitted
-        self._sent = _DeltaRecord()  # what was read so far (DELTA, stream_interval)
+        self._progress = OutputProgress()  # what was read so far (DELTA, stream_interval)
 
     # -- engine thread side ---------------------------------------------------
     def _post(self, item: RequestOutput | BaseException) -> None:
@@ -185,7 +176,7 @@ class RequestStream:
             latest = self._latest
             if latest is None or latest.finished:
                 break
-            if self.output_kind != RequestOutputKind.FINAL_ONLY and stream_due(self._sent, latest):
+            if self.output_kind != RequestOutputKind.FINAL_ONLY and stream_due(self._progress, latest):
                 break
             self._latest = None  # not this one: FINAL_ONLY, or fewer new tokens than stream_interval
         if self._latest is not None:
@@ -193,7 +184,7 @@ class RequestStream:
             if item.finished:
                 self._mark_done()
             if self.output_kind == RequestOutputKind.DELTA:
-                item = delta_output(self._sent, item)
+                item = delta_output(self._progress, item)
             return item
         error, self._error = self._error, None
         self._mark_done()
@@ -322,7 +313,7 @@ class AsyncLLMEngine:
         """
         stream = self._open_stream(request_id)
         if isinstance(params, SamplingParams):
-            stream.output_kind, stream._sent.stream_interval = params.output_kind, params.stream_interval
+            stream.output_kind, stream._progress.stream_interval = params.output_kind, params.stream_interval
         self._submit(_AddRequest(stream, prompt, params, cache_salt))
         try:
             await stream.wait_accepted()

@@ -323,7 +323,7 @@ class LLMEngine:
         if output_kind is not None:
             request.output_kind = check_output_kind(output_kind)
         elif isinstance(params, SamplingParams):
-            request.output_kind, request.stream_interval = params.output_kind, params.stream_interval
+            request.output_kind, request.progress.stream_interval = params.output_kind, params.stream_interval
         request.seqs.append(self.processor.new_sequence(request, sample_index=0))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -558,12 +558,12 @@ class LLMEngine:
             output = self.processor.make_output(request)
             if output is None:
                 continue
-            if not output.finished and not stream_due(request, output):
+            if not output.finished and not stream_due(request.progress, output):
                 continue
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
             if request.output_kind == RequestOutputKind.DELTA:
-                output = delta_output(request, output)
+                output = delta_output(request.progress, output)
             outputs.append(output)
         self.num_generation_tokens_total += self.processor.take_num_new_tokens()
         return outputs
@@ -583,4 +583,3 @@ class LLMEngine:
 
     def sequence(self, request_id: str) -> list[Sequence]:
         return list(self.requests[request_id].seqs)
-

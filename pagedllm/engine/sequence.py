@@ -16,7 +16,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    OutputProgress,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -126,13 +132,8 @@ class Request:
     beam: object | None = None  # BeamState for beam search requests
     # what its step outputs hold (RequestOutputKind; the engine's caller may override the params')
     output_kind: int = 0
-    # DELTA outputs: per output index, the characters and tokens already sent; whether the prompt
-    # logprobs went out
-    sent: dict = field(default_factory=dict)
-    sent_prompt_logprobs: bool = False
-    # outputs at most every stream_interval new tokens (the params'; 1 where the caller overrides the kind)
-    stream_interval: int = 1
-    sent_tokens: int = 0  # the longest completion's tokens in the last output handed out
+    # what they handed out so far (DELTA, stream_interval: the params'; 1 where the caller overrides the kind)
+    progress: OutputProgress = field(default_factory=OutputProgress)
     grammar: object | None = None  # CompiledGrammar of params.structured_outputs (pagedllm.structured)
 
     @property

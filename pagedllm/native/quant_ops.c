@@ -39,7 +39,7 @@
  *      128, as Q8_0 and int8 have; any other takes the portable path); the
  *      tiled kernel for 8-bit codes widens codes and activations to int16 and
  *      takes vpmaddwd alone (tile_avx2_q8). Its per-row kernel reads each pass's
- *      scales and mins from a row-scale table (quant_row_scales) where the caller
+ *      scales and mins from a row-scale table (see gemm_rows) where the caller
  *      gives one, else transposes them per call.
  *   0  portable C, the reference the others are tested against.
  * Many rows (from quant_tiled_min_rows()), paths 2 and 1 take a
@@ -260,28 +260,17 @@ typedef struct {
     int64_t prefetch_passes;   /* a pass prefetches the weights of the pass this far ahead */
     /* where the pass takes two levels joined: x16 = 256 xq + xq2 for n codes (NULL: x16 is NULL) */
     void (*join)(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16);
-    int tables; /* the pass reads a row-scale table (quant_row_scales, cols wide) in place of dw / mw */
+    int tables; /* the pass reads a row-scale table (see gemm_rows, cols wide) in place of dw / mw */
 } RowKernel;
 
 #define MAX_ROW_COLS 16
 
-/* The row-scale table of s [N][per_row] float16 (scales or mins) for a per-row kernel of `cols`
- * outputs per pass: out [ceil(N / cols)][per_row][cols], entry (p, j, c) = s[p cols + c][j] (0 past
- * N). The same values, reordered so that a pass reads one group's values of its outputs as one
- * vector instead of transposing them on every call (a tenth to a fifth of a batch-1 matmul). */
-void quant_row_scales(const uint16_t *s, int64_t N, int64_t per_row, int64_t cols, uint16_t *out) {
-    const int64_t passes = (N + cols - 1) / cols;
-    for (int64_t p = 0; p < passes; p++)
-        for (int64_t j = 0; j < per_row; j++)
-            for (int64_t c = 0; c < cols; c++) {
-                const int64_t n = p * cols + c;
-                out[(p * per_row + j) * cols + c] = n < N ? s[n * per_row + j] : 0;
-            }
-}
-
 /* y [rows, N] by passes of k.cols outputs, the parallel work items; each pass transposes its
  * scales once (or reads them from the row-scale tables dt / mt, where the kernel takes them and
- * they are given) and runs every row on them (its weights stay in L1 for the later rows). */
+ * they are given) and runs every row on them (its weights stay in L1 for the later rows).
+ * A row-scale table of s [N][per_row] float16 (scales or mins) is [ceil(N / cols)][per_row][cols]:
+ * entry (p, j, c) = s[p cols + c][j], 0 past N (quant_ops.row_scale_tables). The same values in
+ * the order a pass reads them, one vector per group instead of a transpose on every call. */
 static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, const uint16_t *dt,
                       const uint16_t *mt, int64_t N, int64_t Kp, int bits, int r, int zero, const int8_t *xq,
                       const int8_t *xq2, const float *dx, const int32_t *xsum, int64_t rows, float *y) {
@@ -307,16 +296,13 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
             }
             const int64_t ahead = n0 + k.prefetch_passes * cols;
             const uint8_t *next = ahead + cols <= N ? q + ahead * row_bytes : 0;
-            const uint16_t *dtp = dt ? dt + p * (blocks / r) * cols : 0, *mtp = mt ? mt + p * (blocks / r) * cols : 0;
-            if (next && dt) { /* that pass's table rows */
-                const int64_t table_bytes = cols * (blocks / r) * 2, at = (p + k.prefetch_passes) * table_bytes;
-                for (int64_t off = 0; off < table_bytes + 63; off += 64) {
-                    _mm_prefetch((const char *)dt + at + off, _MM_HINT_T0);
-                    if (mt) _mm_prefetch((const char *)mt + at + off, _MM_HINT_T0);
-                }
-            } else if (next) { /* and that pass's scales and mins, which the transpose below would wait for */
+            /* a pass's table rows start where its first output's scales do in s: at n0 * per_row */
+            const uint16_t *ds_src = dt ? dt : d, *ms_src = dt ? mt : m;
+            const uint16_t *dtp = dt ? dt + n0 * (blocks / r) : 0, *mtp = mt ? mt + n0 * (blocks / r) : 0;
+            if (next) { /* and that pass's scales and mins (or table rows), which the pass would wait for */
                 const int64_t scale_bytes = cols * (blocks / r) * 2;
-                const char *ds = (const char *)(d + ahead * (blocks / r)), *ms = m ? (const char *)(m + ahead * (blocks / r)) : 0;
+                const char *ds = (const char *)(ds_src + ahead * (blocks / r));
+                const char *ms = ms_src ? (const char *)(ms_src + ahead * (blocks / r)) : 0;
                 for (int64_t off = 0; off < scale_bytes + 63; off += 64) {
                     _mm_prefetch(ds + off, _MM_HINT_T0);
                     if (ms) _mm_prefetch(ms + off, _MM_HINT_T0);
@@ -906,33 +892,37 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2(
 }
 
 /* row_pass_avx2 compiled once per code width, level count and scale source, so the inner
- * loops test none of them. */
-#define AVX2_ROW_PASS(bits_, xq_, xq2_, x16_, joined_, table_)                                                 \
+ * loops test none of them (table: a literal at both calls below). */
+TARGET_AVX2 static inline __attribute__((always_inline)) void row_pass_avx2_levels(
+    const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
+    const int8_t *xq, const int8_t *xq2, const int16_t *x16, const float *dx, const int32_t *xsum, const float *dw,
+    const float *mw, const uint16_t *dt, const uint16_t *mt, int r_shift, const int table, const uint8_t *next,
+    float *out) {
+#define AVX2_ROW_PASS(bits_, xq_, xq2_, x16_, joined_)                                                         \
     row_pass_avx2(q, row_bytes, n0, count, Kp, bits_, zero, xq_, xq2_, x16_, joined_, dx, xsum, dw, mw, dt, mt, \
-                  r_shift, table_, next, out)
+                  r_shift, table, next, out)
+    /* two levels come joined (gemm_rows, AVX2_ROWS.join); one level as bytes */
+    if (bits == 4 && x16) AVX2_ROW_PASS(4, 0, 0, x16, 1);
+    else if (x16) AVX2_ROW_PASS(8, 0, 0, x16, 1);
+    else if (bits == 4 && xq2) AVX2_ROW_PASS(4, xq, xq2, 0, 0);
+    else if (bits == 4) AVX2_ROW_PASS(4, xq, 0, 0, 0);
+    else if (xq2) AVX2_ROW_PASS(8, xq, xq2, 0, 0);
+    else AVX2_ROW_PASS(8, xq, 0, 0, 0);
+#undef AVX2_ROW_PASS
+}
+
 TARGET_AVX2 static void row_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
                                      int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
                                      const float *dx, const int32_t *xsum, const float *dw, const float *mw,
                                      const uint16_t *dt, const uint16_t *mt, int r_shift, const uint8_t *next,
                                      float *out) {
-    /* two levels come joined (gemm_rows, AVX2_ROWS.join); one level as bytes */
-    if (dt) {
-        if (bits == 4 && x16) AVX2_ROW_PASS(4, 0, 0, x16, 1, 1);
-        else if (x16) AVX2_ROW_PASS(8, 0, 0, x16, 1, 1);
-        else if (bits == 4 && xq2) AVX2_ROW_PASS(4, xq, xq2, 0, 0, 1);
-        else if (bits == 4) AVX2_ROW_PASS(4, xq, 0, 0, 0, 1);
-        else if (xq2) AVX2_ROW_PASS(8, xq, xq2, 0, 0, 1);
-        else AVX2_ROW_PASS(8, xq, 0, 0, 0, 1);
-        return;
-    }
-    if (bits == 4 && x16) AVX2_ROW_PASS(4, 0, 0, x16, 1, 0);
-    else if (x16) AVX2_ROW_PASS(8, 0, 0, x16, 1, 0);
-    else if (bits == 4 && xq2) AVX2_ROW_PASS(4, xq, xq2, 0, 0, 0);
-    else if (bits == 4) AVX2_ROW_PASS(4, xq, 0, 0, 0, 0);
-    else if (xq2) AVX2_ROW_PASS(8, xq, xq2, 0, 0, 0);
-    else AVX2_ROW_PASS(8, xq, 0, 0, 0, 0);
+    if (dt)
+        row_pass_avx2_levels(q, row_bytes, n0, count, Kp, bits, zero, xq, xq2, x16, dx, xsum, dw, mw, dt, mt, r_shift,
+                             1, next, out);
+    else
+        row_pass_avx2_levels(q, row_bytes, n0, count, Kp, bits, zero, xq, xq2, x16, dx, xsum, dw, mw, dt, mt, r_shift,
+                             0, next, out);
 }
-#undef AVX2_ROW_PASS
 
 /* x16[i] = 256 xq[i] + xq2[i] for n (a multiple of 16: rows x Kp) codes of two levels: exact in int16. */
 TARGET_AVX2 static void join_levels_avx2(const int8_t *xq, const int8_t *xq2, int64_t n, int16_t *x16) {
@@ -2117,7 +2107,7 @@ typedef void (*HadamardFn)(float *x, int64_t rows, int64_t row_stride, int64_t h
 typedef struct {
     const uint8_t *q;
     const uint16_t *d, *m;
-    const uint16_t *dt, *mt; /* their row-scale tables for the isa's per-row kernel (quant_row_scales), or NULL */
+    const uint16_t *dt, *mt; /* their row-scale tables for the isa's per-row kernel (see gemm_rows), or NULL */
     const void *bias; /* [N] or NULL: float32, or bfloat16 beside w16 */
     int64_t N, K, Kp, bits, r, zero, tiled_min_rows, levels;
     const uint16_t *w16; /* a dense bfloat16 weight in dense_bf16_pack's layout (the codes above unused), or NULL */

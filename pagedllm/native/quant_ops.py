@@ -140,8 +140,6 @@ def build_library() -> ctypes.CDLL:
     library.quant_gemm.argtypes = [c_int, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, i64, p]
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
     library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, p]
-    library.quant_row_scales.argtypes = [p, i64, i64, i64, p]
-    library.quant_row_scales.restype = None
     library.quant_linear.restype = c_int
     library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
@@ -230,19 +228,14 @@ def row_scale_tables(
     """The row-scale tables of one packed weight for the per-row kernel of ``path`` (default:
     :func:`isa`; one of ``ROW_TABLE_COLS``): ``scales`` (and ``mins``) ``[N, per_row]`` float16
     reordered to ``[ceil(N / cols), per_row, cols]``, zeros past N."""
-    assert available(), "row_scale_tables needs the native kernels"
     cols = ROW_TABLE_COLS[_isa if path is None else path]
-    out = []
-    for s in (scales, mins):
-        if s is None:
-            out.append(None)
-            continue
-        s = s.contiguous()
+
+    def table(s: torch.Tensor) -> torch.Tensor:
         n, per_row = s.shape
-        table = torch.empty(((n + cols - 1) // cols, per_row, cols), dtype=torch.float16)
-        _library.quant_row_scales(s.data_ptr(), n, per_row, cols, table.data_ptr())
-        out.append(table)
-    return out[0], out[1]
+        padded = torch.nn.functional.pad(s, (0, 0, 0, -n % cols))  # [passes * cols, per_row]
+        return padded.view(-1, cols, per_row).transpose(1, 2).contiguous()
+
+    return table(scales), None if mins is None else table(mins)
 
 
 def _table_pointers(tables, scales: torch.Tensor, mins: torch.Tensor | None, path: int) -> tuple[int | None, int | None]:

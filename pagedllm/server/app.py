@@ -35,7 +35,7 @@ from pagedllm.chat import template_kwargs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
 from pagedllm.errors import EngineDeadError, PagedLLMError, RequestError
 from pagedllm.limits import RequestLimits, ServerLimits, check_text, check_token_ids
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import DeltaTracker, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.server import protocol as p
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -324,7 +324,7 @@ class OpenAIServer:
         grammar_param: str | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        trackers: dict[int, p.DeltaTracker] = {}
+        trackers: dict[int, DeltaTracker] = {}
         finished: set[int] = set()
         finals: dict[int, RequestOutput] = {}
         async for prompt_index, output in _merge(streams):
@@ -336,7 +336,7 @@ class OpenAIServer:
                 if index in finished:
                     continue
                 first = index not in trackers
-                tracker = trackers.setdefault(index, p.DeltaTracker())
+                tracker = trackers.setdefault(index, DeltaTracker())
                 text, start, end = tracker.take(completion)
                 logprobs = None
                 if req.logprobs is not None:
@@ -445,7 +445,7 @@ class OpenAIServer:
                 id=response_id, created=created, model=self.served_model_name, choices=choices, usage=usage
             ))
 
-        trackers: dict[int, p.DeltaTracker] = {}
+        trackers: dict[int, DeltaTracker] = {}
         finished: set[int] = set()
         final: RequestOutput | None = None
         async for _, output in _merge([stream]):
@@ -456,7 +456,7 @@ class OpenAIServer:
                 if index in finished:
                     continue
                 if index not in trackers:
-                    trackers[index] = p.DeltaTracker()
+                    trackers[index] = DeltaTracker()
                     role = p.DeltaMessage(role=self.response_role, content="")
                     yield chunk([p.ChatStreamChoice(index=index, delta=role)])
                 text, start, end = trackers[index].take(completion)

@@ -938,17 +938,3 @@ def chat_logprobs(
     return ChatLogprobs(content=content)
 
 
-class DeltaTracker:
-    """Turns cumulative outputs into deltas for one choice (text and token positions sent)."""
-
-    def __init__(self) -> None:
-        self.num_chars = 0
-        self.num_tokens = 0
-
-    def take(self, completion: CompletionOutput) -> tuple[str, int, int]:
-        """New text, and the [start, end) range of new token positions, since the last call."""
-        text = completion.text[self.num_chars :]
-        start, end = self.num_tokens, len(completion.token_ids)
-        self.num_chars = max(self.num_chars, len(completion.text))
-        self.num_tokens = max(self.num_tokens, end)
-        return text, start, end
