@@ -979,6 +979,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void tile_avx2_q4_level
         const int64_t at = (t * blocks + b) * AVX2_TILE_ROWS;
         __m256i pairs[AVX2_TILE_COLS], pairs2[AVX2_TILE_COLS];
         for (int c = 0; c < AVX2_TILE_COLS; c++) pairs[c] = pairs2[c] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8") /* GCC leaves it rolled: 8 compares and jumps a block, about 9% of the kernel */
         for (int s = 0; s < 8; s++) {
             const int64_t off = (8 * b + s) * AVX2_TILE_ROWS * 4;
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + off));
@@ -1028,6 +1029,7 @@ TARGET_AVX2 static void tile_avx2_q8(const RowTiles *rt, int64_t t, const uint8_
     for (int64_t b = 0; b < blocks; b++) {
         __m256i sums[AVX2_TILE_COLS];
         for (int c = 0; c < AVX2_TILE_COLS; c++) sums[c] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 16")
         for (int s = 0; s < 16; s++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (16 * b + s) * AVX2_TILE_ROWS * 2));
             for (int c = 0; c < AVX2_TILE_COLS; c++) {
