@@ -92,10 +92,10 @@ int main(int argc, char **argv) {
             if (KV8)
                 paged_attention_f32_i8(q, H * D, (kv8_t *)k[l], (kv8_t *)v[l], (uint16_t *)((uint8_t *)k[l] + elems),
                                        (uint16_t *)((uint8_t *)v[l] + elems), tables, bps, tiles, seqs, H, KVH, D, BS,
-                                       layout, 0.125f, 0, out);
+                                       layout, 0.125f, 0, 0, out);
             else
                 paged_attention_f32(q, H * D, k[l], v[l], 0, 0, tables, bps, tiles, seqs, H, KVH, D, BS, layout, 0.125f,
-                                    0, out);
+                                    0, 0, out);
         }
         const double t = now() - t0;
         if (t < best) best = t;

@@ -13,10 +13,12 @@ most one), so uneven counts such as SmolLM2's 3 KV heads over 2 ranks work.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
@@ -55,23 +57,64 @@ class HeadShard:
 
     Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``, so each
     rank's query heads map onto its KV heads with the model's group size.
+
+    ``rows``: per local KV head, the share ``(lo, hi)`` of each step's query rows
+    (as fractions of the step's attention work, see :func:`head_row_ranges`) this
+    rank computes that head's attention for; ``(0, 1)`` for a head it owns alone.
+    A KV head that straddles two ranks is held (weights, K/V) by both, and each
+    computes its attention for part of the rows. Empty: every local head whole.
     """
 
     q_start: int
     num_q: int
     kv_start: int
     num_kv: int
+    rows: tuple[tuple[Fraction, Fraction], ...] = ()
+
+    @property
+    def splits_rows(self) -> bool:
+        return any(share != (0, 1) for share in self.rows)
+
+    def query_head_work(self, group: int) -> float:
+        """Query heads' worth of attention this rank computes per step (shared heads in part)."""
+        if not self.rows:
+            return float(self.num_q)
+        return float(sum((hi - lo) * group for lo, hi in self.rows))
+
+
+SHARED_HEADS_ENV = "PAGEDLLM_TP_SHARED_HEADS"  # "1" (the default) or "0": whole KV heads per rank
+
+
+def shares_heads(num_kv_heads: int, size: int) -> bool:
+    """Whether ranks split a KV head's rows (:func:`head_shard`): fewer ranks than KV heads, not
+    dividing them, unless ``PAGEDLLM_TP_SHARED_HEADS=0`` asks for whole heads per rank."""
+    choice = os.environ.get(SHARED_HEADS_ENV, "1")
+    if choice not in ("0", "1"):
+        raise ConfigError(f"{SHARED_HEADS_ENV}={choice!r}: 1 (split a straddling KV head's rows) or 0")
+    return choice == "1" and 1 < size < num_kv_heads and num_kv_heads % size != 0
 
 
 def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadShard:
-    """Split whole KV groups across ranks; past the KV head count, replicate KV heads.
+    """Split the KV groups across ranks; past the KV head count, replicate KV heads.
 
     With ``size <= num_kv_heads`` each rank takes a contiguous run of KV heads
-    and all their query heads. With more ranks, ``size`` must be a multiple of
-    ``num_kv_heads``: each KV head is replicated on ``size // num_kv_heads``
-    ranks, which split its query heads.
+    and all their query heads. Where ``size`` does not divide the KV heads
+    (SmolLM2's 3 over 2 ranks), whole heads would leave the ranks' attention
+    uneven (1 | 2 heads), and every rank waits for the slowest at each layer's
+    sync points. Instead rank ``r`` takes the span ``[r, r + 1) * num_kv_heads /
+    size`` of heads: a head cut by a boundary is held by both neighbours, which
+    split its query rows by work (``rows``), so each rank computes the same
+    attention (1.5 heads each). ``PAGEDLLM_TP_SHARED_HEADS=0`` keeps whole heads.
+
+    With more ranks, ``size`` must be a multiple of ``num_kv_heads``: each KV head
+    is replicated on ``size // num_kv_heads`` ranks, which split its query heads.
     """
     group = num_heads // num_kv_heads
+    if shares_heads(num_kv_heads, size):
+        lo, hi = Fraction(rank * num_kv_heads, size), Fraction((rank + 1) * num_kv_heads, size)
+        kv_start, kv_end = math.floor(lo), math.ceil(hi)
+        rows = tuple((max(lo - h, Fraction(0)), min(hi - h, Fraction(1))) for h in range(kv_start, kv_end))
+        return HeadShard(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start, rows)
     if size <= num_kv_heads:
         kv_start, kv_end = shard_range(num_kv_heads, size, rank)
         return HeadShard(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start)
@@ -84,6 +127,88 @@ def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
     kv = rank // replicas
     per_rank = group // replicas
     return HeadShard(kv * group + (rank % replicas) * per_rank, per_rank, kv, 1)
+
+
+def split_row(seq_lens: list[int], query_lens: list[int], fraction: Fraction) -> int:
+    """The query row that splits a step's attention work at ``fraction`` (0 -> 0, 1 -> all rows).
+
+    Row ``j`` of a sequence whose first new token sees ``f`` keys sees ``f + j``;
+    a row's work is its keys plus a block's worth of fixed cost (as the kernel's
+    thread split weighs it). Every rank computes the same split from the step's
+    lengths, so the ranks agree on who computes which rows of a shared head.
+    """
+    if fraction <= 0:
+        return 0
+    total_rows = sum(query_lens)
+    if fraction >= 1:
+        return total_rows
+    fixed = 16
+
+    def work(first: int, count: int) -> int:  # rows first .. first + count - 1 (keys seen)
+        return count * (first + fixed) + count * (count - 1) // 2
+
+    total = sum(work(s - q + 1, q) for s, q in zip(seq_lens, query_lens, strict=True))
+    target = fraction * total
+    done, row = 0, 0
+    for seq_len, q_len in zip(seq_lens, query_lens, strict=True):
+        first = seq_len - q_len + 1
+        whole = work(first, q_len)
+        if done + whole < target:
+            done, row = done + whole, row + q_len
+            continue
+        lo, hi = 0, q_len  # the fewest rows of this sequence that reach the target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if done + work(first, mid) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return row + lo
+    return total_rows
+
+
+def head_row_ranges(shard: HeadShard, seq_lens: list[int], query_lens: list[int]) -> tuple[tuple[int, int], ...]:
+    """Per local KV head, the query rows ``[r0, r1)`` of this step that this rank computes."""
+    return tuple((split_row(seq_lens, query_lens, lo), split_row(seq_lens, query_lens, hi)) for lo, hi in shard.rows)
+
+
+@dataclass(frozen=True)
+class SharedHeadRows:
+    """One step's split of the straddling KV heads' query rows (see :func:`head_shard`).
+
+    ``head_rows``: per local KV head, the rows ``[r0, r1)`` this rank computes;
+    ``columns``: ``(c0, c1, r0, r1)`` for each local KV head computed for part of the
+    rows, its query heads' columns of this rank's attention output; ``overlaps``: the
+    split row at each boundary between ranks whose columns overlap (in column order),
+    rows before it from the lower rank. The same on every rank for a step.
+    """
+
+    head_rows: tuple[tuple[int, int], ...]
+    columns: tuple[tuple[int, int, int, int], ...]
+    overlaps: tuple[int, ...]
+
+    def zero_unowned(self, x: torch.Tensor) -> torch.Tensor:
+        """Zeros, in place, where ``x`` (this rank's ``[rows, num_q * head_dim]`` attention output)
+        holds a shared head's rows another rank computes: the kernel leaves them unset."""
+        for c0, c1, r0, r1 in self.columns:
+            x[:r0, c0:c1] = 0
+            x[r1:, c0:c1] = 0
+        return x
+
+
+def step_head_rows(
+    shards: list[HeadShard], rank: int, group: int, head_dim: int, seq_lens: list[int], query_lens: list[int]
+) -> SharedHeadRows:
+    """:class:`SharedHeadRows` of rank ``rank`` for a step with these lengths (``shards``: every rank's)."""
+    mine = shards[rank]
+    head_rows = head_row_ranges(mine, seq_lens, query_lens)
+    total = sum(query_lens)
+    width = group * head_dim
+    columns = tuple((i * width, (i + 1) * width, r0, r1) for i, (r0, r1) in enumerate(head_rows)
+                    if (r0, r1) != (0, total))
+    overlaps = tuple(split_row(seq_lens, query_lens, a.rows[-1][1]) for a, b in zip(shards, shards[1:])
+                     if a.kv_start + a.num_kv > b.kv_start)
+    return SharedHeadRows(head_rows, columns, overlaps)
 
 
 def attention_weight_count(heads: HeadShard, hidden_size: int, head_dim: int) -> int:
@@ -176,18 +301,25 @@ class TensorParallelGroup:
             )
         return x
 
-    def all_gather_columns(self, x: torch.Tensor, start: int, num_columns: int) -> torch.Tensor:
+    def all_gather_columns(
+        self, x: torch.Tensor, start: int, num_columns: int, overlaps: tuple[int, ...] = ()
+    ) -> torch.Tensor:
         """Every rank's ``[rows, width]`` columns ``[start, start + width)`` of a ``[rows,
         num_columns]`` tensor -> the whole tensor on every rank (the ranks' column ranges tile
         it); ``x`` itself for one rank. Exact: values are moved, never added. Through the
         shared-memory slots where the group has them (each rank writes its own columns and
         reads the others': a third of the bytes of a zero-padded all-reduce); else as that
-        all-reduce of zero-padded tensors. Counted with the all-reduces."""
+        all-reduce of zero-padded tensors. Counted with the all-reduces.
+
+        Neighbouring ranks' columns may overlap (a shared KV head's, :class:`SharedHeadRows`):
+        ``overlaps`` gives, per overlap in column order, the row from which the higher rank's
+        values count (the lower rank's before it). The zero-padded all-reduce needs each rank's
+        other rows of those columns zero (:meth:`SharedHeadRows.zero_unowned`)."""
         if self.size == 1:
             return x
         if self.shared_memory is not None and self.shared_memory.fits_columns(x):
             began, began_cpu = time.perf_counter(), time.thread_time()
-            out = self.shared_memory.all_gather_columns(x, start, num_columns)
+            out = self.shared_memory.all_gather_columns(x, start, num_columns, overlaps)
             self.times.all_reduce.add(
                 time.perf_counter() - began, out.numel() * out.element_size(), time.thread_time() - began_cpu
             )
@@ -268,9 +400,11 @@ class SharedMemoryAllReduce:
         return (x.device.type == "cpu" and x.is_contiguous()
                 and self._LINE + x.numel() * x.element_size() <= self.slot_bytes)
 
-    def all_gather_columns(self, x: torch.Tensor, start: int, num_columns: int) -> torch.Tensor:
+    def all_gather_columns(
+        self, x: torch.Tensor, start: int, num_columns: int, overlaps: tuple[int, ...] = ()
+    ) -> torch.Tensor:
         """See :meth:`TensorParallelGroup.all_gather_columns` (every rank calls with the same rows,
-        dtype and ``num_columns``; its own ``start`` and width)."""
+        dtype, ``num_columns`` and ``overlaps``; its own ``start`` and width)."""
         self.count += 1
         parity, rows, width = self.count % 2, x.shape[0], x.shape[1]
         data = self._views(x.dtype, parity, self._LINE)
@@ -281,16 +415,43 @@ class SharedMemoryAllReduce:
         self._wait_for_all(self.count)
         spans = [(start, width) if r == self.rank else tuple(int(v) for v in self.columns[parity][r][:2])
                  for r in range(self.size)]
-        parts, at = [], 0
-        for r in sorted(range(self.size), key=lambda r: spans[r][0]):  # in column order
+        order = sorted(range(self.size), key=lambda r: spans[r][0])  # column order
+
+        def mismatch() -> RuntimeError:
+            return RuntimeError(f"the ranks' columns {spans} (overlaps split at rows {list(overlaps)}) do not "
+                                f"tile the {num_columns} of this gather")
+
+        if not overlaps:  # the common case: one concatenation
+            parts, at = [], 0
+            for r in order:
+                first, w = spans[r]
+                if first != at or w < 0:
+                    raise mismatch()
+                parts.append(x if r == self.rank else data[r][: rows * w].view(rows, w))
+                at += w
+            if at != num_columns:
+                raise mismatch()
+            return torch.cat(parts, dim=1)
+        out = x.new_empty((rows, num_columns))
+        at, next_overlap = 0, 0
+        for r in order:
             first, w = spans[r]
-            if first != at or w < 0:
-                raise RuntimeError(f"the ranks' columns {spans} do not tile the {num_columns} of this gather")
-            parts.append(x if r == self.rank else data[r][: rows * w].view(rows, w))
-            at += w
-        if at != num_columns:
-            raise RuntimeError(f"the ranks' columns {spans} do not tile the {num_columns} of this gather")
-        return torch.cat(parts, dim=1)
+            part = x if r == self.rank else data[r][: rows * w].view(rows, w)
+            if first < at:  # shared with the previous rank: its rows before the split stay
+                if next_overlap == len(overlaps) or first + w <= at:
+                    raise mismatch()
+                split = overlaps[next_overlap]
+                next_overlap += 1
+                out[split:, first:at] = part[split:, : at - first]
+                out[:, at : first + w] = part[:, at - first :]
+            elif first == at and w >= 0:
+                out[:, first : first + w] = part
+            else:
+                raise mismatch()
+            at = first + w
+        if at != num_columns or next_overlap != len(overlaps):
+            raise mismatch()
+        return out
 
     def _views(self, dtype: torch.dtype, parity: int, offset: int) -> list[torch.Tensor]:
         """Every rank's slot of set ``parity`` from byte ``offset`` as a 1-D ``dtype`` tensor, made once:

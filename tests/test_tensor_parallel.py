@@ -10,11 +10,19 @@ from __future__ import annotations
 import os
 import signal
 import time
+from fractions import Fraction
 
 import pytest
+import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.distributed import ALL_REDUCE_ENV, head_shard
+from pagedllm.distributed import (
+    ALL_REDUCE_ENV,
+    SHARED_HEADS_ENV,
+    head_shard,
+    split_row,
+    step_head_rows,
+)
 from pagedllm.errors import ConfigError, EngineDeadError
 from pagedllm.native import quant_ops
 
@@ -46,15 +54,52 @@ def _run(llm: LLM) -> list:
     ]
 
 
-def test_head_shards_cover_every_head_once_or_replicate_kv():
-    # SmolLM2: 9 query heads over 3 KV heads, on 2 ranks: whole KV groups, uneven
+def test_head_shards_cover_every_head_once_or_replicate_kv(monkeypatch):
+    # SmolLM2: 9 query heads over 3 KV heads, on 2 ranks: the middle KV head held by both, its
+    # rows split at half the step's attention work
+    shards = [head_shard(9, 3, 2, r) for r in range(2)]
+    assert [(s.q_start, s.num_q, s.kv_start, s.num_kv) for s in shards] == [(0, 6, 0, 2), (3, 6, 1, 2)]
+    assert [s.rows for s in shards] == [((0, 1), (0, Fraction(1, 2))), ((Fraction(1, 2), 1), (0, 1))]
+    # 8 KV heads over 3 ranks: spans of 8/3 heads, each cut head split between two neighbours
+    shards = [head_shard(32, 8, 3, r) for r in range(3)]
+    for h in range(8):
+        parts = sorted((lo, hi) for s in shards for k, (lo, hi) in enumerate(s.rows) if s.kv_start + k == h)
+        assert parts[0][0] == 0 and parts[-1][1] == 1 and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    # whole heads (PAGEDLLM_TP_SHARED_HEADS=0): whole KV groups, uneven
+    monkeypatch.setenv(SHARED_HEADS_ENV, "0")
     shards = [head_shard(9, 3, 2, r) for r in range(2)]
     assert [(s.q_start, s.num_q, s.kv_start, s.num_kv) for s in shards] == [(0, 3, 0, 1), (3, 6, 1, 2)]
+    assert not any(s.splits_rows for s in shards)
+    monkeypatch.setenv(SHARED_HEADS_ENV, "yes")
+    with pytest.raises(ConfigError, match=SHARED_HEADS_ENV):
+        head_shard(9, 3, 2, 0)
+    monkeypatch.delenv(SHARED_HEADS_ENV)
     # more ranks than KV heads: each KV head replicated, its query heads split
     shards = [head_shard(8, 2, 4, r) for r in range(4)]
     assert [(s.q_start, s.num_q, s.kv_start) for s in shards] == [(0, 2, 0), (2, 2, 0), (4, 2, 1), (6, 2, 1)]
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         head_shard(9, 3, 4, 0)
+
+
+def test_split_rows_follow_the_attention_work():
+    # decode rows: a row's work is its keys plus a block's worth (16)
+    assert split_row([100, 100, 100, 100], [1, 1, 1, 1], Fraction(1, 2)) == 2
+    assert split_row([300, 20, 20], [1, 1, 1], Fraction(1, 2)) == 1  # the long row alone is half
+    assert split_row([5, 5], [1, 1], Fraction(0)) == 0 and split_row([5, 5], [1, 1], Fraction(1)) == 2
+    # a prefill chunk splits inside the sequence: its later rows see more keys
+    row = split_row([64], [64], Fraction(1, 2))
+    work = [16 + 1 + j for j in range(64)]
+    assert sum(work[:row]) >= sum(work) / 2 > sum(work[: row - 1])
+    # a step: every rank derives the same split; rank 0 computes the shared head before it
+    shards = [head_shard(9, 3, 2, r) for r in range(2)]
+    steps = [step_head_rows(shards, r, 3, 64, [40, 90, 7, 200], [1, 1, 7, 1]) for r in range(2)]
+    split = steps[0].overlaps[0]
+    assert steps[1].overlaps == (split,) and 0 < split < 10
+    assert steps[0].head_rows == ((0, 10), (0, split)) and steps[1].head_rows == ((split, 10), (0, 10))
+    assert steps[0].columns == ((192, 384, 0, split),) and steps[1].columns == ((0, 192, split, 10),)
+    x = torch.ones(10, 384)
+    steps[0].zero_unowned(x)
+    assert x[:, :192].eq(1).all() and x[:split, 192:].eq(1).all() and x[split:, 192:].eq(0).all()
 
 
 @pytest.mark.slow

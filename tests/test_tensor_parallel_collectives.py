@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 
 from pagedllm.distributed import (
     ALL_REDUCE_ENV,
+    SHARED_HEADS_ENV,
+    SharedHeadRows,
     TensorParallelGroup,
     attach_shared_memory,
     attention_weight_count,
@@ -67,6 +69,7 @@ def _rank_main(rank: int, port: int, results) -> None:
         return torch.tensor([[100.0 * rank + 10 * c + row for c in range(first, end)] for row in range(rows)])
 
     gathers = [tp.all_gather_columns(columns(2), first, 5)]
+    overlapping = [overlap_gather(tp, rank, 4, 1)]  # over gloo: zero-padded, summed
     # the shared-memory all-reduce: many calls in a row (both parities of its slots), one too
     # large for a slot (gloo), and bit-equal sums on both ranks
     os.environ[ALL_REDUCE_ENV] = "shm"  # opt in (gloo is the default)
@@ -81,12 +84,25 @@ def _rank_main(rank: int, port: int, results) -> None:
     gathers.append(tp.all_gather_columns(signed, first, 5))
     gathers.append(tp.all_gather_columns(columns(12), first, 5))  # 64 + 12 x 3 x 4 bytes > 256: gloo
     gather_calls = tp.times.all_reduce.num_calls - reduces_before
+    overlapping += [overlap_gather(tp, rank, rows, split) for rows, split in ((4, 1), (3, 0), (3, 3), (5, 2))]
     signs = [math.copysign(1.0, v) for v in gathers[-2][0].tolist()]
     # plain lists through the queue: torch would share tensors by file descriptor, gone with the process
     gathered = None if gathered is None else gathered.tolist()
     results.put((rank, received, gathered, summed.tolist(), times, [t.tolist() for t in shm_sums],
-                 [g.tolist() for g in gathers], gather_calls, signs))
+                 [g.tolist() for g in gathers], gather_calls, signs, [g.tolist() for g in overlapping]))
     dist.destroy_process_group()
+
+
+def overlap_gather(tp: TensorParallelGroup, rank: int, rows: int, split: int) -> torch.Tensor:
+    """Columns 0-2 | 2-4 of 5 (rank r's column c holds 100 r + 10 c + row, and garbage in the rows of
+    the shared column 2 the other rank computes), rows of column 2 from rank 0 before ``split``."""
+    first = 0 if rank == 0 else 2
+    x = torch.tensor([[100.0 * rank + 10 * c + row for c in range(first, first + 3)] for row in range(rows)])
+    local = 2 if rank == 0 else 0  # the shared column
+    owned = (0, split) if rank == 0 else (split, rows)
+    x[[r for r in range(rows) if not owned[0] <= r < owned[1]], local] = float("nan")
+    shared = SharedHeadRows(((0, rows),), ((local, local + 1, *owned),), (split,))
+    return tp.all_gather_columns(shared.zero_unowned(x), first, 5, shared.overlaps)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +121,19 @@ def two_ranks() -> dict:
         p.join(timeout=30)
         assert p.exitcode == 0
     return out
+
+
+def test_column_gathers_take_a_shared_column_from_the_rank_that_computed_each_row(two_ranks):
+    """A shared KV head's columns (here column 2 of 5, held by both ranks): rows before the split
+    from rank 0, the rest from rank 1, over gloo and through the slots; the other rank's rows
+    (NaN here) never leak in."""
+
+    def want(rows: int, split: int) -> list:
+        return [[(100.0 if c > 2 or (c == 2 and row >= split) else 0.0) + 10 * c + row for c in range(5)]
+                for row in range(rows)]
+
+    for rank in (0, 1):
+        assert two_ranks[rank][8] == [want(4, 1), want(4, 1), want(3, 0), want(3, 3), want(5, 2)]
 
 
 def test_step_channel_delivers_small_and_oversized_messages_intact(two_ranks):
@@ -156,15 +185,20 @@ def test_balanced_range_evens_out_fixed_work():
     assert [balanced_range(4, 1.0, [0.0, 20.0], r) for r in range(2)] == [(0, 4), (4, 4)]
 
 
-def test_smollm2_mlp_split_gives_the_rank_with_fewer_heads_more_features():
+def test_smollm2_mlp_split_gives_the_rank_with_fewer_heads_more_features(monkeypatch):
+    monkeypatch.setenv(SHARED_HEADS_ENV, "0")  # whole KV heads: 3 and 6 query heads
     shards = [mlp_shard(SMOLLM2, TensorParallelGroup(rank=r, size=2)) for r in range(2)]
-    assert shards == [(0, 997), (997, 1536)]  # 3 and 6 query heads
+    assert shards == [(0, 997), (997, 1536)]
     work = []
     for r, (start, end) in enumerate(shards):
         heads = head_shard(9, 3, 2, r)
         attention = attention_weight_count(heads, 576, 64) + ATTENTION_WORK_PER_QUERY_HEAD * heads.num_q * 576 * 64
         work.append(attention + 3 * 576 * (end - start))
     assert abs(work[0] - work[1]) <= 3 * 576  # within one feature's weights
+    # the default shares the middle KV head's rows: 4.5 query heads' attention each, an even MLP
+    monkeypatch.delenv(SHARED_HEADS_ENV)
+    assert [mlp_shard(SMOLLM2, TensorParallelGroup(rank=r, size=2)) for r in range(2)] == [(0, 768), (768, 1536)]
+    assert [head_shard(9, 3, 2, r).query_head_work(3) for r in range(2)] == [4.5, 4.5]
     # heads that split evenly keep the even split
     llama8b = types.SimpleNamespace(num_heads=32, num_kv_heads=8, hidden_size=4096, head_dim=128,
                                     intermediate_size=14336)

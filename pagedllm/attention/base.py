@@ -99,8 +99,11 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: torch.Tensor | None = None,  # quantized caches only, as in write_kv
         v_scale: torch.Tensor | None = None,
+        head_rows: tuple[tuple[int, int], ...] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        ...
+        """``head_rows``: one ``(r0, r1)`` per KV head of the caches; rows outside ``[r0, r1)``
+        of that head's query heads need not be computed (they may hold anything). Tensor
+        parallelism gives the ranks holding one KV head disjoint rows of it."""
 
 
 # name -> "module:Class"; imported only when asked for, so `import pagedllm`

@@ -37,6 +37,8 @@ from pagedllm.native import cpu_ops
 # 128 MiB in float32, whatever the prompt length.
 MAX_SCORES_PER_TILE = 2**25
 
+HeadRows = tuple[tuple[int, int], ...]  # per KV head, the query rows [r0, r1) to compute
+
 
 @dataclass
 class DecodePlan:
@@ -86,8 +88,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_metadata: AttentionMetadata | None = None
         self._plan_block_size = 0
         self._plan: StepPlan | None = None
-        self._tiles_metadata: AttentionMetadata | None = None
-        self._tiles: tuple[torch.Tensor, int] | None = None  # (work list, rows with a sequence)
+        self._tiles_key: tuple[AttentionMetadata, HeadRows | None] | None = None
+        self._tiles: tuple[torch.Tensor, int, torch.Tensor | None] | None = None  # see _work
 
     # ---- per-step plan ----------------------------------------------------
 
@@ -171,11 +173,14 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: torch.Tensor | None = None,  # quantized caches only, as in write_kv
         v_scale: torch.Tensor | None = None,
+        head_rows: HeadRows | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each sequence's new tokens over its first ``seq_len``
-        cached tokens. Padding rows past the last sequence come back as zeros."""
+        cached tokens. Padding rows past the last sequence come back as zeros.
+        ``head_rows`` (see AttentionBackend.forward) spares the native kernel the rows
+        outside each KV head's range; the PyTorch path computes every row."""
         if self._native_enabled(query, k_cache, metadata):
-            return self._forward_native(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+            return self._forward_native(query, k_cache, v_cache, metadata, scale, k_scale, v_scale, head_rows)
         k_cache, v_cache = _Cache.of(k_cache, k_scale), _Cache.of(v_cache, v_scale)
         plan = self.plan(metadata, k_cache.block_size)
         decode = plan.decode
@@ -197,30 +202,49 @@ class TorchAttentionBackend(AttentionBackend):
         return decode_attention(query, k_cache, v_cache, decode, scale)
 
     def native_work(
-        self, query: torch.Tensor, k_cache: torch.Tensor, md: AttentionMetadata
+        self, query: torch.Tensor, k_cache: torch.Tensor, md: AttentionMetadata, head_rows: HeadRows | None = None
     ) -> tuple[torch.Tensor, int] | None:
         """The native kernel's work list for this step and the rows that hold a sequence
         (built once per step), or None where :meth:`forward` would not run the kernel on
-        queries like ``query`` (only its device, dtype, heads and head size are read)."""
+        queries like ``query`` (only its device, dtype, heads and head size are read).
+        With ``head_rows`` no tile straddles a range's bound (the ranges' per-tile heads:
+        ``cpu_ops.tile_head_ranges``)."""
         if not self._native_enabled(query, k_cache, md):
             return None
-        return self._work(query, k_cache, md)
+        tiles, num_rows, _ = self._work(query, k_cache, md, head_rows)
+        return tiles, num_rows
 
-    def _work(self, query, k_cache, md: AttentionMetadata) -> tuple[torch.Tensor, int]:
-        if self._tiles_metadata is not md:
+    def _work(
+        self, query, k_cache, md: AttentionMetadata, head_rows: HeadRows | None = None
+    ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """(tiles, rows that hold a sequence, each tile's KV heads or None for all), built once per
+        (metadata, head_rows): every layer of a step asks for the same."""
+        key = self._tiles_key
+        if key is None or key[0] is not md or key[1] != head_rows:
             per_tile = cpu_ops.tile_tokens(query.shape[1], k_cache.shape[2], query.shape[2])
-            tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile)
-            self._tiles = (tiles, sum(md.query_lens_host))
-            self._tiles_metadata = md
+            num_rows = sum(md.query_lens_host)
+            ranges = None
+            if head_rows is None:
+                tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile)
+            else:
+                assert len(head_rows) == k_cache.shape[2], "one (r0, r1) per KV head of the caches"
+                breaks = [r for bounds in head_rows for r in bounds if 0 < r < num_rows]
+                tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host, per_tile, breaks)
+                ranges = cpu_ops.tile_head_ranges(tiles, head_rows)
+            self._tiles = (tiles, num_rows, ranges)
+            self._tiles_key = (md, head_rows)
         return self._tiles
 
     def _forward_native(
-        self, query, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+        self, query, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
+        head_rows: HeadRows | None = None,
     ) -> torch.Tensor:
-        """Every row through the native kernel; its work list is built once per step."""
-        tiles, num_rows = self._work(query, k_cache, md)
+        """Every row through the native kernel (those ``head_rows`` leave out excepted); its work
+        list is built once per step."""
+        tiles, num_rows, ranges = self._work(query, k_cache, md, head_rows)
         out = cpu_ops.paged_attention(
-            query, k_cache, v_cache, md.block_tables, tiles, scale, k_scale=k_scale, v_scale=v_scale
+            query, k_cache, v_cache, md.block_tables, tiles, scale, k_scale=k_scale, v_scale=v_scale,
+            head_ranges=ranges,
         )
         if num_rows < query.shape[0]:
             out[num_rows:].zero_()  # padding rows

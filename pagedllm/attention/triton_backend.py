@@ -90,6 +90,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: torch.Tensor | None = None,  # quantized caches only, as in write_kv
         v_scale: torch.Tensor | None = None,
+        head_rows: tuple[tuple[int, int], ...] | None = None,  # a hint only: every row is computed
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # The interpreter truncates fp32 -> bf16 stores; let torch round instead.
         out_dtype = torch.float32 if interpreting_bf16(query.dtype) else query.dtype

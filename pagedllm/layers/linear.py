@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from pagedllm.distributed import (
     SINGLE_PROCESS,
     HeadShard,
+    SharedHeadRows,
     TensorParallelGroup,
     head_shard,
     shard_range,
@@ -356,9 +357,13 @@ class RowParallelLinear(LinearBase):
         self.input_start = start
         self.full_input_size = input_size
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, shared_rows: SharedHeadRows | None = None) -> Tensor:
+        """``shared_rows``: the input columns this rank shares with a neighbour (an o_proj over a
+        straddling KV head's attention), zero in the rows the neighbour computes."""
         if getattr(self.method, "gathers_input", False):  # it does its own collectives
-            return self.method.apply(self, x, self.bias)
+            if shared_rows is None:
+                return self.method.apply(self, x, self.bias)
+            return self.method.apply(self, x, self.bias, overlaps=shared_rows.overlaps)
         bias = self.bias if self.tp.is_first else None
         return self.tp.all_reduce(self.method.apply(self, x, bias))
 

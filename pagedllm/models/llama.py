@@ -19,10 +19,12 @@ from torch import Tensor, nn
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.distributed import (
     SINGLE_PROCESS,
+    SharedHeadRows,
     TensorParallelGroup,
     attention_weight_count,
     balanced_range,
     head_shard,
+    step_head_rows,
 )
 from pagedllm.errors import ModelLoadError
 from pagedllm.kv import kv_format
@@ -70,15 +72,44 @@ def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
     )
 
 
-class LlamaAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache (this rank's heads)."""
+class StepHeadRows:
+    """The step's :class:`SharedHeadRows` for this rank, computed once per step for every layer
+    (None where no KV head straddles two ranks)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
+        self.shards = [head_shard(config.num_heads, config.num_kv_heads, tp.size, r) for r in range(tp.size)]
+        self.rank, self.group, self.head_dim = tp.rank, config.num_heads // config.num_kv_heads, config.head_dim
+        self.active = self.shards[tp.rank].splits_rows
+        self._metadata: AttentionMetadata | None = None
+        self._rows: SharedHeadRows | None = None
+
+    def for_step(self, metadata: AttentionMetadata) -> SharedHeadRows | None:
+        if not self.active:
+            return None
+        if metadata is not self._metadata:
+            self._rows = step_head_rows(self.shards, self.rank, self.group, self.head_dim,
+                                        metadata.seq_lens_host, metadata.query_lens_host)
+            self._metadata = metadata
+        return self._rows
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache (this rank's heads).
+
+    A KV head shared with a neighbouring rank (:func:`head_shard`) is projected and
+    written whole on both, and its attention computed for this rank's rows only; the
+    o_proj's collective takes each row of it from the rank that computed it."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup,
+        head_rows: StepHeadRows | None = None,
+    ) -> None:
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, d, config.num_heads, config.num_kv_heads, config.attention_bias, tp
         )
+        self.head_rows = head_rows or StepHeadRows(config, tp)
         heads = self.qkv_proj.heads
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_q, heads.num_kv, d
         self.q_size, self.kv_size = heads.num_q * d, heads.num_kv * d
@@ -97,6 +128,8 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
+        shared = self.head_rows.for_step(metadata)
+        head_rows = None if shared is None else shared.head_rows
         qkv = self.qkv_proj(x)  # [T, (H + 2 KH) * D]
         # q and k sit side by side: rotate both heads' sets with one set of ops
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -106,7 +139,7 @@ class LlamaAttention(nn.Module):
         if len(kv_cache) == 2:
             k_cache, v_cache = kv_cache
             self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [T, H, D]
+            out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale, head_rows=head_rows)  # [T, H, D]
         else:  # 8-bit codes with their scales [num_blocks, block_size, KH] float16
             k_cache, v_cache, k_scale, v_scale = kv_cache
             scale, dtype = self.scale, q.dtype
@@ -117,11 +150,14 @@ class LlamaAttention(nn.Module):
                 scale = kv_format.rotated_attention_scale(scale, self.head_dim)
             self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale=k_scale, v_scale=v_scale)
             out = self.backend.forward(
-                q, k_cache, v_cache, metadata, scale, k_scale=k_scale, v_scale=v_scale
+                q, k_cache, v_cache, metadata, scale, k_scale=k_scale, v_scale=v_scale, head_rows=head_rows
             )  # [T, H, D]
-            if rotated:
+            if rotated:  # per (row, head) vector: another rank's rows stay apart
                 out = kv_format.rotate(out, 1.0 / self.head_dim).to(dtype)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if shared is None:
+            return self.o_proj(out)
+        return self.o_proj(shared.zero_unowned(out), shared_rows=shared)
 
 
 # The attention kernel, rotary and KV writes of one query head cost about as much as this many
@@ -140,9 +176,10 @@ def mlp_shard(config: ModelConfig, tp: TensorParallelGroup) -> tuple[int, int]:
     kernel's share per query head) and none waits for the other at each all-reduce.
     """
     shards = [head_shard(config.num_heads, config.num_kv_heads, tp.size, r) for r in range(tp.size)]
+    group = config.num_heads // config.num_kv_heads
     attention = [
         attention_weight_count(h, config.hidden_size, config.head_dim)
-        + ATTENTION_WORK_PER_QUERY_HEAD * h.num_q * config.hidden_size * config.head_dim
+        + ATTENTION_WORK_PER_QUERY_HEAD * h.query_head_work(group) * config.hidden_size * config.head_dim
         for h in shards
     ]
     # gate, up and down: three weights per intermediate feature and hidden unit
@@ -166,10 +203,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup,
+        head_rows: StepHeadRows | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, tp)
+        self.self_attn = LlamaAttention(config, backend, tp, head_rows)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -202,8 +242,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary = rotary_embedding(config)
+        head_rows = StepHeadRows(config, tp)  # one split of the shared heads' rows per step, for every layer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, tp) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, attn_backend, tp, head_rows) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         tied = self.embed_tokens if config.tie_word_embeddings else None

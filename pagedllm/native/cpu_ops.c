@@ -1362,7 +1362,7 @@ static int amx_int8_unit(void) {
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
             h, nh, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, layout, scale,      \
-            nh == 1 && h + 1 < first_head + heads_per_item ? h + 1 : -1, next_table, next_len, out)
+            nh == 1 && h + 1 < end_head ? h + 1 : -1, next_table, next_len, out)
 /* Every tile takes SUB chunks per softmax update, a decode token's too: a row's float
    operations are then the same whatever tile it is in (a decode step, a prefill chunk, a
    recompute after preemption), so the schedule never changes its bits. */
@@ -1379,15 +1379,28 @@ static int amx_int8_unit(void) {
    thread whose share holds its middle key), so each thread knows its next
    tile and prefetches that tile's first chunks while it finishes the current
    one (a sequence's first blocks were otherwise read cold); other calls take
-   tiles as threads come free. k_scale / v_scale: NULL for float caches. */
+   tiles as threads come free. k_scale / v_scale: NULL for float caches.
+   head_ranges: NULL, or [num_tiles][2]: tile i computes local KV heads
+   [lo, hi) only (tensor parallelism splits a KV head's rows between ranks),
+   its other heads' rows left unwritten; in a decode-only call a tile weighs
+   its keys times its heads. A row's operations do not depend on the heads
+   computed beside it, so the range never changes its bits. */
 #define DECODE_TILE_KEYS(t) ((int64_t)(t).len0 + (t).rows + 16) /* its keys, and a block's worth for its fixed cost */
+#define DECODE_ITEM_WEIGHT(i)                                                                     \
+    (DECODE_TILE_KEYS(tiles[i]) * (head_ranges ? head_ranges[2 * (i) + 1] - head_ranges[2 * (i)] : num_kv_heads))
 #define ENTRY_ITEM(TILE_FN)                                                                       \
     do {                                                                                          \
-        const tile_t tile = tiles[item * heads_per_item / num_kv_heads];                          \
-        const int64_t first_head = item * heads_per_item % num_kv_heads;                          \
-        const int64_t rows = tile.rows * num_heads / num_kv_heads * heads_per_item;               \
-        const int64_t nh = rows <= MAX_ROWS && rows * head_dim <= MAX_ROW_FLOATS ? heads_per_item : 1; \
-        for (int64_t h = first_head; h < first_head + heads_per_item; h += nh) {                  \
+        const int64_t tile_index = item * heads_per_item / num_kv_heads;                          \
+        const tile_t tile = tiles[tile_index];                                                    \
+        int64_t first_head = item * heads_per_item % num_kv_heads, end_head = first_head + heads_per_item; \
+        if (head_ranges) { /* only the tile's heads */                                            \
+            if (first_head < head_ranges[2 * tile_index]) first_head = head_ranges[2 * tile_index]; \
+            if (end_head > head_ranges[2 * tile_index + 1]) end_head = head_ranges[2 * tile_index + 1]; \
+        }                                                                                         \
+        const int64_t heads = end_head > first_head ? end_head - first_head : 0;                  \
+        const int64_t rows = tile.rows * num_heads / num_kv_heads * heads;                        \
+        const int64_t nh = rows <= MAX_ROWS && rows * head_dim <= MAX_ROW_FLOATS ? heads : 1;     \
+        for (int64_t h = first_head; h < end_head; h += nh) {                                     \
             switch (head_dim) {                                                                   \
             case 64: DISPATCH_CH(TILE_FN, 64 / VW); break;                                        \
             case 128: DISPATCH_CH(TILE_FN, 128 / VW); break;                                      \
@@ -1400,20 +1413,21 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
           const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-          int32_t layout, float scale, int32_t split_heads, TQ *out) {                            \
+          int32_t layout, float scale, int32_t split_heads, const int32_t *head_ranges, TQ *out) { \
     const int64_t heads_per_item = split_heads ? 1 : num_kv_heads;                                \
     const int64_t items = num_tiles * (num_kv_heads / heads_per_item);                            \
     int decode_only = !split_heads && num_heads * head_dim <= MAX_ROW_FLOATS && num_heads <= MAX_ROWS; \
     for (int64_t i = 0; i < num_tiles && decode_only; ++i) decode_only = tiles[i].rows == 1;      \
     if (decode_only) {                                                                            \
         int64_t total = 0;                                                                        \
-        for (int64_t i = 0; i < items; ++i) total += DECODE_TILE_KEYS(tiles[i]);                  \
+        for (int64_t i = 0; i < items; ++i) total += DECODE_ITEM_WEIGHT(i);                       \
+        if (total == 0) return; /* no tile has a head to compute */                               \
         _Pragma("omp parallel if(items > 1)")                                                     \
         {                                                                                         \
             const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();             \
             int64_t first = 0, end = 0, keys = 0;                                                 \
             for (int64_t i = 0; i < items; ++i) {                                                 \
-                const int64_t w = DECODE_TILE_KEYS(tiles[i]);                                     \
+                const int64_t w = DECODE_ITEM_WEIGHT(i);                                          \
                 if ((2 * keys + w) * threads / (2 * total) == me) {                               \
                     if (end == 0) first = i;                                                      \
                     end = i + 1;                                                                  \
@@ -1605,16 +1619,17 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
           const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-          int32_t layout, float scale, int32_t split_heads, TQ *out) {                            \
+          int32_t layout, float scale, int32_t split_heads, const int32_t *head_ranges, TQ *out) { \
     const int64_t items = num_tiles * num_kv_heads;                                               \
     (void)split_heads;                                                                            \
     _Pragma("omp parallel for schedule(dynamic, 1) if(items > 1)")                                \
     for (int64_t item = 0; item < items; ++item) {                                                \
-        const tile_t tile = tiles[item / num_kv_heads];                                           \
+        const int64_t t = item / num_kv_heads, h = item % num_kv_heads;                           \
+        if (head_ranges && (h < head_ranges[2 * t] || h >= head_ranges[2 * t + 1])) continue;    \
+        const tile_t tile = tiles[t];                                                             \
         TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                  \
                 tables + (int64_t)tile.table_row * table_stride,                                  \
-                tile, item % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size, layout, \
-                scale, out);                                                                      \
+                tile, h, num_heads, num_kv_heads, head_dim, block_size, layout, scale, out);      \
     }                                                                                             \
 }
 
@@ -1724,12 +1739,13 @@ void NAME(const bf16_t *q, int64_t q_stride, const T *k_cache, const T *v_cache,
           const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables,                \
           int64_t table_stride, const tile_t *tiles, int64_t num_tiles, int64_t num_heads,        \
           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int32_t layout, float scale, \
-          int32_t split_heads, bf16_t *out) {                                                     \
+          int32_t split_heads, const int32_t *head_ranges, bf16_t *out) {                         \
     const int amx = head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM && layout == KV_LAYOUT_TOKEN \
                     && attention_amx() && (UNIT);                                                 \
     (amx ? NAME##_amx : NAME##_vector)(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables,  \
                                        table_stride, tiles, num_tiles, num_heads, num_kv_heads,   \
-                                       head_dim, block_size, layout, scale, split_heads, out);    \
+                                       head_dim, block_size, layout, scale, split_heads,          \
+                                       head_ranges, out);                                         \
 }
 DEFINE_AMX_DISPATCH(paged_attention_bf16, bf16_t, 1)
 DEFINE_AMX_DISPATCH(paged_attention_bf16_i8, kv8_t, amx_int8_unit())

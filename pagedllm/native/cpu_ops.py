@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -200,24 +201,57 @@ def tile_tokens(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     return max(1, min(MAX_TILE_TOKENS, MAX_ROWS // group, MAX_ROW_FLOATS // (group * head_dim)))
 
 
-def make_tiles(seq_lens: list[int], query_lens: list[int], tokens_per_tile: int) -> torch.Tensor:
+def make_tiles(
+    seq_lens: list[int], query_lens: list[int], tokens_per_tile: int, breaks: Sequence[int] = ()
+) -> torch.Tensor:
     """The kernel's work list: int32 ``[num_tiles, 4]`` rows of
     (block-table row, first query row, length row 0 sees, query rows).
 
     Sequence ``i``'s new tokens are query rows ``sum(query_lens[:i]) ...``; its
     token at position ``p`` sees ``p + 1`` tokens. Tiles are ordered longest
     context first, so the parallel loop does not end on one long tile.
+    ``breaks``: query rows before which a tile ends (none holds rows on both
+    sides of one), so that the tiles either side of a head range's bound can
+    compute different KV heads (:func:`tile_head_ranges`).
     """
     tiles = []
     row = 0
+    cuts = sorted(set(breaks))
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         first_len = seq_len - q_len + 1
-        for offset in range(0, q_len, tokens_per_tile):
-            rows = min(tokens_per_tile, q_len - offset)
-            tiles.append((i, row + offset, first_len + offset, rows))
+        ends = [b - row for b in cuts if row < b < row + q_len] + [q_len]
+        offset = 0
+        for end in ends:  # a run between breaks, in tiles of up to tokens_per_tile
+            for start in range(offset, end, tokens_per_tile):
+                rows = min(tokens_per_tile, end - start)
+                tiles.append((i, row + start, first_len + start, rows))
+            offset = end
         row += q_len
     tiles.sort(key=lambda t: -(t[2] + t[3]))
     return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 4)
+
+
+def tile_head_ranges(tiles: torch.Tensor, head_rows: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Each tile's local KV heads for :func:`paged_attention`'s ``head_ranges``: int32
+    ``[num_tiles, 2]`` rows ``(lo, hi)``, the heads ``h`` whose rows ``head_rows[h] = (r0, r1)``
+    hold the tile's first row (``(0, 0)`` for none).
+
+    ``tiles`` must come from :func:`make_tiles` with every ``r0`` / ``r1`` inside the rows among
+    its ``breaks``, so a tile lies on one side of each (ValueError otherwise, as for a tile whose
+    heads are not consecutive: the kernel takes a range)."""
+    first = tiles[:, 1:2].long()  # [T, 1]
+    bounds = torch.tensor(head_rows, dtype=torch.int64).reshape(-1, 2)  # [KH, 2]
+    edges = bounds[bounds[:, 0] < bounds[:, 1]].reshape(-1)  # an empty range's bounds bound nothing
+    if bool(((first < edges) & (edges < first + tiles[:, 3:4].long())).any()):
+        raise ValueError(f"a tile straddles a bound of head_rows {tuple(head_rows)}: make the tiles with them as breaks")
+    covered = (bounds[:, 0] <= first) & (first < bounds[:, 1])  # [T, KH]
+    heads = torch.arange(bounds.shape[0])
+    count = covered.sum(1)
+    lo = torch.where(count > 0, torch.where(covered, heads, bounds.shape[0]).amin(1), 0)
+    hi = lo + count
+    if not torch.equal(covered, (lo[:, None] <= heads) & (heads < hi[:, None])):
+        raise ValueError(f"head_rows {tuple(head_rows)} give a tile heads that are not consecutive")
+    return torch.stack([lo, hi], 1).to(torch.int32).contiguous()
 
 
 def paged_attention(
@@ -231,13 +265,16 @@ def paged_attention(
     split_heads: bool | None = None,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, KH] float16, 8-bit caches only
     v_scale: torch.Tensor | None = None,
+    head_ranges: torch.Tensor | None = None,  # [num_tiles, 2] int32, from tile_head_ranges
 ) -> torch.Tensor:  # [R, H, D], query's dtype; rows no tile covers are left unset
     """Causal paged attention of every query row a tile covers, K/V read in place.
 
     ``library`` defaults to the one :func:`available` loaded. ``split_heads``
     makes each (tile, KV head) its own work item; by default it is chosen
     from the number of tiles. An 8-bit cache (int8, float8_e4m3fn,
-    float8_e5m2) needs its contiguous float16 scales."""
+    float8_e5m2) needs its contiguous float16 scales. ``head_ranges``
+    (:func:`tile_head_ranges`): tile ``i`` computes only the local KV heads
+    ``[lo, hi)`` of row ``i``; its rows of the other heads are left unset."""
     library = library or _library
     assert library is not None, "call available() first"
     num_rows, num_heads, head_dim = query.shape
@@ -260,10 +297,14 @@ def paged_attention(
         split_heads = tiles.shape[0] < 4 * torch.get_num_threads()
     layout = kv_layout(k_cache, v_cache)
     assert layout is not None, "the K/V caches are in neither layout the kernels read"
+    if head_ranges is not None:
+        assert head_ranges.dtype == torch.int32 and head_ranges.is_contiguous()
+        assert head_ranges.shape == (tiles.shape[0], 2), "one (lo, hi) per tile"
     kernel(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *scales,
         tables.data_ptr(), tables.stride(0), tiles.data_ptr(), tiles.shape[0],
-        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], layout, scale, int(split_heads), out.data_ptr(),
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], layout, scale, int(split_heads),
+        None if head_ranges is None else head_ranges.data_ptr(), out.data_ptr(),
     )
     return out
 
@@ -650,7 +691,7 @@ def _declare(library: ctypes.CDLL) -> None:
         for code in codes:
             fn = getattr(library, f"paged_attention_{query_type}{code}")
             fn.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64,
-                           i64, i64, i32, f32, i32, pointer]
+                           i64, i64, i32, f32, i32, pointer, pointer]
             fn.restype = None
             if code:
                 fn = getattr(library, f"write_kv_{query_type}{code}")

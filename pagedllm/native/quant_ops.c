@@ -2099,7 +2099,7 @@ typedef void (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache
                             const void *k_scale, const void *v_scale, const int32_t *tables, int64_t table_stride,
                             const int32_t *tiles, int64_t num_tiles, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, int32_t layout, float scale, int32_t split_heads,
-                            void *out);
+                            const int32_t *head_ranges, void *out);
 typedef void (*SiluMulFn)(const void *gate_up, int64_t rows, int64_t n, void *out);
 typedef void (*Hadamard16Fn)(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                              float scale, int64_t narrow_heads, float *y, int64_t y_stride);
@@ -2248,7 +2248,7 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
                                      s->block_size, (int32_t)s->kv_layout);
         ((AttentionFn)s->attention)(qkv, qkv_width, L->k_cache, L->v_cache, L->k_scale, L->v_scale, tables,
                                     table_stride, tiles, num_tiles, H, KH, D, s->block_size, (int32_t)s->kv_layout,
-                                    s->rotate ? s->scale / (float)D : s->scale, split_heads, attn_out);
+                                    s->rotate ? s->scale / (float)D : s->scale, split_heads, NULL, attn_out);
         if (num_rows < rows) memset(attn_out + num_rows * H * D * e, 0, (size_t)((rows - num_rows) * H * D * e));
         if (s->rotate && e == 4) ((HadamardFn)s->hadamard)((float *)attn_out, rows, H * D, H, D, 1.0f / (float)D);
         if (s->rotate && e == 2) /* the output rotated back in float32, then bfloat16 */

@@ -79,9 +79,9 @@ class QuantizedRowParallelMethod(QuantizedLinearMethod):
         super().__init__(weight)
         self.out_start = out_start
 
-    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None) -> Tensor:
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None, overlaps: tuple[int, ...] = ()) -> Tensor:
         tp = layer.tp
-        full = tp.all_gather_columns(x.contiguous(), layer.input_start, layer.full_input_size)
+        full = tp.all_gather_columns(x.contiguous(), layer.input_start, layer.full_input_size, overlaps)
         y = self.matmul(full)  # [T, this rank's outputs]
         if bias is not None:
             y = y + bias[self.out_start : self.out_start + y.shape[1]]
