@@ -102,6 +102,37 @@ def test_split_rows_follow_the_attention_work():
     assert x[:, :192].eq(1).all() and x[:split, 192:].eq(1).all() and x[split:, 192:].eq(0).all()
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_qkv_projects_a_shared_heads_queries_for_its_rows_only(packed):
+    """Rank 1 of 2 over 3 KV heads holds KV heads 1-2 and computes head 1's attention for rows
+    [split, T): those rows of its queries equal the whole projection's, the others are zero, and
+    every other column is the whole projection's."""
+    from pagedllm.distributed import TensorParallelGroup
+    from pagedllm.layers import QKVParallelLinear
+    from pagedllm.quant import quantize_rtn
+    from pagedllm.quant.layers import QuantizedLinearMethod
+
+    torch.manual_seed(0)
+    tp = TensorParallelGroup(rank=1, size=2)
+    dense = torch.randn(6 * 8 + 2 * 2 * 8, 64)
+    method = QuantizedLinearMethod(quantize_rtn(dense, 4, 32)) if packed else None
+    layer = QKVParallelLinear(64, 8, 9, 3, bias=True, tp=tp, method=method)
+    if not packed:
+        layer.weight.data.copy_(dense)
+    layer.bias.data.copy_(torch.randn(layer.output_size))
+    layer.bind(torch.device("cpu"), torch.float32)
+    assert layer.shared_q == [(0, 0, 24)]
+    x = torch.randn(10, 64)
+    whole, split = layer(x), layer.forward_rows(x, ((4, 10), (0, 10)))
+    # packed: each output's float sequence is fixed, so the bits; dense: oneDNN may block a
+    # matrix of other rows differently
+    same = torch.equal if packed else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+    assert same(split[4:, :24], whole[4:, :24]) and split[:4, :24].eq(0).all()
+    assert same(split[:, 24:], whole[:, 24:])
+    assert not same(split[:4, :24], whole[:4, :24])  # (the zeros are not the projection's values)
+    assert torch.equal(layer.forward_rows(x, None), whole)
+
+
 @pytest.mark.slow
 def test_tp2_greedy_equals_tp1_on_the_default_model():
     tp2 = _llm(2)

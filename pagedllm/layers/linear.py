@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,14 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None) -> Tensor:
         """``x [T, in] -> [T, out]``, plus ``bias`` when given."""
+
+    def rows_matmul(self, layer: nn.Module, ranges: list[tuple[int, int]]) -> Callable[[Tensor], Tensor]:
+        """``x [T, in] -> [T, n]``: the outputs in ``ranges`` (``[start, end)`` of the weight's rows,
+        in order), plus their bias, from a copy of those rows made now (after :meth:`bind`)."""
+        weight = torch.cat([layer.dense_weight()[a:b] for a, b in ranges]).contiguous()
+        bias = None if layer.bias is None else torch.cat([layer.bias[a:b] for a, b in ranges])
+        matmul = dense_matmul(weight)
+        return lambda x: matmul(x, weight, bias)
 
 
 class _TorchMatmul:
@@ -338,6 +347,43 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         h = self.heads
         kv = (h.kv_start * head_dim, h.num_kv * head_dim)
         super().__init__(hidden_size, [(h.q_start * head_dim, h.num_q * head_dim), kv, kv], bias, tp, method)
+        # the query columns of each KV head this rank computes for part of the rows (head_shard)
+        width = num_heads // num_kv_heads * head_dim
+        self.shared_q = [(i, i * width, (i + 1) * width) for i, share in enumerate(h.rows) if share != (0, 1)]
+        self._row_split = None  # (matmul of the other rows, its column ranges, [(head, c0, c1, matmul)])
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().bind(device, dtype)
+        self._row_split = None
+        if self.shared_q:
+            keep, at = [], 0
+            for _, c0, c1 in self.shared_q:
+                keep += [(at, c0)] if c0 > at else []
+                at = c1
+            keep += [(at, self.output_size)] if at < self.output_size else []
+            parts = [(i, c0, c1, self.method.rows_matmul(self, [(c0, c1)])) for i, c0, c1 in self.shared_q]
+            self._row_split = (self.method.rows_matmul(self, keep), keep, parts)
+
+    def forward_rows(self, x: Tensor, head_rows: tuple[tuple[int, int], ...] | None) -> Tensor:
+        """:meth:`forward` where a shared KV head's queries are needed only in its rows ``head_rows``:
+        those are projected for those rows alone (each rank multiplies its share of them, not all);
+        its other rows come back zero. The same values as :meth:`forward` in the rows computed."""
+        if self._row_split is None or head_rows is None:
+            return self(x)
+        main, keep, parts = self._row_split
+        y = main(x)
+        out = y.new_empty((x.shape[0], self.output_size))
+        at = 0
+        for a, b in keep:
+            out[:, a:b] = y[:, at : at + b - a]
+            at += b - a
+        for i, c0, c1, matmul in parts:
+            r0, r1 = head_rows[i]
+            out[:r0, c0:c1] = 0
+            out[r1:, c0:c1] = 0
+            if r1 > r0:
+                out[r0:r1, c0:c1] = matmul(x[r0:r1])
+        return out
 
 
 class RowParallelLinear(LinearBase):

@@ -130,7 +130,7 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         shared = self.head_rows.for_step(metadata)
         head_rows = None if shared is None else shared.head_rows
-        qkv = self.qkv_proj(x)  # [T, (H + 2 KH) * D]
+        qkv = self.qkv_proj.forward_rows(x, head_rows)  # [T, (H + 2 KH) * D]
         # q and k sit side by side: rotate both heads' sets with one set of ops
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = rotary(qk)  # [T, H + KH, D]

@@ -55,6 +55,11 @@ class QuantizedLinearMethod(LinearMethod):
     def bind(self, layer: nn.Module) -> None:
         self.matmul = self.weight.matmul(layer.weight.device)  # the packed layout is the kernel's
 
+    def rows_matmul(self, layer: nn.Module, ranges: list[tuple[int, int]]):
+        matmul = QuantizedWeight.cat_rows([self.weight.rows(a, b) for a, b in ranges]).matmul(layer.weight.device)
+        bias = None if layer.bias is None else torch.cat([layer.bias[a:b] for a, b in ranges])
+        return matmul if bias is None else (lambda x: matmul(x) + bias)
+
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None) -> Tensor:
         y = self.matmul(x)  # [T, out] in x's dtype
         return y if bias is None else y + bias
