@@ -553,3 +553,33 @@ def test_disk_tier_under_tensor_parallelism_and_a_restart(tiny_dir, reference, t
         restarted.llm_engine.block_manager.check_invariants()
     finally:
         restarted.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_disk_tier_under_tensor_parallelism_with_a_shared_kv_head(tmp_path):
+    """3 KV heads over 2 ranks: the middle head is held by both (its rows' attention split
+    between them, pagedllm.distributed.head_shard). Rank 0 saves whole blocks gathered from
+    both ranks and scatters them back on a hit: outputs equal the single-process engine's,
+    before and after a restart, and each rank's block invariants hold."""
+    from tiny_models import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "model", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    want = run_turns(tiny_llm(model))
+    cache = tmp_path / "cache"
+    llm = tiny_llm(model, tensor_parallel_size=2, kv_cache_dir=str(cache))
+    try:
+        assert llm.llm_engine.kv_cache.block_tensors()[0].shape[2] == 2  # its own KV head and the shared one
+        assert run_turns(llm) == want
+        stats = llm.kv_cache_stats()
+        assert stats.tier("disk").num_hit_tokens >= (NUM_CONVERSATIONS - 2) * PREFIX_LEN
+    finally:
+        llm.llm_engine.shutdown()
+    restarted = tiny_llm(model, tensor_parallel_size=2, kv_cache_dir=str(cache))
+    try:
+        for c in (0, NUM_CONVERSATIONS - 1):
+            (out,) = restarted.generate([{"prompt_token_ids": conversation_prompts(1)[c]}], GREEDY, use_tqdm=False)
+            assert list(out.outputs[0].token_ids) == want[NUM_CONVERSATIONS + c]
+            assert out.num_cached_tokens == PREFIX_LEN
+        restarted.llm_engine.block_manager.check_invariants()
+    finally:
+        restarted.llm_engine.shutdown()
