@@ -207,7 +207,7 @@ def step_head_rows(
     columns = tuple((i * width, (i + 1) * width, r0, r1) for i, (r0, r1) in enumerate(head_rows)
                     if (r0, r1) != (0, total))
     overlaps = tuple(split_row(seq_lens, query_lens, a.rows[-1][1]) for a, b in zip(shards, shards[1:])
-                     if a.kv_start + a.num_kv > b.kv_start)
+                     if a.rows and a.kv_start + a.num_kv > b.kv_start)
     return SharedHeadRows(head_rows, columns, overlaps)
 
 
