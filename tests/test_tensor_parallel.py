@@ -133,6 +133,16 @@ def test_qkv_projects_a_shared_heads_queries_for_its_rows_only(packed):
     assert torch.equal(layer.forward_rows(x, None), whole)
 
 
+def test_each_rank_takes_its_share_of_the_cores_this_process_may_use(monkeypatch):
+    from pagedllm.worker.executor import _threads_per_rank
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    assert _threads_per_rank(2) == 3  # the mask's 6 cores, not the machine's 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5}, raising=False)
+    assert _threads_per_rank(2) == 1
+
+
 @pytest.mark.slow
 def test_tp2_greedy_equals_tp1_on_the_default_model():
     tp2 = _llm(2)

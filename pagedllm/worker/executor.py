@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import pickle
 import signal
 import socket
@@ -39,6 +38,7 @@ from pagedllm.distributed import (
     init_tensor_parallel,
 )
 from pagedllm.errors import EngineDeadError
+from pagedllm.native.threads import allowed_cpus
 from pagedllm.step import StepInput, StepResult
 from pagedllm.worker.worker import Worker, resolve_device
 
@@ -69,7 +69,9 @@ def _free_port() -> int:
 
 
 def _threads_per_rank(size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // size)
+    """Each rank's share of the cores this process may run on (a container's or ``taskset``'s
+    mask, not the machine's count: more threads than cores would contend at every barrier)."""
+    return max(1, allowed_cpus() // size)
 
 
 def _die_with_parent() -> None:
