@@ -1,12 +1,24 @@
 # Shared by the benchmark round scripts (source it after setting O, the output folder, and P,
-# the virtualenv's bin folder).
+# the virtualenv's bin folder, or call begin_round).
 
-probe() {  # probe NAME: a 1 GiB float32 read on every thread, best of 5, and the load, into $O/probe.txt
+begin_round() {  # begin_round DIR: O=DIR (made), P the main virtualenv's bin, the commit in DIR/commit.txt, cd /tmp
+  O=$1
+  P=${P:-/work/main/.venv/bin}
+  mkdir -p $O
+  git -C /work/main rev-parse --short HEAD > $O/commit.txt
+  cd /tmp
+}
+
+read_gbs() {  # read_gbs: a 1 GiB float32 read on every thread, best of 5, in GB/s
   $P/python -c "
 import torch, time
 x = torch.ones(256 * 1024 * 1024); x.sum()
 best = min((lambda t: (x.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
-print('$1 read_gbs %.2f' % (x.numel() * 4 / best / 1e9))" >> $O/probe.txt
+print('%.2f' % (x.numel() * 4 / best / 1e9))"
+}
+
+probe() {  # probe NAME: read_gbs and the load, into $O/probe.txt
+  echo "$1 read_gbs $(read_gbs)" >> $O/probe.txt
   echo "$1 loadavg $(cat /proc/loadavg)" >> $O/probe.txt
 }
 

@@ -13,6 +13,7 @@ most one), so uneven counts such as SmolLM2's 3 KV heads over 2 ranks work.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import platform
@@ -59,7 +60,7 @@ class HeadShard:
     rank's query heads map onto its KV heads with the model's group size.
 
     ``rows``: per local KV head, the share ``(lo, hi)`` of each step's query rows
-    (as fractions of the step's attention work, see :func:`head_row_ranges`) this
+    (as fractions of the step's attention work, see :func:`split_row`) this
     rank computes that head's attention for; ``(0, 1)`` for a head it owns alone.
     A KV head that straddles two ranks is held (weights, K/V) by both, and each
     computes its attention for part of the rows. Empty: every local head whole.
@@ -167,11 +168,6 @@ def split_row(seq_lens: list[int], query_lens: list[int], fraction: Fraction) ->
     return total_rows
 
 
-def head_row_ranges(shard: HeadShard, seq_lens: list[int], query_lens: list[int]) -> tuple[tuple[int, int], ...]:
-    """Per local KV head, the query rows ``[r0, r1)`` of this step that this rank computes."""
-    return tuple((split_row(seq_lens, query_lens, lo), split_row(seq_lens, query_lens, hi)) for lo, hi in shard.rows)
-
-
 @dataclass(frozen=True)
 class SharedHeadRows:
     """One step's split of the straddling KV heads' query rows (see :func:`head_shard`).
@@ -200,13 +196,13 @@ def step_head_rows(
     shards: list[HeadShard], rank: int, group: int, head_dim: int, seq_lens: list[int], query_lens: list[int]
 ) -> SharedHeadRows:
     """:class:`SharedHeadRows` of rank ``rank`` for a step with these lengths (``shards``: every rank's)."""
-    mine = shards[rank]
-    head_rows = head_row_ranges(mine, seq_lens, query_lens)
+    row_at = functools.cache(lambda fraction: split_row(seq_lens, query_lens, fraction))  # a boundary's row once
+    head_rows = tuple((row_at(lo), row_at(hi)) for lo, hi in shards[rank].rows)
     total = sum(query_lens)
     width = group * head_dim
     columns = tuple((i * width, (i + 1) * width, r0, r1) for i, (r0, r1) in enumerate(head_rows)
                     if (r0, r1) != (0, total))
-    overlaps = tuple(split_row(seq_lens, query_lens, a.rows[-1][1]) for a, b in zip(shards, shards[1:])
+    overlaps = tuple(row_at(a.rows[-1][1]) for a, b in zip(shards, shards[1:])
                      if a.rows and a.kv_start + a.num_kv > b.kv_start)
     return SharedHeadRows(head_rows, columns, overlaps)
 
@@ -421,25 +417,13 @@ class SharedMemoryAllReduce:
             return RuntimeError(f"the ranks' columns {spans} (overlaps split at rows {list(overlaps)}) do not "
                                 f"tile the {num_columns} of this gather")
 
-        if not overlaps:  # the common case: one concatenation
-            parts, at = [], 0
-            for r in order:
-                first, w = spans[r]
-                if first != at or w < 0:
-                    raise mismatch()
-                parts.append(x if r == self.rank else data[r][: rows * w].view(rows, w))
-                at += w
-            if at != num_columns:
-                raise mismatch()
-            return torch.cat(parts, dim=1)
         out = x.new_empty((rows, num_columns))
         at, next_overlap = 0, 0
         for r in order:
             first, w = spans[r]
             part = x if r == self.rank else data[r][: rows * w].view(rows, w)
-            if first < at:  # shared with the previous rank: its rows before the split stay
-                if next_overlap == len(overlaps) or first + w <= at:
-                    raise mismatch()
+            if first < at and next_overlap < len(overlaps) and first + w > at:
+                # shared with the previous rank: its rows before the split stay
                 split = overlaps[next_overlap]
                 next_overlap += 1
                 out[split:, first:at] = part[split:, : at - first]

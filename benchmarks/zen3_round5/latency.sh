@@ -3,12 +3,8 @@
 # two read probes (1 GiB float32, both threads): the decode rate against the bytes a step reads
 # (issue 18's batch-1 target); the code at latency/commit.txt.
 set -u
-O=/work/main/benchmarks/zen3_round5/latency
-P=/work/main/.venv/bin
-mkdir -p $O
-cd /tmp
-. /work/main/benchmarks/round_lib.sh  # probe
-git -C /work/main rev-parse --short HEAD > $O/commit.txt
+. /work/main/benchmarks/round_lib.sh  # begin_round, probe
+begin_round /work/main/benchmarks/zen3_round5/latency
 for i in 1 2 3; do
   probe before_$i
   $P/python -m pagedllm.cli bench latency --runs 3 --input-len 128 --output-len 128 --dtype float32 \

@@ -4,12 +4,8 @@
 # default) and whole KV heads per rank (PAGEDLLM_TP_SHARED_HEADS=0), alternating, twice each;
 # the code at tp2/commit.txt.
 set -u
-O=/work/main/benchmarks/zen3_round5/tp2
-P=/work/main/.venv/bin
-mkdir -p $O
-cd /tmp
-. /work/main/benchmarks/round_lib.sh  # probe
-git -C /work/main rev-parse --short HEAD > $O/commit.txt
+. /work/main/benchmarks/round_lib.sh  # begin_round, probe
+begin_round /work/main/benchmarks/zen3_round5/tp2
 for i in ${ROUNDS:-1 2}; do
   for arm in shared whole; do
     probe ${arm}_$i

@@ -3,12 +3,8 @@
 # levels) and one activation level (--quant-activations int8), two invocations; the code at
 # w64/commit.txt.
 set -u
-O=/work/main/benchmarks/zen3_round5/w64
-P=/work/main/.venv/bin
-mkdir -p $O
-cd /tmp
-. /work/main/benchmarks/round_lib.sh  # probe
-git -C /work/main rev-parse --short HEAD > $O/commit.txt
+. /work/main/benchmarks/round_lib.sh  # begin_round, probe
+begin_round /work/main/benchmarks/zen3_round5/w64
 for i in 1 2; do
   probe run_$i
   $P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json \
