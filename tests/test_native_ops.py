@@ -187,12 +187,15 @@ def test_paged_attention_matches_oracle(library, dtype, block_size, num_heads, n
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", [(16, 9, 3, 64), (8, 8, 2, 128), (32, 4, 4, 32)])
-def test_a_rows_attention_is_the_same_bits_in_any_tile(library, dtype, block_size, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("length", [70, 600])
+def test_a_rows_attention_is_the_same_bits_in_any_tile(library, dtype, block_size, num_heads, num_kv_heads, head_dim,
+                                                       length):
     """A position's output as a decode token, in a prefill tile and in a later prefill chunk
-    (a recompute after preemption re-prefills what was decoded) is equal bit for bit."""
+    (a recompute after preemption re-prefills what was decoded) is equal bit for bit. At 600
+    tokens rows see up to three key segments (cpu_ops.c SEG_KEYS), merged after one another:
+    a decode token's segments as separate work items (split_heads) or on one thread."""
     if head_dim % library.vector_width():
         pytest.skip("head_dim not a multiple of this path's vector width (cpu_ops.supports refuses it)")
-    length = 70
     batch = make_paged_batch([(0, length)], block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, dtype=dtype, seed=3)
     md = batch.metadata
@@ -207,8 +210,16 @@ def test_a_rows_attention_is_the_same_bits_in_any_tile(library, dtype, block_siz
     whole = attend(0, length)
     later_chunk = attend(23, length - 23)
     assert torch.equal(later_chunk, whole[23:])
-    for position in (0, 5, 15, 16, 31, 47, length - 1):
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (whole.double() - naive_attention(batch.query.double(), batch)).abs().max().item() <= tolerance
+    positions = (0, 5, 15, 16, 31, 47, length - 1) + ((255, 256, 257, 300, 511, 512, 513) if length > 512 else ())
+    for position in positions:
         assert torch.equal(attend(position, 1)[0], whole[position]), position
+        tiles = cpu_ops.make_tiles([position + 1], [1], per_tile)
+        split = cpu_ops.paged_attention(batch.query[position : position + 1].contiguous(), batch.k_cache,
+                                        batch.v_cache, md.block_tables, tiles, batch.scale, library=library,
+                                        split_heads=True)
+        assert torch.equal(split[0], whole[position]), position
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

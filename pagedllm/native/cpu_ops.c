@@ -642,7 +642,8 @@ static inline __attribute__((always_inline)) void NAME(                         
     const uint16_t *v_scale, const int32_t *table,                                                \
     const tile_t tile, int64_t h0, int64_t nh, int64_t num_heads, int64_t num_kv_heads,           \
     const int CH, const int NSUB, int64_t block_size, int32_t layout, float scale, int64_t next_head, \
-    const int32_t *next_table, int64_t next_len, TQ *out) {                                       \
+    const int32_t *next_table, int64_t next_len, int64_t key_start, int64_t key_end, float *partial, \
+    TQ *out) {                                                                                    \
     const int64_t D = VW * CH, G = num_heads / num_kv_heads, R = tile.rows * G;                   \
     const int64_t max_len = tile.len0 + tile.rows - 1, row_bytes = D * (int64_t)sizeof(T);        \
     /* element strides (see KV_LAYOUT_HEAD): a key's tokens and dims, a value's tokens */         \
@@ -665,14 +666,14 @@ static inline __attribute__((always_inline)) void NAME(                         
         run_max[r] = -INFINITY;                                                                   \
         run_sum[r] = 0.0f;                                                                        \
     }                                                                                             \
-    for (int64_t start = 0; start < max_len;) {                                                   \
-        /* up to SUB chunks of at most VW tokens, each within one block */                        \
+    for (int64_t start = key_start; start < key_end;) {                                           \
+        /* up to SUB chunks of at most VW tokens, each within one block and the key range */      \
         const T *kbs[SUB], *vbs[SUB];                                                             \
         int64_t ns[SUB], offs[SUB], slots[SUB];                                                   \
         int64_t pos = start;                                                                      \
         for (int sub = 0; sub < NSUB; ++sub) {                                                     \
             int64_t slot = 0;                                                                     \
-            const int64_t n = pos < max_len ? key_chunk(table, pos, max_len, block_size, &slot) : 0;\
+            const int64_t n = pos < key_end ? key_chunk(table, pos, key_end, block_size, &slot) : 0;\
             ns[sub] = n;                                                                          \
             offs[sub] = pos - start;                                                              \
             slots[sub] = slot;                                                                    \
@@ -819,6 +820,15 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                         \
         }                                                                                         \
         start = pos;                                                                              \
+    }                                                                                             \
+    if (partial) { /* the key range's state, unnormalized: acc [rows][D], then max and sum [rows] */ \
+        const int64_t n_rows = nh * R;                                                            \
+        for (int64_t r = 0; r < n_rows; ++r) {                                                    \
+            for (int c = 0; c < CH; ++c) vstore(partial + r * D + VW * c, vload(acc + r * D + VW * c)); \
+            partial[n_rows * D + r] = run_max[r];                                                 \
+            partial[n_rows * D + n_rows + r] = run_sum[r];                                        \
+        }                                                                                         \
+        return;                                                                                   \
     }                                                                                             \
     for (int64_t r = 0; r < nh * R; ++r) {                                                        \
         TQ *dst = out + ((tile.q_row + r % R / G) * num_heads + (h0 + r / R) * G + r % G) * D;    \
@@ -1330,8 +1340,8 @@ TARGET_AMX_ATTN static void NAME(                                               
     const uint16_t *v_scale, const int32_t *table, const tile_t tile, int64_t h0, int64_t nh,     \
     int64_t num_heads, int64_t num_kv_heads, const int CH, const int NSUB, int64_t block_size,     \
     int32_t layout, float scale, int64_t next_head, const int32_t *next_table, int64_t next_len,  \
-    bf16_t *out) {                                                                                \
-    (void)NSUB;                                                                                   \
+    int64_t key_start, int64_t key_end, float *partial, bf16_t *out) {                            \
+    (void)NSUB, (void)key_start, (void)key_end, (void)partial; /* whole tiles only (SEGMENTS_tile_*) */ \
     (void)layout; /* KV_LAYOUT_TOKEN only (the dispatch) */                                       \
     tile_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, table, tile, h0, nh, num_heads,     \
              num_kv_heads, CH, block_size, scale, next_head, next_table, next_len, out, I8);      \
@@ -1362,7 +1372,7 @@ static int amx_int8_unit(void) {
     TILE_FN(q, q_stride, k_cache, v_cache, k_scale, v_scale,                                      \
             tables + (int64_t)tile.table_row * table_stride, tile,                                \
             h, nh, num_heads, num_kv_heads, CH_VALUE, NSUB_VALUE, block_size, layout, scale,      \
-            nh == 1 && h + 1 < end_head ? h + 1 : -1, next_table, next_len, out)
+            nh == 1 && h + 1 < end_head ? h + 1 : -1, next_table, next_len, seg_k0, seg_k1, seg_out, out)
 /* Every tile takes SUB chunks per softmax update, a decode token's too: a row's float
    operations are then the same whatever tile it is in (a decode step, a prefill chunk, a
    recompute after preemption), so the schedule never changes its bits. */
@@ -1388,7 +1398,60 @@ static int amx_int8_unit(void) {
 #define DECODE_TILE_KEYS(t) ((int64_t)(t).len0 + (t).rows + 16) /* its keys, and a block's worth for its fixed cost */
 #define DECODE_ITEM_WEIGHT(i)                                                                     \
     (DECODE_TILE_KEYS(tiles[i]) * (head_ranges ? head_ranges[2 * (i) + 1] - head_ranges[2 * (i)] : num_kv_heads))
-#define ENTRY_ITEM(TILE_FN)                                                                       \
+/* Key segments. A row that sees more than SEG_KEYS keys takes them in segments of SEG_KEYS
+   (the last shorter), each with its own online softmax from a fresh state, and the segments'
+   states are then merged left to right (merge_segment). A row's operations depend only on how
+   many keys it sees, never on the tile or the thread, so the schedule still never changes its
+   bits; rows that see SEG_KEYS keys or fewer compute exactly as without segments. What this
+   buys: a decode call of few sequences (a single stream) spreads each KV head's segments over
+   the threads (segment items, below) instead of one head per thread. */
+#ifndef SEG_KEYS
+#define SEG_KEYS 256
+#endif
+/* State a (its acc [D], max *ma, sum *la) <- a merged with b (acc [D], mb, lb): both rescaled
+   to the larger max. A state that saw no keys (lb == 0) leaves a as it is. Not inlined: the
+   same instructions wherever segments are merged. */
+__attribute__((noinline)) static void merge_segment(float *a, float *ma, float *la, const float *b, float mb,
+                                                     float lb, int64_t D) {
+    if (lb == 0.0f) return;
+    const float m = *ma > mb ? *ma : mb;
+    const float ca = expf(*ma - m), cb = expf(mb - m);
+    *la = *la * ca + lb * cb;
+    *ma = m;
+    const vf va = vset1(ca), vb = vset1(cb);
+    for (int64_t d = 0; d < D; d += VW) vstore(a + d, vfmadd(vload(b + d), vb, vmul(vload(a + d), va)));
+}
+static inline void store_q_float(float *p, vf v) { vstoreu_f32(p, v); }
+static inline void store_q_bf16_t(bf16_t *p, vf v) { vstoreu_bf16(p, v); }
+/* Rows [0, n_rows) of a merged state (a tile's rows of heads h0 ..: row r is head h0 + r / R,
+   its row r % R) normalized into out, as the tile kernels write theirs. */
+#define STORE_MERGED(TQ, st, n_rows, R, G, D, tile, h0)                                           \
+    for (int64_t r_ = 0; r_ < (n_rows); ++r_) {                                                   \
+        TQ *dst_ = out + (((tile).q_row + r_ % (R) / (G)) * num_heads + ((h0) + r_ / (R)) * (G) + r_ % (G)) * (D); \
+        const vf inv_ = vset1(1.0f / (st)[(n_rows) * (D) + (n_rows) + r_]);                       \
+        for (int64_t d_ = 0; d_ < (D); d_ += VW) store_q_##TQ(dst_ + d_, vmul(vload((st) + r_ * (D) + d_), inv_)); \
+    }
+/* Floats of a state of n rows (acc, max, sum), rounded up to whole 64-byte lines */
+#define SEG_STATE_FLOATS(n, D) ((((n) * ((D) + 2)) + 15) / 16 * 16)
+#define SEG_STATE_MAX ((MAX_ROW_FLOATS + 2 * MAX_ROWS + 15) / 16 * 16)
+#define DISPATCH_HEAD_DIM(TILE_FN)                                                                \
+    switch (head_dim) {                                                                           \
+    case 64: DISPATCH_CH(TILE_FN, 64 / VW); break;                                                \
+    case 128: DISPATCH_CH(TILE_FN, 128 / VW); break;                                              \
+    default: DISPATCH_CH(TILE_FN, (int)(head_dim / VW)); break;                                   \
+    }
+/* Whether a tile function takes key ranges (the AMX ones take whole tiles: no segments) */
+#define SEGMENTS_tile_f32 1
+#define SEGMENTS_tile_bf16 1
+#define SEGMENTS_tile_f32_i8 1
+#define SEGMENTS_tile_bf16_i8 1
+#define SEGMENTS_tile_f32_e4m3 1
+#define SEGMENTS_tile_bf16_e4m3 1
+#define SEGMENTS_tile_f32_e5m2 1
+#define SEGMENTS_tile_bf16_e5m2 1
+#define SEGMENTS_tile_bf16_amx 0
+#define SEGMENTS_tile_bf16_i8_amx 0
+#define ENTRY_ITEM(TILE_FN, TQ)                                                                   \
     do {                                                                                          \
         const int64_t tile_index = item * heads_per_item / num_kv_heads;                          \
         const tile_t tile = tiles[tile_index];                                                    \
@@ -1400,20 +1463,109 @@ static int amx_int8_unit(void) {
         const int64_t heads = end_head > first_head ? end_head - first_head : 0;                  \
         const int64_t rows = tile.rows * num_heads / num_kv_heads * heads;                        \
         const int64_t nh = rows <= MAX_ROWS && rows * head_dim <= MAX_ROW_FLOATS ? heads : 1;     \
+        const int64_t max_len = (int64_t)tile.len0 + tile.rows - 1;                               \
         for (int64_t h = first_head; h < end_head; h += nh) {                                     \
-            switch (head_dim) {                                                                   \
-            case 64: DISPATCH_CH(TILE_FN, 64 / VW); break;                                        \
-            case 128: DISPATCH_CH(TILE_FN, 128 / VW); break;                                      \
-            default: DISPATCH_CH(TILE_FN, (int)(head_dim / VW)); break;                           \
+            if (!SEGMENTS_##TILE_FN || max_len <= SEG_KEYS) {                                     \
+                const int64_t seg_k0 = 0, seg_k1 = max_len;                                       \
+                float *const seg_out = 0;                                                         \
+                DISPATCH_HEAD_DIM(TILE_FN)                                                        \
+                continue;                                                                         \
             }                                                                                     \
+            /* segment after segment, each merged into the first's state */                      \
+            const int64_t G = num_heads / num_kv_heads, R = tile.rows * G, n_rows = nh * R;        \
+            float merged[SEG_STATE_MAX] __attribute__((aligned(64)));                             \
+            float cur[SEG_STATE_MAX] __attribute__((aligned(64)));                                \
+            for (int64_t seg_k0 = 0; seg_k0 < max_len; seg_k0 += SEG_KEYS) {                      \
+                const int64_t seg_k1 = seg_k0 + SEG_KEYS < max_len ? seg_k0 + SEG_KEYS : max_len; \
+                float *const seg_out = seg_k0 ? cur : merged;                                     \
+                DISPATCH_HEAD_DIM(TILE_FN)                                                        \
+                if (seg_k0)                                                                       \
+                    for (int64_t r = 0; r < n_rows; ++r)                                          \
+                        merge_segment(merged + r * head_dim, merged + n_rows * head_dim + r,      \
+                                      merged + n_rows * head_dim + n_rows + r, cur + r * head_dim, \
+                                      cur[n_rows * head_dim + r], cur[n_rows * head_dim + n_rows + r], head_dim); \
+            }                                                                                     \
+            STORE_MERGED(TQ, merged, n_rows, R, G, head_dim, tile, h)                             \
         }                                                                                         \
     } while (0)
+/* A decode call of few tiles (split_heads) where some tile sees more than SEG_KEYS keys: each
+   (tile, KV head, key segment) a work item, its state kept apart, then each (tile, head)'s
+   segments merged in order, as ENTRY_ITEM merges them on one thread: the same bits. Returns 0
+   (nothing written) when it does not apply or memory runs out. */
+#define DEFINE_SEGMENT_ITEMS(NAME, TQ, T, TILE_FN)                                                \
+static int NAME##_segment_items(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, \
+          const uint16_t *k_scale, const uint16_t *v_scale,                                       \
+          const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
+          int32_t layout, float scale, const int32_t *head_ranges, TQ *out) {                     \
+    const int64_t G = num_heads / num_kv_heads, D = head_dim;                                     \
+    if (!SEGMENTS_##TILE_FN || G > MAX_ROWS || G * D > MAX_ROW_FLOATS) return 0;                  \
+    int64_t num_items = 0, num_pairs = 0, longest = 0;                                            \
+    for (int64_t t = 0; t < num_tiles; ++t) {                                                     \
+        if (tiles[t].rows != 1) return 0;                                                         \
+        const int64_t lo = head_ranges ? head_ranges[2 * t] : 0, hi = head_ranges ? head_ranges[2 * t + 1] : num_kv_heads; \
+        const int64_t len = tiles[t].len0, segs = (len + SEG_KEYS - 1) / SEG_KEYS;                \
+        if (hi > lo) num_items += (hi - lo) * segs, num_pairs += hi - lo;                         \
+        if (len > longest) longest = len;                                                         \
+    }                                                                                             \
+    if (longest <= SEG_KEYS) return 0;                                                            \
+    const int64_t per_item = SEG_STATE_FLOATS(G, D);                                              \
+    int64_t *index = malloc((size_t)(3 * num_items + num_pairs + 1) * sizeof(int64_t));          \
+    float *state = aligned_alloc(64, (size_t)(num_items * per_item) * sizeof(float));            \
+    if (!index || !state) {                                                                       \
+        free(index), free(state);                                                                 \
+        return 0;                                                                                 \
+    }                                                                                             \
+    int64_t *pair_first = index + 3 * num_items, at = 0, pair = 0;                                \
+    for (int64_t t = 0; t < num_tiles; ++t) { /* (tile, head, segment) in order */                \
+        const int64_t lo = head_ranges ? head_ranges[2 * t] : 0, hi = head_ranges ? head_ranges[2 * t + 1] : num_kv_heads; \
+        for (int64_t h = lo; h < hi; ++h) {                                                       \
+            pair_first[pair++] = at;                                                              \
+            for (int64_t k0 = 0; k0 < tiles[t].len0; k0 += SEG_KEYS, ++at)                        \
+                index[3 * at] = t, index[3 * at + 1] = h, index[3 * at + 2] = k0;                 \
+        }                                                                                         \
+    }                                                                                             \
+    pair_first[num_pairs] = num_items;                                                            \
+    _Pragma("omp parallel")                                                                       \
+    {                                                                                             \
+        _Pragma("omp for schedule(dynamic, 1)")                                                   \
+        for (int64_t item = 0; item < num_items; ++item) {                                        \
+            const tile_t tile = tiles[index[3 * item]];                                           \
+            const int64_t h = index[3 * item + 1], nh = 1, end_head = h + 1, seg_k0 = index[3 * item + 2]; \
+            const int64_t seg_k1 = seg_k0 + SEG_KEYS < tile.len0 ? seg_k0 + SEG_KEYS : tile.len0; \
+            float *const seg_out = state + item * per_item;                                       \
+            const int32_t *const next_table = 0;                                                  \
+            const int64_t next_len = 0;                                                           \
+            DISPATCH_HEAD_DIM(TILE_FN)                                                            \
+        }                                                                                         \
+        _Pragma("omp for schedule(static)")                                                       \
+        for (int64_t p = 0; p < num_pairs; ++p) {                                                 \
+            float *merged = state + pair_first[p] * per_item;                                     \
+            for (int64_t item = pair_first[p] + 1; item < pair_first[p + 1]; ++item) {            \
+                const float *cur = state + item * per_item;                                       \
+                for (int64_t r = 0; r < G; ++r)                                                   \
+                    merge_segment(merged + r * D, merged + G * D + r, merged + G * D + G + r, cur + r * D, \
+                                  cur[G * D + r], cur[G * D + G + r], D);                         \
+            }                                                                                     \
+            const tile_t tile = tiles[index[3 * pair_first[p]]];                                  \
+            const int64_t h = index[3 * pair_first[p] + 1];                                       \
+            STORE_MERGED(TQ, merged, G, G, G, D, tile, h)                                         \
+        }                                                                                         \
+    }                                                                                             \
+    free(index), free(state);                                                                     \
+    return 1;                                                                                     \
+}
 #define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
+DEFINE_SEGMENT_ITEMS(NAME, TQ, T, TILE_FN)                                                        \
 void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
           const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
           int32_t layout, float scale, int32_t split_heads, const int32_t *head_ranges, TQ *out) { \
+    if (split_heads && NAME##_segment_items(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, \
+                                            tiles, num_tiles, num_heads, num_kv_heads, head_dim, block_size, \
+                                            layout, scale, head_ranges, out))                     \
+        return;                                                                                   \
     const int64_t heads_per_item = split_heads ? 1 : num_kv_heads;                                \
     const int64_t items = num_tiles * (num_kv_heads / heads_per_item);                            \
     int decode_only = !split_heads && num_heads * head_dim <= MAX_ROW_FLOATS && num_heads <= MAX_ROWS; \
@@ -1442,7 +1594,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
                     next_table = tables + (int64_t)next_tile.table_row * table_stride;            \
                     next_len = next_tile.len0 + next_tile.rows - 1;                               \
                 }                                                                                 \
-                ENTRY_ITEM(TILE_FN);                                                              \
+                ENTRY_ITEM(TILE_FN, TQ);                                                              \
             }                                                                                     \
         }                                                                                         \
         return;                                                                                   \
@@ -1451,7 +1603,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
     for (int64_t item = 0; item < items; ++item) {                                                \
         const int32_t *const next_table = 0;                                                      \
         const int64_t next_len = 0;                                                               \
-        ENTRY_ITEM(TILE_FN);                                                                      \
+        ENTRY_ITEM(TILE_FN, TQ);                                                                      \
     }                                                                                             \
 }
 
