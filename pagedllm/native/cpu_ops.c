@@ -1451,7 +1451,7 @@ static inline void store_q_bf16_t(bf16_t *p, vf v) { vstoreu_bf16(p, v); }
 #define SEGMENTS_tile_bf16_e5m2 1
 #define SEGMENTS_tile_bf16_amx 0
 #define SEGMENTS_tile_bf16_i8_amx 0
-#define ENTRY_ITEM(TILE_FN, TQ)                                                                   \
+#define ENTRY_ITEM(NAME, TILE_FN)                                                                 \
     do {                                                                                          \
         const int64_t tile_index = item * heads_per_item / num_kv_heads;                          \
         const tile_t tile = tiles[tile_index];                                                    \
@@ -1471,23 +1471,36 @@ static inline void store_q_bf16_t(bf16_t *p, vf v) { vstoreu_bf16(p, v); }
                 DISPATCH_HEAD_DIM(TILE_FN)                                                        \
                 continue;                                                                         \
             }                                                                                     \
-            /* segment after segment, each merged into the first's state */                      \
-            const int64_t G = num_heads / num_kv_heads, R = tile.rows * G, n_rows = nh * R;        \
-            float merged[SEG_STATE_MAX] __attribute__((aligned(64)));                             \
-            float cur[SEG_STATE_MAX] __attribute__((aligned(64)));                                \
-            for (int64_t seg_k0 = 0; seg_k0 < max_len; seg_k0 += SEG_KEYS) {                      \
-                const int64_t seg_k1 = seg_k0 + SEG_KEYS < max_len ? seg_k0 + SEG_KEYS : max_len; \
-                float *const seg_out = seg_k0 ? cur : merged;                                     \
-                DISPATCH_HEAD_DIM(TILE_FN)                                                        \
-                if (seg_k0)                                                                       \
-                    for (int64_t r = 0; r < n_rows; ++r)                                          \
-                        merge_segment(merged + r * head_dim, merged + n_rows * head_dim + r,      \
-                                      merged + n_rows * head_dim + n_rows + r, cur + r * head_dim, \
-                                      cur[n_rows * head_dim + r], cur[n_rows * head_dim + n_rows + r], head_dim); \
-            }                                                                                     \
-            STORE_MERGED(TQ, merged, n_rows, R, G, head_dim, tile, h)                             \
+            NAME##_segmented(q, q_stride, k_cache, v_cache, k_scale, v_scale, tables, table_stride, tile, \
+                             h, nh, end_head, num_heads, num_kv_heads, head_dim, block_size, layout, scale, \
+                             next_table, next_len, out);                                          \
         }                                                                                         \
     } while (0)
+/* One item's tile and heads (h .. h + nh) segment after segment, each merged into the first's
+   state, then written (ENTRY_ITEM, for a tile whose rows see more than SEG_KEYS keys). Apart from
+   the entry, so the entry's own tile code keeps its registers and frame. */
+#define DEFINE_SEGMENTED(NAME, TQ, T, TILE_FN)                                                    \
+__attribute__((noinline)) static void NAME##_segmented(const TQ *q, int64_t q_stride, const T *k_cache, \
+          const T *v_cache, const uint16_t *k_scale, const uint16_t *v_scale, const int32_t *tables, \
+          int64_t table_stride, const tile_t tile, int64_t h, int64_t nh, int64_t end_head,      \
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int32_t layout, \
+          float scale, const int32_t *next_table, int64_t next_len, TQ *out) {                    \
+    const int64_t max_len = (int64_t)tile.len0 + tile.rows - 1;                                   \
+    const int64_t G = num_heads / num_kv_heads, R = tile.rows * G, n_rows = nh * R;        \
+    float merged[SEG_STATE_MAX] __attribute__((aligned(64)));                             \
+    float cur[SEG_STATE_MAX] __attribute__((aligned(64)));                                \
+    for (int64_t seg_k0 = 0; seg_k0 < max_len; seg_k0 += SEG_KEYS) {                      \
+        const int64_t seg_k1 = seg_k0 + SEG_KEYS < max_len ? seg_k0 + SEG_KEYS : max_len; \
+        float *const seg_out = seg_k0 ? cur : merged;                                     \
+        DISPATCH_HEAD_DIM(TILE_FN)                                                        \
+        if (seg_k0)                                                                       \
+            for (int64_t r = 0; r < n_rows; ++r)                                          \
+                merge_segment(merged + r * head_dim, merged + n_rows * head_dim + r,      \
+                              merged + n_rows * head_dim + n_rows + r, cur + r * head_dim, \
+                              cur[n_rows * head_dim + r], cur[n_rows * head_dim + n_rows + r], head_dim); \
+    }                                                                                     \
+    STORE_MERGED(TQ, merged, n_rows, R, G, head_dim, tile, h)                             \
+}
 /* A decode call of few tiles (split_heads) where some tile sees more than SEG_KEYS keys: each
    (tile, KV head, key segment) a work item, its state kept apart, then each (tile, head)'s
    segments merged in order, as ENTRY_ITEM merges them on one thread: the same bits. Returns 0
@@ -1556,6 +1569,7 @@ static int NAME##_segment_items(const TQ *q, int64_t q_stride, const T *k_cache,
     return 1;                                                                                     \
 }
 #define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
+DEFINE_SEGMENTED(NAME, TQ, T, TILE_FN)                                                            \
 DEFINE_SEGMENT_ITEMS(NAME, TQ, T, TILE_FN)                                                        \
 void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
           const uint16_t *k_scale, const uint16_t *v_scale,                                       \
@@ -1594,7 +1608,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
                     next_table = tables + (int64_t)next_tile.table_row * table_stride;            \
                     next_len = next_tile.len0 + next_tile.rows - 1;                               \
                 }                                                                                 \
-                ENTRY_ITEM(TILE_FN, TQ);                                                              \
+                ENTRY_ITEM(NAME, TILE_FN);                                                              \
             }                                                                                     \
         }                                                                                         \
         return;                                                                                   \
@@ -1603,7 +1617,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
     for (int64_t item = 0; item < items; ++item) {                                                \
         const int32_t *const next_table = 0;                                                      \
         const int64_t next_len = 0;                                                               \
-        ENTRY_ITEM(TILE_FN, TQ);                                                                      \
+        ENTRY_ITEM(NAME, TILE_FN);                                                                      \
     }                                                                                             \
 }
 
