@@ -32,3 +32,38 @@ alternate_w64() {  # alternate_w64 PREFIX: W64 float32 on $BEFORE's and /work/ma
     done
   done
 }
+
+w64_beside_vllm() {  # w64_beside_vllm COMPARE: W64 float32 (2 GiB of KV) with vLLM's CPU build in --compare, twice, into $O
+  local i
+  for i in 1 2; do
+    probe run_$i
+    $P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json \
+      --dtype float32 --peer-python /work/peer-vllm/bin/python --kv-cache-memory 2GiB \
+      --compare "$1" --json $O/run_$i.json > $O/run_$i.log 2>&1
+  done
+  probe end
+  echo done > $O/done
+}
+
+latency_beside_llamacpp() {  # one request 128 -> 128 beside llama.cpp, three invocations between read probes, into $O
+  local i
+  for i in 1 2 3; do
+    probe before_$i
+    $P/python -m pagedllm.cli bench latency --runs 3 --input-len 128 --output-len 128 --dtype float32 \
+      --compare pagedllm,llamacpp --llamacpp-python /work/llamacpp-venv/bin/python \
+      --json $O/run_$i.json > $O/run_$i.log 2>&1
+    probe after_$i
+  done
+  echo done > $O/done
+}
+
+attention_against_probe() {  # decode attention in C (attention_decode_bench.c, head layout, 64 x 340 x 30 layers),
+  local i                    # ROUNDS rounds (default 6), each between two read probes, to stdout
+  gcc -O3 -mavx2 -mfma -mf16c -fopenmp -std=gnu11 -DKERNEL_SOURCE='"../pagedllm/native/cpu_ops.c"' \
+    /work/main/benchmarks/attention_decode_bench.c -o /tmp/attn_f32 -lm
+  for i in $(seq ${ROUNDS:-6}); do
+    echo "probe $(read_gbs) GB/s"
+    LAYOUT=head OMP_NUM_THREADS=2 /tmp/attn_f32 30 64 340 4
+    echo "probe $(read_gbs) GB/s"
+  done
+}

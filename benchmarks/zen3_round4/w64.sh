@@ -3,18 +3,6 @@
 # activation levels), int8 KV, and one activation level (--quant-activations int8, llama.cpp's
 # activations), two invocations; the code at w64/commit.txt.
 set -u
-O=/work/main/benchmarks/zen3_round4/w64
-P=/work/main/.venv/bin
-mkdir -p $O
-cd /tmp
-. /work/main/benchmarks/round_lib.sh  # probe
-git -C /work/main rev-parse --short HEAD > $O/commit.txt
-for i in 1 2; do
-  probe run_$i
-  $P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json \
-    --dtype float32 --peer-python /work/peer-vllm/bin/python --kv-cache-memory 2GiB \
-    --compare 'pagedllm,vllm,pagedllm[--kv-cache-dtype int8],pagedllm[--quant-activations int8]' \
-    --json $O/run_$i.json > $O/run_$i.log 2>&1
-done
-probe end
-echo done > $O/done
+. /work/main/benchmarks/round_lib.sh  # begin_round, w64_beside_vllm
+begin_round /work/main/benchmarks/zen3_round4/w64
+w64_beside_vllm 'pagedllm,vllm,pagedllm[--kv-cache-dtype int8],pagedllm[--quant-activations int8]'

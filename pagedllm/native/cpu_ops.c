@@ -1408,22 +1408,28 @@ static int amx_int8_unit(void) {
 #ifndef SEG_KEYS
 #define SEG_KEYS 256
 #endif
-/* State a (its acc [D], max *ma, sum *la) <- a merged with b (acc [D], mb, lb): both rescaled
-   to the larger max. A state that saw no keys (lb == 0) leaves a as it is. Not inlined: the
-   same instructions wherever segments are merged. */
-__attribute__((noinline)) static void merge_segment(float *a, float *ma, float *la, const float *b, float mb,
-                                                     float lb, int64_t D) {
-    if (lb == 0.0f) return;
-    const float m = *ma > mb ? *ma : mb;
-    const float ca = expf(*ma - m), cb = expf(mb - m);
-    *la = *la * ca + lb * cb;
-    *ma = m;
-    const vf va = vset1(ca), vb = vset1(cb);
-    for (int64_t d = 0; d < D; d += VW) vstore(a + d, vfmadd(vload(b + d), vb, vmul(vload(a + d), va)));
+/* A segment's state of n rows, as a tile kernel writes it (`partial`): acc [n][D], then the
+   running max [n] and sum [n]. merge_segment: state a <- a merged with b, row by row, both
+   rescaled to the larger max; a row of b that saw no keys (sum 0) leaves a's as it is. Not
+   inlined: the same instructions wherever segments are merged. */
+__attribute__((noinline)) static void merge_segment(float *a, const float *b, int64_t n, int64_t D) {
+    float *ma = a + n * D, *la = ma + n;
+    const float *mb = b + n * D, *lb = mb + n;
+    for (int64_t r = 0; r < n; ++r) {
+        if (lb[r] == 0.0f) continue;
+        const float m = ma[r] > mb[r] ? ma[r] : mb[r];
+        const float ca = expf(ma[r] - m), cb = expf(mb[r] - m);
+        la[r] = la[r] * ca + lb[r] * cb;
+        ma[r] = m;
+        const vf va = vset1(ca), vb = vset1(cb);
+        float *ar = a + r * D;
+        const float *br = b + r * D;
+        for (int64_t d = 0; d < D; d += VW) vstore(ar + d, vfmadd(vload(br + d), vb, vmul(vload(ar + d), va)));
+    }
 }
 static inline void store_q_float(float *p, vf v) { vstoreu_f32(p, v); }
 static inline void store_q_bf16_t(bf16_t *p, vf v) { vstoreu_bf16(p, v); }
-/* Rows [0, n_rows) of a merged state (a tile's rows of heads h0 ..: row r is head h0 + r / R,
+/* Rows [0, n_rows) of a merged state (merge_segment's layout; a tile's rows of heads h0 ..: row r is head h0 + r / R,
    its row r % R) normalized into out, as the tile kernels write theirs. */
 #define STORE_MERGED(TQ, st, n_rows, R, G, D, tile, h0)                                           \
     for (int64_t r_ = 0; r_ < (n_rows); ++r_) {                                                   \
@@ -1493,11 +1499,7 @@ __attribute__((noinline)) static void NAME##_segmented(const TQ *q, int64_t q_st
         const int64_t seg_k1 = seg_k0 + SEG_KEYS < max_len ? seg_k0 + SEG_KEYS : max_len; \
         float *const seg_out = seg_k0 ? cur : merged;                                     \
         DISPATCH_HEAD_DIM(TILE_FN)                                                        \
-        if (seg_k0)                                                                       \
-            for (int64_t r = 0; r < n_rows; ++r)                                          \
-                merge_segment(merged + r * head_dim, merged + n_rows * head_dim + r,      \
-                              merged + n_rows * head_dim + n_rows + r, cur + r * head_dim, \
-                              cur[n_rows * head_dim + r], cur[n_rows * head_dim + n_rows + r], head_dim); \
+        if (seg_k0) merge_segment(merged, cur, n_rows, head_dim);                          \
     }                                                                                     \
     STORE_MERGED(TQ, merged, n_rows, R, G, head_dim, tile, h)                             \
 }
@@ -1554,12 +1556,8 @@ static int NAME##_segment_items(const TQ *q, int64_t q_stride, const T *k_cache,
         _Pragma("omp for schedule(static)")                                                       \
         for (int64_t p = 0; p < num_pairs; ++p) {                                                 \
             float *merged = state + pair_first[p] * per_item;                                     \
-            for (int64_t item = pair_first[p] + 1; item < pair_first[p + 1]; ++item) {            \
-                const float *cur = state + item * per_item;                                       \
-                for (int64_t r = 0; r < G; ++r)                                                   \
-                    merge_segment(merged + r * D, merged + G * D + r, merged + G * D + G + r, cur + r * D, \
-                                  cur[G * D + r], cur[G * D + G + r], D);                         \
-            }                                                                                     \
+            for (int64_t item = pair_first[p] + 1; item < pair_first[p + 1]; ++item)              \
+                merge_segment(merged, state + item * per_item, G, D);                             \
             const tile_t tile = tiles[index[3 * pair_first[p]]];                                  \
             const int64_t h = index[3 * pair_first[p] + 1];                                       \
             STORE_MERGED(TQ, merged, G, G, G, D, tile, h)                                         \
