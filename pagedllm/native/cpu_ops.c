@@ -35,6 +35,7 @@
  * so the per-element work is only the code-to-float conversion. Quantizing
  * on write follows pagedllm/kv/kv_format.py exactly. Arithmetic is float32.
  */
+#define _GNU_SOURCE 1 /* syscall() for the AMX permission request, declared only in GNU mode */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

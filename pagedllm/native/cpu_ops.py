@@ -675,10 +675,14 @@ def build_library(extra_flags: tuple[str, ...] = (), isa: str | None = None) -> 
     isa = isa or requested_isa()
     if isa not in _COMPILE_FLAGS:
         raise ValueError(f"unknown kernel path {isa!r}; one of {ISA_PATHS}")
-    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", *_COMPILE_FLAGS[isa], *extra_flags]
-    library = ctypes.CDLL(str(_build(compiler, flags)))
+    library = ctypes.CDLL(str(_build(compiler, compile_flags(isa, extra_flags))))
     _declare(library)
     return library
+
+
+def compile_flags(isa: str, extra_flags: tuple[str, ...] = ()) -> list[str]:
+    """The compiler flags of path ``isa``'s build (build_cache adds its STRICT_FLAGS)."""
+    return ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", *_COMPILE_FLAGS[isa], *extra_flags]
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -126,11 +126,14 @@ def _load() -> ctypes.CDLL | None:
     return library
 
 
+# -ffp-contract=off: no multiply-add is fused behind the code's back, so the vector paths
+# round exactly where the portable one does (their bit equality rests on it). One build holds
+# every path (each function carries its own target attribute).
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off")
+
+
 def build_library() -> ctypes.CDLL:
-    # -ffp-contract=off: no multiply-add is fused behind the code's back, so the vector paths
-    # round exactly where the portable one does (their bit equality rests on it).
-    library = ctypes.CDLL(str(_build(_compiler(), ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                                                   "-ffp-contract=off"])))
+    library = ctypes.CDLL(str(_build(_compiler(), list(COMPILE_FLAGS))))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     c_int = ctypes.c_int
     library.quant_isa.restype = library.quant_tiled_min_rows.restype = c_int
