@@ -135,3 +135,173 @@ def test_a_constraint_that_matches_nothing_is_a_request_error(compiler, kind, va
     with pytest.raises(RequestError) as info:
         compiler.compile(StructuredOutputsParams(**{kind: value}))
     assert info.value.param == f"structured_outputs.{kind}" and "matches no output" in str(info.value)
+
+
+# Strings with minLength / maxLength compile to a counted character rule of their own: each
+# character must be one a JSON string may hold (no raw control character), and an escape is one.
+@pytest.mark.parametrize(
+    ("schema", "good", "bad"),
+    [
+        ({"type": "string", "minLength": 2}, ['"ab"', '"a\\nb"', '"\\u0041\\"q"', '"é€"'],
+         ['"a\x01b"', '"a\tb"', '"\x00\x00"', '"a"', '"\\n"']),
+        ({"type": "string", "maxLength": 3}, ['"abc"', '"a\\\\b"', '""', '"\\t\\t\\t"'],
+         ['"a\x1fb"', '"abcd"', '"\\t\\t\\t\\t"']),
+        ({"type": "object", "properties": {"k": {"type": "string", "minLength": 1, "maxLength": 2}},
+          "required": ["k"], "additionalProperties": False},
+         ['{"k": "x"}', '{"k": "\\"y"}'], ['{"k": "\x07"}', '{"k": ""}', '{"k": "xyz"}']),
+    ],
+)
+def test_length_bounded_strings_hold_json_characters(compiler, schema, good, bad):
+    params = StructuredOutputsParams(json=schema)
+    for document in good:
+        assert _grammar_accepts(compiler, params, document), document
+        jsonschema.validate(json.loads(document), schema)
+    for document in bad:
+        assert not _grammar_accepts(compiler, params, document), document
+
+
+@pytest.mark.parametrize(
+    ("schema", "good", "bad"),
+    [
+        ({"type": "integer", "minimum": 0, "maximum": 20, "multipleOf": 3}, ["0", "6", "18"], ["7", "21", "-3"]),
+        ({"type": "integer", "exclusiveMinimum": -7, "exclusiveMaximum": 10.5, "multipleOf": 5},
+         ["-5", "0", "10"], ["-10", "15", "3"]),
+        ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1.5, "maximum": 9, "multipleOf": 2,
+                                                 "description": "even"}}, "required": ["n"]},
+         ['{"n": 2}', '{"n": 8}'], ['{"n": 0}', '{"n": 5}', '{"n": 10}']),
+    ],
+)
+def test_an_integer_range_with_multiple_of_is_its_multiples(compiler, schema, good, bad):
+    params = StructuredOutputsParams(json=schema)
+    for document in good:
+        assert _grammar_accepts(compiler, params, document), document
+        jsonschema.validate(json.loads(document), schema)
+    for document in bad:
+        assert not _grammar_accepts(compiler, params, document), document
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "integer", "minimum": 0, "multipleOf": 2}, "both a lower and an upper bound"),
+        ({"type": "integer", "exclusiveMaximum": 9, "multipleOf": 2}, "both a lower and an upper bound"),
+        ({"type": "integer", "minimum": 0, "maximum": 10**6, "multipleOf": 7}, "allows 142858 values"),
+        ({"type": "integer", "minimum": 1, "maximum": 4, "multipleOf": 5}, "no multiple of 5 lies in [1, 4]"),
+    ],
+)
+def test_multiple_of_beside_a_range_it_cannot_list_is_a_request_error(schema, words):
+    with pytest.raises(RequestError) as info:
+        StructuredOutputsParams(json=schema)
+    assert info.value.param == "structured_outputs.json" and words in str(info.value)
+
+
+def _random_schema(r, depth=0):
+    """A schema of the keywords the grammar enforces, nested up to three levels."""
+    kinds = ["string", "integer", "number", "boolean", "null", "enum", "const"]
+    kinds += ["object", "object", "array", "anyOf", "types"] if depth < 3 else []
+    kind, node = r.choice(kinds), {}
+    if kind == "string":
+        node["type"] = "string"
+        if r.random() < 0.3:
+            node["pattern"] = r.choice(["^[a-z]{1,3}$", "^\\d{2}-\\d{2}$", "^(yes|no)$", "^a.*z$"])
+        else:
+            if r.random() < 0.6:
+                node["minLength"] = r.randint(0, 3)
+            if r.random() < 0.6:
+                node["maxLength"] = node.get("minLength", 0) + r.randint(0, 5)
+    elif kind in ("integer", "number"):
+        node["type"] = kind
+        low = r.randint(-40, 40)
+        if r.random() < 0.6:
+            node[r.choice(["minimum", "exclusiveMinimum"])] = low
+        if r.random() < 0.6:
+            node[r.choice(["maximum", "exclusiveMaximum"])] = low + r.randint(4, 90)
+        if kind == "integer" and r.random() < 0.3 and len(node) in (1, 3):  # none or both bounds
+            node["multipleOf"] = r.choice([2, 3, 5])
+    elif kind in ("boolean", "null"):
+        node["type"] = kind
+    elif kind == "enum":
+        node["enum"] = r.sample(["a", "b c", 1, 2.5, None, True, {"x": 1}, [1, 2], "é"], r.randint(1, 4))
+    elif kind == "const":
+        node["const"] = r.choice(["k", 0, None, False, {"a": [1]}, 'quote"d'])
+    elif kind == "object":
+        node["type"] = "object"
+        properties = {f"p{i}{r.choice(['', '_x', ' sp', 'ü'])}": _random_schema(r, depth + 1)
+                      for i in range(r.randint(0, 4))}
+        if properties:
+            node["properties"] = properties
+            node["required"] = r.sample(list(properties), r.randint(0, len(properties)))
+        node["additionalProperties"] = r.choice([False, False, True, {"type": "integer"}])
+    elif kind == "array":
+        node["type"] = "array"
+        if r.random() < 0.25:
+            node["prefixItems"] = [_random_schema(r, depth + 1) for _ in range(r.randint(1, 3))]
+            node["items"] = False
+        else:
+            node["items"] = _random_schema(r, depth + 1)
+            node["minItems"] = r.randint(0, 2)
+            node["maxItems"] = node["minItems"] + r.randint(0, 3)
+    elif kind == "anyOf":
+        node["anyOf"] = [_random_schema(r, depth + 1) for _ in range(r.randint(1, 3))]
+    else:
+        node["type"] = r.sample(["string", "integer", "null", "boolean", "number"], r.randint(1, 3))
+    return node
+
+
+def _random_output(compiler, grammar, r, vocab: list[bytes], whole, max_tokens: int = 300) -> str | None:
+    """Tokens drawn at random among those the grammar allows (``whole``: the tokens that are whole
+    UTF-8 characters; short tokens preferred, so that the walk ends), until it allows a stop token
+    and the coin says stop; the decoded text, or None if the walk ran out of tokens first."""
+    import numpy as np
+
+    state, out = GrammarState.start(grammar), b""
+    stops = np.zeros(len(vocab), dtype=bool)
+    stops[compiler._stop_token_ids] = True
+    for step in range(max_tokens):
+        allowed = np.unpackbits(np.frombuffer(state.next_row(), dtype=np.uint8), bitorder="little")[: len(vocab)]
+        allowed = allowed.astype(bool)
+        stop = np.flatnonzero(allowed & stops)
+        chars = np.flatnonzero(allowed & whole & ~stops)
+        if len(stop) and (not len(chars) or r.random() < 0.5 or step > 150):
+            assert state.accept(int(stop[0]))
+            return out.decode()
+        assert len(chars), f"the grammar allows no token after {out!r}"
+        sample = [int(chars[r.randrange(len(chars))]) for _ in range(24)]
+        token = min(sample, key=lambda t: len(vocab[t])) if r.random() < 0.7 else sample[0]
+        assert state.accept(token)
+        out += vocab[token]
+    return None
+
+
+def _whole_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_random_schemas_random_walks_give_valid_documents(compiler):
+    """Whatever path decoding takes through a schema's grammar, a finished output is a JSON document
+    the schema accepts (jsonschema, with the formats it knows unchecked as the spec's default)."""
+    import random
+
+    import xgrammar as xgr
+
+    vocab = xgr.TokenizerInfo.from_huggingface(compiler._hf_tokenizer, vocab_size=compiler.vocab_size,
+                                               stop_token_ids=compiler._stop_token_ids).decoded_vocab
+    import numpy as np
+
+    whole = np.array([_whole_utf8(v) for v in vocab] + [False] * (compiler.vocab_size - len(vocab)))
+    r = random.Random(2026)
+    finished = 0
+    for _ in range(30):
+        schema = _random_schema(r)
+        grammar = compiler.compile(StructuredOutputsParams(json=schema))
+        for _ in range(3):
+            text = _random_output(compiler, grammar, r, vocab, whole)
+            if text is None:
+                continue
+            finished += 1
+            jsonschema.validate(json.loads(text), schema)  # raises with the document and the keyword
+    assert finished >= 60  # most walks end: the check ran on many documents

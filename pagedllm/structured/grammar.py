@@ -151,9 +151,28 @@ def _allows_a_first_token(handle) -> bool:
     return bool(bitmask.any())
 
 
+# A string with minLength / maxLength is compiled to a counted rule of this character class: any
+# character but a quote, a backslash, CR and LF. It lets the other control characters through raw
+# (U+0000-U+001F, which JSON allows only escaped: the output would not parse) and no escape at all.
+_LENGTH_CHARACTER = '[^\\"\\\\\\r\\n]'
+# One character of a JSON string's text: anything but a control character, a quote or a backslash,
+# or one escape sequence (a decoded character, as minLength and maxLength count them).
+_JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\] | "\\\\" basic_escape'
+_LENGTH_RULE = re.compile(r"^(\S+_characters ::= \(\()" + re.escape(_LENGTH_CHARACTER) + r"(\)\))$", re.MULTILINE)
+
+
+def json_schema_grammar(spec_text: str, any_whitespace: bool) -> str:
+    """The grammar (EBNF text) a JSON schema compiles to, with every length-counted string
+    character a JSON string character (see ``_LENGTH_CHARACTER``)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(spec_text, any_whitespace=any_whitespace, strict_mode=True))
+    return _LENGTH_RULE.sub(lambda m: m.group(1) + _JSON_CHARACTER + m.group(2), text)
+
+
 def compile_spec(compiler, spec: GrammarSpec):
     if spec.kind == "json_schema":
-        return compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace, strict_mode=True)
+        return compiler.compile_grammar(json_schema_grammar(spec.text, spec.any_whitespace))
     if spec.kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
     if spec.kind == "regex":

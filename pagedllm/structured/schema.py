@@ -17,6 +17,9 @@ Rewritten:
   ``patternProperties`` / ``additionalProperties`` give it (the compiler runs
   in strict mode, where an undeclared property is never written).
 - ``allOf`` with one subschema and nothing else to check: that subschema.
+- an integer's ``multipleOf`` beside a range (the compiler keeps only the range):
+  the ``enum`` of the multiples in the range, when both ends are given and it
+  holds at most ``MAX_MULTIPLES`` values (an error otherwise).
 
 Every schema is first checked against the JSON Schema metaschema
 (``check_json_schema``): ``{"type": "foo"}`` or ``"properties": 5`` is an
@@ -37,6 +40,7 @@ passes (disjoint branches, such as a discriminated union, are exact).
 from __future__ import annotations
 
 import functools
+import math
 import re
 import warnings
 from typing import Any
@@ -64,6 +68,14 @@ _SCHEMA = ("additionalProperties", "propertyNames", "unevaluatedProperties", "it
            "contains", "unevaluatedItems")
 _SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions")
+
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_MULTIPLES = 1024  # an integer range with multipleOf becomes an enum of at most this many values
+
+
+def _is_integral(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
 
 _JSON_TYPES = {
     "null": lambda v: v is None,
@@ -142,6 +154,7 @@ class _Walker:
         if "multipleOf" in node and node.get("type") != "integer":
             raise self.error(where, "'multipleOf' is only supported with \"type\": \"integer\"")
         node = self._single_all_of(node, where)
+        node = self._bounded_multiples(node, where)
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             raise self.error(where, f"'allOf' with {len(node['allOf'])} subschemas is not supported (the compiler "
                                     "ignores it); merge them into one schema")
@@ -170,6 +183,41 @@ class _Walker:
         merged = {key: value for key, value in node.items() if key != "allOf"}
         merged.update(all_of[0])
         return merged
+
+    def _bounded_multiples(self, node: dict, where: str) -> dict:
+        """An integer's ``multipleOf`` beside a range: the compiler keeps the range and drops the
+        ``multipleOf``, so a range with both ends becomes the ``enum`` of its multiples (up to
+        MAX_MULTIPLES of them); anything else is an error."""
+        bounds = [key for key in _RANGE if key in node]
+        if "multipleOf" not in node or not bounds or "enum" in node or "const" in node:
+            return node
+        step = node["multipleOf"]
+        if not _is_integral(step):
+            raise self.error(where, f"'multipleOf' {step!r} beside {bounds[0]!r}: only a whole step is supported")
+        step = int(step)
+        lows, highs = [], []
+        if "minimum" in node:
+            lows.append(math.ceil(node["minimum"]))
+        if "exclusiveMinimum" in node:
+            lows.append(math.floor(node["exclusiveMinimum"]) + 1)
+        if "maximum" in node:
+            highs.append(math.floor(node["maximum"]))
+        if "exclusiveMaximum" in node:
+            highs.append(math.ceil(node["exclusiveMaximum"]) - 1)
+        low, high = max(lows, default=None), min(highs, default=None)
+        if low is None or high is None:
+            raise self.error(where, f"'multipleOf' beside {'/'.join(repr(b) for b in bounds)} is supported only "
+                                    "with both a lower and an upper bound")
+        first = -(-low // step) * step
+        count = max(0, (high - first) // step + 1)
+        if count == 0:
+            raise self.error(where, f"no multiple of {step} lies in [{low}, {high}]")
+        if count > MAX_MULTIPLES:
+            raise self.error(where, f"'multipleOf' {step} in [{low}, {high}] allows {count} values; beside a range "
+                                    f"it is supported up to {MAX_MULTIPLES} of them")
+        rewritten = {key: value for key, value in node.items() if key not in ("type", "multipleOf", *_RANGE)}
+        rewritten["enum"] = list(range(first, high + 1, step))
+        return rewritten
 
     def _typed_values(self, node: dict, where: str) -> dict:
         """``enum`` / ``const`` beside ``type``: only the values of that type remain."""
