@@ -6,6 +6,7 @@ although the schema forbids it."""
 from __future__ import annotations
 
 import json
+import os
 
 import jsonschema
 import pytest
@@ -47,6 +48,12 @@ REWRITTEN = [
     ({"allOf": [{"$ref": "#/$defs/small"}], "description": "d", "$defs": {"small": {"type": "integer", "maximum": 3}}},
      "2", "7"),
     (True, '{"any": ["thing"]}', "nope"),
+    # format is an annotation: beside a pattern or a length it is dropped, and they are enforced
+    ({"type": "string", "format": "email", "pattern": "^a[a-z]*$"}, '"abc"', '"x@y.com"'),
+    ({"type": "string", "maxLength": 4, "format": "email"}, '"ab"', '"ab@cd.com"'),
+    # propertyNames where no additional property is allowed: checked on the declared names, then dropped
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"maxLength": 2},
+      "additionalProperties": False}, '{"a": 1}', '{"a": 1, "b": 2}'),
 ]
 
 
@@ -74,6 +81,16 @@ def test_rewritten_schemas_are_enforced_exactly(compiler, schema, good, bad):
         ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}, "7", "'allOf' with 2 subschemas"),
         ({"enum": [1, 2, 30], "maximum": 5}, "30", "'enum' together with 'maximum'"),
         ({"type": "object", "properties": {"x": {"not": {}}}}, '{"x": 1}', "at #/properties/x"),
+        ({"type": "string", "minLength": 2, "pattern": "^a+$"}, '"a"', "'pattern' together with 'minLength'"),
+        ({"type": "object", "properties": {"ab": {"type": "string"}}, "patternProperties": {"^a": {"type": "integer"}}},
+         '{"ab": "x"}', "matches 'patternProperties' '^a'"),
+        ({"type": "object", "patternProperties": {"^[a-c]+$": {"type": "integer"}},
+          "propertyNames": {"pattern": "^[a-z]{1,4}$"}}, '{"abcabc": 1}',
+         "'propertyNames' together with 'patternProperties'"),
+        ({"type": "object", "properties": {"abcdef": {"type": "integer"}}, "propertyNames": {"maxLength": 3}},
+         '{"abcdef": 1}', "'abcdef' in 'properties' does not meet 'propertyNames'"),
+        ({"type": "object", "propertyNames": {"anyOf": [{"const": "x"}, {"maxLength": 1}]},
+          "additionalProperties": {"type": "integer"}}, '{"abc": 1}', "'anyOf' is not supported in 'propertyNames'"),
     ],
 )
 def test_keywords_the_grammar_would_drop_are_request_errors(compiler, schema, bad, words):
@@ -198,7 +215,8 @@ def test_multiple_of_beside_a_range_it_cannot_list_is_a_request_error(schema, wo
 def _random_schema(r, depth=0):
     """A schema of the keywords the grammar enforces, nested up to three levels."""
     kinds = ["string", "integer", "number", "boolean", "null", "enum", "const"]
-    kinds += ["object", "object", "array", "anyOf", "types"] if depth < 3 else []
+    kinds += ["object", "object", "array", "anyOf", "types", "names"] if depth < 3 else []
+    kinds += ["recursive"] if depth == 0 else []  # its $ref points at the root's $defs
     kind, node = r.choice(kinds), {}
     if kind == "string":
         node["type"] = "string"
@@ -243,6 +261,20 @@ def _random_schema(r, depth=0):
             node["maxItems"] = node["minItems"] + r.randint(0, 3)
     elif kind == "anyOf":
         node["anyOf"] = [_random_schema(r, depth + 1) for _ in range(r.randint(1, 3))]
+    elif kind == "names":
+        node["type"] = "object"
+        if r.random() < 0.5:
+            node["patternProperties"] = {"^[a-c]+$": _random_schema(r, depth + 1)}
+        else:
+            node["propertyNames"] = r.choice([{"pattern": "^[a-z]{1,4}$"}, {"maxLength": 2}, {"enum": ["x", "yy"]}])
+        node["additionalProperties"] = r.choice([False, {"type": "integer"}])
+        if r.random() < 0.5:
+            node["maxProperties"] = r.randint(1, 3)
+    elif kind == "recursive":
+        node["$defs"] = {"node": {"type": "object", "properties": {
+            "v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+            "required": ["v", "next"], "additionalProperties": False}}
+        node["oneOf"] = [{"$ref": "#/$defs/node"}, {"type": "string", "maxLength": 2, "format": "date"}]
     else:
         node["type"] = r.sample(["string", "integer", "null", "boolean", "number"], r.randint(1, 3))
     return node
@@ -283,7 +315,8 @@ def _whole_utf8(data: bytes) -> bool:
 
 def test_random_schemas_random_walks_give_valid_documents(compiler):
     """Whatever path decoding takes through a schema's grammar, a finished output is a JSON document
-    the schema accepts (jsonschema, with the formats it knows unchecked as the spec's default)."""
+    the schema accepts (jsonschema, with the formats it knows unchecked as the spec's default).
+    SCHEMA_SEED in the environment draws another set of schemas."""
     import random
 
     import xgrammar as xgr
@@ -293,7 +326,7 @@ def test_random_schemas_random_walks_give_valid_documents(compiler):
     import numpy as np
 
     whole = np.array([_whole_utf8(v) for v in vocab] + [False] * (compiler.vocab_size - len(vocab)))
-    r = random.Random(2026)
+    r = random.Random(int(os.environ.get("SCHEMA_SEED", "2026")))
     finished = 0
     for _ in range(30):
         schema = _random_schema(r)

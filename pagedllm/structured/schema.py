@@ -33,6 +33,13 @@ keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``/``enum``/``const``, and
 ``minProperties`` above the number of properties an object may have (the
 compiler writes no property that ``properties`` does not declare unless
 ``additionalProperties`` or ``patternProperties`` allows it).
+Also rejected: ``pattern`` beside ``minLength``/``maxLength`` (only the pattern
+would be checked); ``propertyNames`` beside ``patternProperties``, with keywords
+other than one string schema's, or that a name in ``properties`` breaks; a name
+in ``properties`` that a ``patternProperties`` pattern matches with another
+schema. Dropped, as nothing is lost: ``format`` (an annotation in 2020-12)
+beside ``pattern`` or a length; ``propertyNames`` where no additional property
+is allowed, once the declared names meet it.
 ``oneOf`` is enforced as ``anyOf``: a document matching several branches
 passes (disjoint branches, such as a discriminated union, are exact).
 """
@@ -69,6 +76,8 @@ _SCHEMA = ("additionalProperties", "propertyNames", "unevaluatedProperties", "it
 _SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions")
 
+# What a propertyNames schema may use: the compiler applies these to the names it writes.
+_NAME_KEYWORDS = ("type", "pattern", "minLength", "maxLength", "format", "enum", "const")
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_MULTIPLES = 1024  # an integer range with multipleOf becomes an enum of at most this many values
 
@@ -160,7 +169,10 @@ class _Walker:
                                     "ignores it); merge them into one schema")
         node = self._typed_values(node, where)
         self._check_exclusive(node, where)
+        node = self._string_assertions(node, where)
+        self._check_pattern_overlap(node, where)
         node = self._declare_required(node, where)
+        node = self._property_names(node, where)
         self._check_min_properties(node, where)
         for key in _SCHEMA:
             if key in node:
@@ -251,6 +263,66 @@ class _Walker:
                 f"'{present[0]}' together with {', '.join(repr(k) for k in others)} is not supported "
                 f"(the compiler would check only '{present[0]}'); move the other keywords into its subschemas",
             )
+
+    def _string_assertions(self, node: dict, where: str) -> dict:
+        """The compiler enforces one of ``pattern``, ``format`` and the length bounds of a string:
+        ``pattern`` over the others, ``format`` over the lengths. ``format`` is an annotation
+        (JSON Schema 2020-12 asserts it only under the format-assertion vocabulary), so beside a
+        ``pattern`` or a length it is dropped and they are enforced; a ``pattern`` beside a length
+        is an error."""
+        lengths = [key for key in ("minLength", "maxLength") if key in node]
+        if "pattern" in node and lengths:
+            raise self.error(where, f"'pattern' together with {' and '.join(repr(k) for k in lengths)} is not "
+                                    "supported (the compiler would check only 'pattern'); write the length into "
+                                    "the pattern (for example ^[a-z]{2,8}$)")
+        if "format" in node and ("pattern" in node or lengths):
+            return {key: value for key, value in node.items() if key != "format"}
+        return node
+
+    def _check_pattern_overlap(self, node: dict, where: str) -> None:
+        """A property in ``properties`` whose name a ``patternProperties`` pattern matches must meet both
+        schemas; the compiler checks only the first."""
+        properties, patterns = node.get("properties"), node.get("patternProperties")
+        if not isinstance(properties, dict) or not isinstance(patterns, dict):
+            return
+        for name, sub in properties.items():
+            for pattern, pattern_sub in patterns.items():
+                try:
+                    matched = re.search(pattern, name) is not None
+                except re.error:
+                    continue  # the compiler reports the pattern
+                if matched and pattern_sub != sub and pattern_sub is not True and pattern_sub != {}:
+                    raise self.error(where, f"property {name!r} is declared in 'properties' and matches "
+                                            f"'patternProperties' {pattern!r}: the compiler would check only the "
+                                            "first; merge the two schemas into the one in 'properties'")
+
+    def _property_names(self, node: dict, where: str) -> dict:
+        """``propertyNames``: enforced on the names the compiler makes up (additional properties), with
+        the keywords of one string schema; not on names ``properties`` declares, nor beside
+        ``patternProperties``. Where no additional property is allowed, the compiler would make some
+        up all the same: there the names are checked here and the keyword dropped."""
+        names = node.get("propertyNames")
+        if names is None or names is True:
+            return node
+        if isinstance(node.get("patternProperties"), dict) and node["patternProperties"]:
+            raise self.error(where, "'propertyNames' together with 'patternProperties' is not supported (the "
+                                    "compiler would not check the names); fold the names into the patterns")
+        if isinstance(names, dict):
+            unsupported = [key for key in names if key in _VALIDATION and key not in _NAME_KEYWORDS]
+            if unsupported:
+                raise self.error(f"{where}/propertyNames", f"{', '.join(repr(k) for k in unsupported)} is not "
+                                                           "supported in 'propertyNames' (the compiler would not "
+                                                           f"check it); use {', '.join(_NAME_KEYWORDS)}")
+        from jsonschema import Draft202012Validator
+
+        check = Draft202012Validator(names)
+        for name in node.get("properties") or {}:
+            if not check.is_valid(name):
+                raise self.error(where, f"property {name!r} in 'properties' does not meet 'propertyNames' (the "
+                                        "compiler would write it anyway); rename it or drop it")
+        if node.get("additionalProperties") is False or node.get("unevaluatedProperties") is False:
+            return {key: value for key, value in node.items() if key != "propertyNames"}
+        return node
 
     def _check_min_properties(self, node: dict, where: str) -> None:
         """``minProperties`` above what the object may hold: the compiler refuses it, without saying where."""
