@@ -75,6 +75,25 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model():
     assert "engine ready" not in unknown.stderr
 
 
+@pytest.mark.parametrize(("args", "words"), [
+    (["serve", "--drain-timeout", "nan"], "--drain-timeout: must be a finite number >= 0, got nan"),
+    (["bench", "throughput", "--num-prompts", "0"], "--num-prompts: must be >= 1, got 0"),
+    (["bench", "throughput", "--output-len", "-2"], "--output-len: must be >= 1, got -2"),
+])
+def test_out_of_range_numbers_are_usage_errors(args, words):
+    bad = run_cli(*args, timeout=120)
+    assert bad.returncode == 2 and words in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(("port", "words"), [("99999", "0-65535, got 99999"), ("-1", "0-65535, got -1"),
+                                             ("http", "a port is a whole number, got 'http'")])
+def test_a_port_out_of_range_is_a_usage_error(port, words):
+    bad = run_cli("serve", "--port", port, timeout=120)
+    assert bad.returncode == 2 and "--port" in bad.stderr and words in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_serve_on_port_zero_names_the_port_it_took(tiny_default_tokenizer_model):
     """``--port 0``: the OS picks a free port, the log line names it, and the server answers there."""
     proc = subprocess.Popen(

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import signal
 import socket
 import threading
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(kv_cache_prefault=True)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000, help="TCP port (0: one the OS picks)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's name)")
     g.add_argument(
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     )
     g.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
         help="seconds in-flight requests may run on after SIGTERM/SIGINT before they are aborted",
     )
@@ -197,6 +198,26 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a whole number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in 0-65535, got {value}")
+    return value
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, but a signal means "shut down and exit 0", not "re-raise"."""
 
@@ -285,9 +306,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:  # socket.gaierror (an unknown host name) included
+    except (OSError, OverflowError) as exc:  # socket.gaierror (an unknown host name) included
         sock.close()
-        hint = "stop what holds it or pick another --port" if exc.errno == errno.EADDRINUSE else "check --host and --port"
+        hint = ("stop what holds it or pick another --port" if getattr(exc, "errno", None) == errno.EADDRINUSE
+                else "check --host and --port")
         raise ConfigError(f"cannot serve on {_display_host(host)}:{port}: {exc.strerror or exc}; {hint}") from None
     return sock
 
