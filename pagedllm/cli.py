@@ -97,6 +97,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model dtype) or 8-bit codes with a float16 scale per "
                    "token and KV head -- int8, fp8_e4m3 (also fp8) or fp8_e5m2 -- which fit ~1.9x the "
                    "tokens of bfloat16 (~3.8x float32) in the same --kv-cache-memory")
+    g.add_argument("--override-generation-config", type=parse_json_object, default=None,
+                   help='generation_config.json keys set over the generation config\'s defaults, e.g. '
+                   '\'{"temperature": 0.5, "max_new_tokens": 64}\'')
     g.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: auto (the model's generation_config.json or GGUF "
                    "metadata), vllm (SamplingParams' defaults) or a folder with generation_config.json")
@@ -124,6 +127,8 @@ VLLM_ONLY_FLAGS = (
     ("--pipeline-parallel-size", int),
     ("--data-parallel-size", int),
     ("--cpu-offload-gb", float),
+    ("--guided-decoding-backend", str),  # auto or xgrammar, else refused
+    ("--structured-outputs-config", lambda text: parse_json_object(text)),  # {"backend": "xgrammar"}
 )
 
 
@@ -182,6 +187,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quant_activations=args.quant_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         **_vllm_only_args(args),
     )
 

@@ -114,6 +114,9 @@ class EngineConfig:
     ``generation_config``: where default sampling parameters come from:
     ``auto`` (the model's generation_config.json or GGUF metadata), ``vllm``
     (SamplingParams' own defaults) or a folder with a generation_config.json.
+    ``override_generation_config``: generation_config.json keys (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_new_tokens) set over those
+    defaults, as vLLM's; with ``generation_config="vllm"`` they are the only ones.
     ``rope_scaling``: an HF ``rope_scaling`` dict (``rope_type`` or ``type``:
     linear | dynamic | yarn | llama3, plus its parameters) that replaces the
     model's; it lets ``max_model_len`` go past the trained context.
@@ -158,6 +161,7 @@ class EngineConfig:
     quant_activations: str = "int16"
     kv_cache_dtype: str = "auto"
     generation_config: str = "auto"
+    override_generation_config: dict | None = None
     rope_scaling: dict | None = None
     kv_cache_dir: str | None = None
     kv_cache_dir_size: int = DEFAULT_KV_CACHE_DIR_SIZE
@@ -190,6 +194,11 @@ class EngineConfig:
         self._check_memory()
         self._check_tiers()
         self._check_not_yet_supported()
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ConfigError(
+                "override_generation_config must be a dict of generation_config.json keys, such as "
+                f"{{'temperature': 0.5, 'max_new_tokens': 64}}, got {self.override_generation_config!r}"
+            )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ConfigError(
                 f"rope_scaling must be a dict such as {{'rope_type': 'yarn', 'factor': 4.0}}, "
@@ -305,12 +314,37 @@ NO_OP_VALUES: dict[str, tuple] = {
     "task": ("auto", "generate"),
 }
 
+# Grammar backends a request's structured outputs may name; pagedllm compiles with xgrammar.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
+def _check_structured_outputs_backend(name: str, value: object) -> None:
+    """vLLM's ``guided_decoding_backend`` (a backend name) or ``structured_outputs_config`` (a dict or
+    config object with ``backend``): accepted where the backend is auto or xgrammar, pagedllm's own."""
+    if value is None:
+        return
+    if name == "structured_outputs_config":
+        options = value if isinstance(value, dict) else dict(getattr(value, "__dict__", {}) or {})
+        if not isinstance(value, dict) and not options:
+            raise ConfigError(f"structured_outputs_config must be a dict such as {{'backend': 'xgrammar'}}, "
+                              f"got {value!r}")
+        other = sorted(k for k, v in options.items() if k != "backend" and v not in (None, False, ""))
+        if other:
+            raise ConfigError(f"structured_outputs_config: only 'backend' is supported here, got {other}")
+        value = options.get("backend", "auto")
+    if value not in STRUCTURED_OUTPUT_BACKENDS:
+        raise ConfigError(f"{name}: pagedllm compiles grammars with xgrammar; use 'auto' or 'xgrammar', got {value!r}")
+
+
 # vLLM name -> EngineConfig field, where only the name (or the unit) differs.
 RENAMED_ARGS = {
     "kv_cache_memory_bytes": "kv_cache_memory",
     "num_gpu_blocks_override": "num_kv_blocks",
     "swap_space": "swap_space_bytes",  # GiB -> bytes
 }
+
+
+BACKEND_ARGS = ("guided_decoding_backend", "structured_outputs_config")
 
 
 def field_names() -> tuple[str, ...]:
@@ -320,7 +354,7 @@ def field_names() -> tuple[str, ...]:
 
 def known_argument_names() -> tuple[str, ...]:
     """Every keyword EngineConfig / LLM accepts: its fields and vLLM's spellings."""
-    return (*field_names(), *RENAMED_ARGS, *NO_OP_VALUES, *IGNORED_ARGS)
+    return (*field_names(), *RENAMED_ARGS, *NO_OP_VALUES, *IGNORED_ARGS, *BACKEND_ARGS)
 
 
 def translate_engine_args(kwargs: dict) -> dict:
@@ -343,6 +377,9 @@ def translate_engine_args(kwargs: dict) -> dict:
         elif name in NO_OP_VALUES:
             if not (name == "tokenizer" and value == kwargs.get("model")):  # the model's own tokenizer
                 _not_yet(name, value, NO_OP_VALUES[name])
+            continue
+        elif name in BACKEND_ARGS:
+            _check_structured_outputs_backend(name, value)
             continue
         elif name in IGNORED_ARGS:
             logger.info("engine argument %s=%r has no effect in pagedllm: %s", name, value, IGNORED_ARGS[name])

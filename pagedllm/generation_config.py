@@ -10,6 +10,7 @@ SamplingParams field names to values and is empty when the files set none.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from pagedllm.errors import ConfigError, ModelLoadError
@@ -32,10 +33,27 @@ GGUF_KEYS = {
     "general.sampling.penalty_repeat": "repetition_penalty",
 }
 _INT_FIELDS = ("top_k", "max_tokens")
+logger = logging.getLogger(__name__)
 
 
-def default_sampling_fields(model_path: Path, generation_config: str) -> dict:
-    """SamplingParams keyword defaults for requests that do not set them."""
+def default_sampling_fields(model_path: Path, generation_config: str, override: dict | None = None) -> dict:
+    """SamplingParams keyword defaults for requests that do not set them: the generation config's,
+    with ``override`` (generation_config.json keys, vLLM's ``override_generation_config``) set over
+    them. Keys vLLM does not read from a generation config are ignored, with a warning."""
+    fields = _generation_config_fields(model_path, generation_config)
+    if override:
+        ignored = sorted(str(k) for k in override if k not in HF_KEYS)
+        if ignored:
+            logger.warning("override_generation_config: %s ignored; the keys read are %s",
+                           ", ".join(ignored), ", ".join(HF_KEYS))
+        try:
+            fields.update(_typed({HF_KEYS[k]: v for k, v in override.items() if k in HF_KEYS and v is not None}))
+        except (TypeError, ValueError):
+            raise ConfigError(f"override_generation_config: the values must be numbers, got {override!r}") from None
+    return fields
+
+
+def _generation_config_fields(model_path: Path, generation_config: str) -> dict:
     if generation_config == "vllm":
         return {}
     if generation_config == "auto":

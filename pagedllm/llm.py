@@ -108,7 +108,8 @@ class LLM:
         """SamplingParams with the model's generation defaults (``generation_config``), as vLLM."""
         if self._default_sampling is None:
             engine = self.llm_engine
-            self._default_sampling = default_sampling_fields(engine.model_path, engine.config.generation_config)
+            self._default_sampling = default_sampling_fields(engine.model_path, engine.config.generation_config,
+                                                             engine.config.override_generation_config)
         return SamplingParams(**self._default_sampling)
 
     def get_tokenizer(self) -> Tokenizer:

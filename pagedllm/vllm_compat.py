@@ -195,13 +195,24 @@ def _noted(name: str, note: str) -> Row:
 
 
 def engine_rows() -> list[Row]:
-    from pagedllm.config import IGNORED_ARGS, NO_OP_VALUES, RENAMED_ARGS, field_names
+    from pagedllm.config import (
+        BACKEND_ARGS,
+        IGNORED_ARGS,
+        NO_OP_VALUES,
+        RENAMED_ARGS,
+        STRUCTURED_OUTPUT_BACKENDS,
+        field_names,
+    )
 
     rows = []
     fields = set(field_names())
     for name in VLLM_ENGINE_ARGS:
         note = ENGINE_NOTES.get(name, "")
-        if name in NO_OP_VALUES:
+        if name in BACKEND_ARGS:
+            backends = " or ".join(repr(b) for b in STRUCTURED_OUTPUT_BACKENDS)
+            rows.append(Row(name, DIFFERENT, f"the backend must be {backends} (grammars compile with xgrammar); "
+                                             "others raise ConfigError"))
+        elif name in NO_OP_VALUES:
             accepted = " or ".join(repr(v) for v in NO_OP_VALUES[name])
             rows.append(Row(name, DIFFERENT, f"accepted as {accepted} only; other values raise ConfigError"))
         elif name in IGNORED_ARGS:

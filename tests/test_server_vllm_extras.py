@@ -11,6 +11,7 @@ on a server that trusts it; request_id and X-Request-Id headers; documents for t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -232,3 +233,57 @@ def test_documents_are_checked_before_a_template_sees_them():
         with pytest.raises(RequestError) as info:
             check_documents(bad)
         assert info.value.param == param
+
+
+MIDDLEWARE = '''
+from starlette.middleware.base import BaseHTTPMiddleware
+
+
+class Stamp(BaseHTTPMiddleware):
+    async def dispatch(self, request, call_next):
+        response = await call_next(request)
+        response.headers["x-stamp"] = "class"
+        return response
+
+
+async def count(request, call_next):
+    response = await call_next(request)
+    response.headers["x-path"] = request.url.path
+    return response
+
+
+NOT_MIDDLEWARE = 42
+'''
+
+
+def test_middleware_as_vllm_adds_it(tiny_default_tokenizer_model, tmp_path, monkeypatch):
+    """--middleware, repeated: a class is added with app.add_middleware, an async function as an HTTP
+    middleware; both see every response, the API's included."""
+    (tmp_path / "my_middleware.py").write_text(MIDDLEWARE)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{Path(__file__).resolve().parent.parent}")
+    proc = ServerProcess(str(tiny_default_tokenizer_model), "--num-kv-blocks", "64", "--max-num-seqs", "2",
+                         "--max-model-len", "128", "--middleware", "my_middleware.Stamp",
+                         "--middleware", "my_middleware.count")
+    try:
+        proc.wait_ready()
+        models = httpx.get(f"{proc.base_url}/v1/models", timeout=30)
+        assert models.status_code == 200
+        assert models.headers["x-stamp"] == "class" and models.headers["x-path"] == "/v1/models"
+        done = httpx.post(f"{proc.base_url}/v1/completions",
+                          json={"model": models.json()["data"][0]["id"], "prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert done.status_code == 200 and done.headers["x-stamp"] == "class"
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+@pytest.mark.parametrize(("path", "says"), [("my_middleware.Missing", "cannot import it"),
+                                            ("no_such_module_here.X", "cannot import it"),
+                                            ("my_middleware.NOT_MIDDLEWARE", "is a int"),
+                                            ("Stamp", "give an import path")])
+def test_a_middleware_that_is_not_one_stops_the_start_up(tiny_default_tokenizer_model, tmp_path, path, says):
+    (tmp_path / "my_middleware.py").write_text(MIDDLEWARE)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).resolve().parent.parent}"}
+    done = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", str(tiny_default_tokenizer_model),
+                           "--middleware", path], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "--middleware" in done.stderr and says in done.stderr, done.stderr
+    assert "engine ready" not in done.stderr

@@ -250,6 +250,44 @@ def test_generation_config_from_a_folder_or_vllm_defaults(tmp_path):
         default_sampling_fields(default_model_path(), str(tmp_path / ".."))
 
 
+def test_override_generation_config_sets_keys_over_the_defaults(tmp_path, caplog):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    override = {"temperature": 0.2, "max_new_tokens": 16, "do_sample": True}
+    assert default_sampling_fields(tmp_path, "auto", override) == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 16}
+    assert "do_sample ignored" in caplog.text  # vLLM reads six keys; the others are named, not fatal
+    assert default_sampling_fields(tmp_path, "vllm", override) == {"temperature": 0.2, "max_tokens": 16}
+    with pytest.raises(ConfigError, match="must be numbers"):
+        default_sampling_fields(tmp_path, "vllm", {"temperature": "warm"})
+    with pytest.raises(ConfigError, match="override_generation_config must be a dict"):
+        EngineConfig(override_generation_config=[("temperature", 0.2)])
+
+
+def test_override_generation_config_reaches_the_default_sampling_params():
+    from pagedllm import LLM
+
+    llm = LLM(kv_cache_memory=64 * 2**20, override_generation_config={"temperature": 0.3, "top_k": 7})
+    params = llm.get_default_sampling_params()
+    assert params.temperature == 0.3 and params.top_k == 7
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"guided_decoding_backend": "xgrammar"}, None),
+    ({"guided_decoding_backend": "auto"}, None),
+    ({"structured_outputs_config": {"backend": "xgrammar"}}, None),
+    ({"structured_outputs_config": {}}, None),
+    ({"guided_decoding_backend": "outlines"}, "use 'auto' or 'xgrammar', got 'outlines'"),
+    ({"structured_outputs_config": {"backend": "guidance"}}, "use 'auto' or 'xgrammar', got 'guidance'"),
+    ({"structured_outputs_config": {"backend": "xgrammar", "reasoning_parser": "deepseek_r1"}},
+     "only 'backend' is supported here, got ['reasoning_parser']"),
+])
+def test_the_structured_outputs_backend_is_xgrammar_or_refused(kwargs, error):
+    if error is None:
+        EngineConfig(**kwargs)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            EngineConfig(**kwargs)
+
+
 def test_generation_config_from_gguf_metadata(tmp_path):
     import gguf
 
@@ -379,7 +417,8 @@ def _default_of(name: str):
     if name in IGNORED_ARGS:
         return "anything"
     defaults = {"swap_space": 0, "kv_cache_memory_bytes": 2**20, "num_gpu_blocks_override": 8,
-                "gpu_memory_utilization": 0.9}
+                "gpu_memory_utilization": 0.9, "guided_decoding_backend": "xgrammar",
+                "structured_outputs_config": {"backend": "xgrammar"}}
     if name in defaults:
         return defaults[name]
     field = next(f for f in dataclasses.fields(EngineConfig) if f.name == RENAMED_ARGS.get(name, name))

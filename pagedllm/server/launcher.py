@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=_port, default=8000, help="TCP port (0: one the OS picks)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    g.add_argument("--middleware", action="append", default=[], metavar="IMPORT.PATH",
+                   help="ASGI middleware to add, as vLLM's: a class (app.add_middleware) or an async function "
+                   "(an HTTP middleware, @app.middleware('http')) named by its import path; repeatable")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model's name)")
     g.add_argument(
         "--max-waiting",
@@ -287,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
     args.model = _model_argument(args)
     tls = _tls_files(args)
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    args.middleware = [import_middleware(path) for path in args.middleware]  # before the model loads
     config = engine_config_from_args(args)
     request_limits, server_limits = limits_from_args(args)
     # The address is taken before the model loads: a port in use is an error in a second, not
@@ -336,6 +340,8 @@ def _serve(args, config, tls, chat_template, request_limits, server_limits, list
         trust_request_chat_template=args.trust_request_chat_template,
         request_id_headers=args.enable_request_id_headers,
     )
+    for middleware in args.middleware:
+        add_middleware(app, middleware)
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -415,10 +421,41 @@ def _cors_settings(args: argparse.Namespace):
 def _default_sampling(engine: AsyncLLMEngine, config) -> dict:
     from pagedllm.generation_config import default_sampling_fields
 
-    defaults = default_sampling_fields(engine.engine.model_path, config.generation_config)
+    defaults = default_sampling_fields(engine.engine.model_path, config.generation_config,
+                                       config.override_generation_config)
     if defaults:
         logger.info("default sampling parameters from the generation config: %s", defaults)
     return defaults
+
+
+def import_middleware(path: str):
+    """``--middleware``'s ``package.module.name``: the class or async function it names; ConfigError
+    when it cannot be imported or is neither."""
+    import importlib
+    import inspect
+
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"--middleware {path!r}: give an import path, module.name")
+    try:
+        value = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--middleware {path!r}: cannot import it: {exc}") from None
+    if not (inspect.isclass(value) or inspect.iscoroutinefunction(value)):
+        raise ConfigError(f"--middleware {path!r} is a {type(value).__name__}; it must be an ASGI middleware class "
+                          "or an async function (request, call_next)")
+    return value
+
+
+def add_middleware(app, middleware) -> None:
+    """Adds what :func:`import_middleware` returned, as vLLM does: a class with ``app.add_middleware``, a
+    function as an HTTP middleware."""
+    import inspect
+
+    if inspect.isclass(middleware):
+        app.add_middleware(middleware)
+    else:
+        app.middleware("http")(middleware)
 
 
 def load_chat_template(value: str) -> str:
