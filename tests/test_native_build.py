@@ -8,6 +8,7 @@ says what the compiler said.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
@@ -57,3 +58,19 @@ def test_every_cpu_kernel_path_passes_the_strict_flags(isa):
 def test_the_quantized_kernels_pass_the_strict_flags():
     done = _syntax_check(quant_ops._SOURCE_PATH.read_text(), list(quant_ops.COMPILE_FLAGS))
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+CROSS_ARM = shutil.which("aarch64-linux-gnu-gcc")
+
+
+@pytest.mark.skipif(CROSS_ARM is None, reason="no aarch64 cross compiler (apt install gcc-aarch64-linux-gnu)")
+@pytest.mark.parametrize("name", ["cpu_ops", "quant_ops"])
+def test_the_portable_kernels_build_for_arm(name):
+    """An ARM machine builds the scalar attention path and the portable quantized kernels: no x86
+    header or intrinsic may leak out of its guards."""
+    module = cpu_ops if name == "cpu_ops" else quant_ops
+    flags = cpu_ops.compile_flags("scalar") if name == "cpu_ops" else list(quant_ops.COMPILE_FLAGS)
+    flags = [f for f in flags if f not in ("-shared", "-O3")]
+    done = subprocess.run([CROSS_ARM, *flags, *build_cache.STRICT_FLAGS, "-Wall", "-fsyntax-only", "-x", "c", "-"],
+                          input=module._SOURCE_PATH.read_text(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr[-2000:]
