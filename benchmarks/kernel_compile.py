@@ -15,7 +15,8 @@ registers and spills.
 
 Usage: ``python benchmarks/kernel_compile.py [--arch 90] [--quick] [--json OUT]``.
 Exits 1 if any kernel fails to compile, spills registers, or needs more shared
-memory than the target has; prints one line per compiled kernel.
+memory than the target has (a spill in one of gpu_check.py's sweep candidates is
+reported, not a failure); prints one line per compiled kernel.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class KernelReport:
     seconds: float | None = None
     error: str | None = None
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 class TargetOnlyDriver:
@@ -210,7 +212,12 @@ def compile_one(launch: str, jit_function, spec: dict, target, ptxas: str) -> Ke
     limit = SHARED_MEMORY_LIMIT.get(target.arch)
     if limit is not None and report.shared_bytes > limit:
         report.problems.append(f"needs {report.shared_bytes} B of shared memory, sm_{target.arch} has {limit}")
-    if report.spill_bytes:
+    if report.spill_bytes and " sweep " in report.launch:
+        # a candidate gpu_check.py times, not a shape the engine launches: its spills are reported
+        # (the sweep's timing shows their cost), not a failure (some Triton releases spill 4 B at
+        # block_n=128 on 4 warps, sm_90)
+        report.notes.append(f"spills {report.spill_bytes} B of registers (a sweep candidate)")
+    elif report.spill_bytes:
         report.problems.append(f"spills {report.spill_bytes} B of registers")
     if report.registers is not None and report.registers > MAX_REGISTERS:
         report.problems.append(f"uses {report.registers} registers")
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     reports = run(args.arch, lambda recorder: drive_launchers(recorder, quick=args.quick))
     for r in reports:
-        status = "FAIL " + "; ".join(r.problems) if r.problems else "ok"
+        status = "FAIL " + "; ".join(r.problems) if r.problems else "; ".join(["ok", *r.notes])
         print(f"{r.kernel:22s} {r.launch:58s} warps={r.num_warps} stages={r.num_stages} "
               f"smem={r.shared_bytes} regs={r.registers} spill={r.spill_bytes}  {status}")
         if r.error:

@@ -53,7 +53,12 @@ def _check_reports(kernels: list[dict]) -> None:
         assert k["error"] is None, where + ": " + k["error"]
         assert k["shared_bytes"] <= SM90_SHARED_MEMORY, where
         assert k["registers"] is not None and k["registers"] <= 255, where
-        assert k["spill_bytes"] == 0, where
+        # the engine's launches never spill; gpu_check.py's sweep candidates must compile and fit,
+        # and a spill there is reported (the sweep times it), as some Triton releases spill one
+        if " sweep " not in k["launch"]:
+            assert k["spill_bytes"] == 0, where
+        else:
+            assert k["spill_bytes"] == 0 or k["notes"], where
 
 
 def _launches_by_kernel(kernels: list[dict]) -> dict[str, set[str]]:
