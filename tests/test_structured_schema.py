@@ -338,3 +338,35 @@ def test_random_schemas_random_walks_give_valid_documents(compiler):
             finished += 1
             jsonschema.validate(json.loads(text), schema)  # raises with the document and the keyword
     assert finished >= 60  # most walks end: the check ran on many documents
+
+
+BACKTRACKS = "(a|aa)+$"  # exponential in Python's re on a run of a's that ends otherwise
+LONG_NAME = "a" * 60 + "!"
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {LONG_NAME: {}}, "propertyNames": {"pattern": BACKTRACKS}},
+    {"type": "object", "properties": {LONG_NAME: {"type": "integer"}},
+     "patternProperties": {BACKTRACKS: {"type": "string"}}},
+    {"type": "object", "required": [LONG_NAME], "patternProperties": {BACKTRACKS: {}}},
+])
+def test_a_pattern_that_backtracks_without_bound_is_refused_in_time(schema):
+    """A client's pattern meets a client's property name with a time limit: the check refuses what
+    would otherwise hold the server's interpreter for hours."""
+    import time
+
+    began = time.monotonic()
+    with pytest.raises(RequestError) as info:
+        StructuredOutputsParams(json=schema)
+    assert time.monotonic() - began < 5
+    assert "takes too long to match" in str(info.value) and info.value.param == "structured_outputs.json"
+
+
+def test_property_names_keywords_are_checked_on_declared_names():
+    ok = {"type": "object", "properties": {"ab": {}}, "propertyNames": {"type": "string", "maxLength": 2}}
+    StructuredOutputsParams(json=ok)
+    ok = {"type": "object", "properties": {"ab": {}}, "propertyNames": {"enum": ["ab", "c"]}}
+    StructuredOutputsParams(json=ok)
+    for names in ({"const": "x"}, {"minLength": 3}, {"type": "integer"}, {"pattern": "^z"}, False):
+        with pytest.raises(RequestError, match="does not meet 'propertyNames'"):
+            StructuredOutputsParams(json={"type": "object", "properties": {"ab": {}}, "propertyNames": names})

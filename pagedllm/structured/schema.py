@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import warnings
 from typing import Any
 
@@ -80,6 +79,12 @@ _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions")
 _NAME_KEYWORDS = ("type", "pattern", "minLength", "maxLength", "format", "enum", "const")
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_MULTIPLES = 1024  # an integer range with multipleOf becomes an enum of at most this many values
+
+
+# A client's patterns are matched against its property names within a time budget for the whole
+# schema: Python's re backtracks without limit (``(a|aa)+$`` on 60 characters runs for hours,
+# holding the interpreter), and many slow matches would add up.
+PATTERN_BUDGET_S = 0.25
 
 
 def _is_integral(value: Any) -> bool:
@@ -141,9 +146,30 @@ def prepare_schema(schema: Any, param: str) -> Any:
 class _Walker:
     def __init__(self, param: str) -> None:
         self.param = param
+        self.pattern_budget = PATTERN_BUDGET_S  # seconds of pattern matching this schema may still take
 
     def error(self, where: str, message: str) -> RequestError:
         return RequestError(f"{self.param}: at {where}: {message}", param=self.param)
+
+    def matches(self, pattern: str, name: str, where: str) -> bool | None:
+        """Whether ``pattern`` matches somewhere in ``name`` (JSON Schema's search); None when it does
+        not compile (the compiler reports it). RequestError when the schema's matches together take
+        longer than PATTERN_BUDGET_S."""
+        import time
+
+        import regex
+
+        began = time.monotonic()
+        try:
+            return regex.search(pattern, name, timeout=max(self.pattern_budget, 1e-3)) is not None
+        except regex.error:
+            return None
+        except TimeoutError:
+            raise self.error(where, f"pattern {pattern!r} takes too long to match {name!r} (it backtracks "
+                                    "without bound, or the schema's patterns and names are too many); simplify "
+                                    "it") from None
+        finally:
+            self.pattern_budget -= time.monotonic() - began
 
     def schema(self, node: Any, where: str) -> Any:
         if isinstance(node, bool):
@@ -287,10 +313,7 @@ class _Walker:
             return
         for name, sub in properties.items():
             for pattern, pattern_sub in patterns.items():
-                try:
-                    matched = re.search(pattern, name) is not None
-                except re.error:
-                    continue  # the compiler reports the pattern
+                matched = self.matches(pattern, name, where)  # None: the compiler reports the pattern
                 if matched and pattern_sub != sub and pattern_sub is not True and pattern_sub != {}:
                     raise self.error(where, f"property {name!r} is declared in 'properties' and matches "
                                             f"'patternProperties' {pattern!r}: the compiler would check only the "
@@ -313,16 +336,33 @@ class _Walker:
                 raise self.error(f"{where}/propertyNames", f"{', '.join(repr(k) for k in unsupported)} is not "
                                                            "supported in 'propertyNames' (the compiler would not "
                                                            f"check it); use {', '.join(_NAME_KEYWORDS)}")
-        from jsonschema import Draft202012Validator
-
-        check = Draft202012Validator(names)
         for name in node.get("properties") or {}:
-            if not check.is_valid(name):
+            if not self._name_meets(names, name, f"{where}/propertyNames"):
                 raise self.error(where, f"property {name!r} in 'properties' does not meet 'propertyNames' (the "
                                         "compiler would write it anyway); rename it or drop it")
         if node.get("additionalProperties") is False or node.get("unevaluatedProperties") is False:
             return {key: value for key, value in node.items() if key != "propertyNames"}
         return node
+
+    def _name_meets(self, names: Any, name: str, where: str) -> bool:
+        """Whether property name ``name`` meets the propertyNames schema ``names`` (one string schema's
+        keywords; ``format`` is an annotation)."""
+        if names is False:
+            return False
+        if not isinstance(names, dict):
+            return True
+        types = names.get("type", "string")
+        if "string" not in (types if isinstance(types, list) else [types]):
+            return False
+        if "enum" in names and name not in names["enum"]:
+            return False
+        if "const" in names and name != names["const"]:
+            return False
+        if isinstance(names.get("minLength"), int) and len(name) < names["minLength"]:
+            return False
+        if isinstance(names.get("maxLength"), int) and len(name) > names["maxLength"]:
+            return False
+        return not isinstance(names.get("pattern"), str) or self.matches(names["pattern"], name, where) is not False
 
     def _check_min_properties(self, node: dict, where: str) -> None:
         """``minProperties`` above what the object may hold: the compiler refuses it, without saying where."""
@@ -360,11 +400,11 @@ class _Walker:
         if isinstance(patterns, dict):
             matching = []
             for pattern, sub in patterns.items():
-                try:
-                    if re.search(pattern, name):
-                        matching.append(sub)
-                except re.error:
+                matched = self.matches(pattern, name, where)
+                if matched is None:
                     return {}  # the compiler reports the pattern
+                if matched:
+                    matching.append(sub)
             if len(matching) == 1:
                 return matching[0]
             if matching:
