@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 
 from pagedllm.config import (
@@ -43,6 +44,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=[*SUPPORTED_DTYPES, *DTYPE_ALIASES])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    _add_kv_memory_arguments(g)
+    _add_scheduling_arguments(g)
+    _add_numerics_arguments(g)
+    _add_vllm_only_flags(parser.add_argument_group("vLLM flags accepted without effect (one log line each)"))
+
+
+def _add_kv_memory_arguments(g) -> None:
+    """Where the KV cache lives and how big it is."""
     g.add_argument("--block-size", type=int, default=16, choices=list(SUPPORTED_BLOCK_SIZES))
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
                    help="exact number of KV blocks")
@@ -64,6 +73,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-fill the KV pools in host memory at start-up, so the process is at its full "
                    "size from the start, on 2 MiB pages where Linux grants them (default: on for serve, off otherwise)")
+
+
+def _add_scheduling_arguments(g) -> None:
+    """What runs each step, and on how many threads and processes."""
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -83,6 +96,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="split the model over this many worker processes (torch.distributed)")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=list(QUANTIZATION_GROUP_SIZES))
     g.add_argument("--seed", type=int, default=0)
+
+
+def _add_numerics_arguments(g) -> None:
+    """What the model computes: its context scaling, weight and KV formats, sampling defaults."""
     g.add_argument("--rope-scaling", type=parse_json_object, default=None,
                    help='HF rope_scaling JSON replacing the model\'s, e.g. \'{"rope_type":"yarn","factor":4.0}\' '
                    "(linear | dynamic | yarn | llama3); lets --max-model-len pass the trained context")
@@ -103,7 +120,41 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: auto (the model's generation_config.json or GGUF "
                    "metadata), vllm (SamplingParams' defaults) or a folder with generation_config.json")
-    _add_vllm_only_flags(parser.add_argument_group("vLLM flags accepted without effect (one log line each)"))
+
+
+def bounded(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False,
+            subject: str = "must be"):
+    """An argparse type: a finite ``kind`` (int or float) >= ``low`` (> with ``above``) and <= ``high``.
+    Errors read "<subject> ...": "must be >= 1, got 0", "a port is in 0-65535, got 99999"."""
+    noun = "a whole number" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{subject} {noun}, got {text!r}") from None
+        finite = kind is int or math.isfinite(value)
+        if low is not None and high is not None:
+            if not (finite and low <= value <= high):
+                raise argparse.ArgumentTypeError(f"{subject} in {low}-{high}, got {text}")
+        elif low is not None and not (finite and (value > low if above else value >= low)):
+            raise argparse.ArgumentTypeError(
+                f"{subject} {'a finite number ' if kind is float else ''}{'>' if above else '>='} {low}, got {text}")
+        return value
+
+    return parse
+
+
+def parse_json_object(text: str) -> dict:
+    """Parse a JSON object given on the command line (e.g. ``--rope-scaling``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
+    return value
+
 
 
 # vLLM flags that mean nothing here, or only their default: (flag, value type;
@@ -128,7 +179,7 @@ VLLM_ONLY_FLAGS = (
     ("--data-parallel-size", int),
     ("--cpu-offload-gb", float),
     ("--guided-decoding-backend", str),  # auto or xgrammar, else refused
-    ("--structured-outputs-config", lambda text: parse_json_object(text)),  # {"backend": "xgrammar"}
+    ("--structured-outputs-config", parse_json_object),  # {"backend": "xgrammar"}
 )
 
 
@@ -190,17 +241,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         override_generation_config=args.override_generation_config,
         **_vllm_only_args(args),
     )
-
-
-def parse_json_object(text: str) -> dict:
-    """Parse a JSON object given on the command line (e.g. ``--rope-scaling``)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
-    return value
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -154,6 +154,17 @@ def test_a_constraint_that_matches_nothing_is_a_request_error(compiler, kind, va
     assert info.value.param == f"structured_outputs.{kind}" and "matches no output" in str(info.value)
 
 
+def _enforced_exactly(compiler: GrammarCompiler, schema, good: list[str], bad: list[str]) -> None:
+    """The grammar of ``schema`` accepts every ``good`` document (each valid by jsonschema too) and
+    refuses every ``bad`` one."""
+    params = StructuredOutputsParams(json=schema)
+    for document in good:
+        assert _grammar_accepts(compiler, params, document), document
+        jsonschema.validate(json.loads(document), schema)
+    for document in bad:
+        assert not _grammar_accepts(compiler, params, document), document
+
+
 # Strings with minLength / maxLength compile to a counted character rule of their own: each
 # character must be one a JSON string may hold (no raw control character), and an escape is one.
 @pytest.mark.parametrize(
@@ -169,12 +180,7 @@ def test_a_constraint_that_matches_nothing_is_a_request_error(compiler, kind, va
     ],
 )
 def test_length_bounded_strings_hold_json_characters(compiler, schema, good, bad):
-    params = StructuredOutputsParams(json=schema)
-    for document in good:
-        assert _grammar_accepts(compiler, params, document), document
-        jsonschema.validate(json.loads(document), schema)
-    for document in bad:
-        assert not _grammar_accepts(compiler, params, document), document
+    _enforced_exactly(compiler, schema, good, bad)
 
 
 @pytest.mark.parametrize(
@@ -189,12 +195,7 @@ def test_length_bounded_strings_hold_json_characters(compiler, schema, good, bad
     ],
 )
 def test_an_integer_range_with_multiple_of_is_its_multiples(compiler, schema, good, bad):
-    params = StructuredOutputsParams(json=schema)
-    for document in good:
-        assert _grammar_accepts(compiler, params, document), document
-        jsonschema.validate(json.loads(document), schema)
-    for document in bad:
-        assert not _grammar_accepts(compiler, params, document), document
+    _enforced_exactly(compiler, schema, good, bad)
 
 
 @pytest.mark.parametrize(

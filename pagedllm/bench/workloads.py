@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm.cli import bounded
 from pagedllm.errors import ConfigError
 
 # SmolLM2's vocabulary; random prompts stay inside it.
@@ -186,15 +187,7 @@ def parse_range(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1, for argparse."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive_int = bounded(int, 1)
 
 
 def add_workload_arguments(
@@ -216,10 +209,10 @@ def add_workload_arguments(
         "--dataset", default=None,
         help="'random', or a JSONL file with prompt_token_ids or prompt per line",
     )
-    g.add_argument("--num-prompts", type=positive_int, default=None, help=f"number of requests (random: {default_num_prompts}; files: a prefix)")
+    g.add_argument("--num-prompts", type=_positive_int, default=None, help=f"number of requests (random: {default_num_prompts}; files: a prefix)")
     g.add_argument("--input-len-range", type=parse_range, default=None, help="random prompt lengths A:B, inclusive")
-    g.add_argument("--input-len", type=positive_int, default=None, help="random prompt length (same as A:A)")
-    g.add_argument("--output-len", type=positive_int, default=default_output_len, help="new tokens per request")
+    g.add_argument("--input-len", type=_positive_int, default=None, help="random prompt length (same as A:A)")
+    g.add_argument("--output-len", type=_positive_int, default=default_output_len, help="new tokens per request")
     if with_seed:
         g.add_argument("--seed", type=int, default=0, help="seed of the random dataset and arrivals")
     parser.set_defaults(_default_workload=default_workload, _default_num_prompts=default_num_prompts)

@@ -14,7 +14,6 @@ import contextlib
 import errno
 import json
 import logging
-import math
 import signal
 import socket
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
+from pagedllm.cli import bounded
 from pagedllm.engine.async_engine import DEFAULT_MAX_WAITING, AsyncLLMEngine
 from pagedllm.errors import ConfigError
 from pagedllm.limits import RequestLimits, ServerLimits
@@ -29,6 +29,11 @@ from pagedllm.limits import RequestLimits, ServerLimits
 logger = logging.getLogger("pagedllm.server")
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_positive_int = bounded(int, 0, above=True)
+_positive_float = bounded(float, 0, above=True)
+_non_negative_int = bounded(int, 0)
+_seconds = bounded(float, 0)
+_port = bounded(int, 0, 65535, subject="a port is")
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -171,53 +176,12 @@ def limits_from_args(args: argparse.Namespace) -> tuple[RequestLimits, ServerLim
     return request, server
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def _size(text: str) -> int:
     from pagedllm.cli import parse_size
 
     value = parse_size(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a port is a whole number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in 0-65535, got {value}")
     return value
 
 

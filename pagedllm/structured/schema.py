@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import warnings
 from typing import Any
 
@@ -155,9 +156,7 @@ class _Walker:
         """Whether ``pattern`` matches somewhere in ``name`` (JSON Schema's search); None when it does
         not compile (the compiler reports it). RequestError when the schema's matches together take
         longer than PATTERN_BUDGET_S."""
-        import time
-
-        import regex
+        import regex  # here: `import pagedllm` does not load it
 
         began = time.monotonic()
         try:
