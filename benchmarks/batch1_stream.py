@@ -2,6 +2,7 @@
 
     python benchmarks/batch1_stream.py [--tokens 40] [--threads 2] [--path avx2|avx512-vnni|...]
     PAGEDLLM_QUANT_ROW_TABLES=0 python benchmarks/batch1_stream.py    # the scales transposed per call
+    PAGEDLLM_QUANT_LANES=0 python benchmarks/batch1_stream.py         # 4-bit codes kept in rows
 
 Builds the default model's packed matrices with random weights (30 decoder layers of the fused
 qkv, o, gate|up and down (Q4 with mins, as Q4_1), plus the tied LM head in Q8 with group 32), far more
@@ -52,7 +53,11 @@ def main() -> None:
         isa = {name: i for i, name in quant_ops.ISA_NAMES.items()}[args.path]
     x576, x1536 = torch.randn(1, 576, generator=gen), torch.randn(1, 1536, generator=gen)
 
-    # each matrix bound once, as the layers bind theirs (quant_ops.bind_gemm)
+    # each matrix bound once, as the layers bind theirs (quant_ops.bind_gemm), its codes first put
+    # in the layout the CPU's own path reads (QuantizedWeight.native_codes)
+    if isa is None:
+        for q in mats:
+            q.native_codes()
     calls = [(quant_ops.bind_gemm(*q._kernel_args(), isa_override=isa, tables=q.row_tables()),
               x1536 if q.padded_in >= 1536 else x576) for q in mats]
 

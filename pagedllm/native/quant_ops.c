@@ -13,6 +13,14 @@
  * q bytes, per row: 4-bit, K / 2 bytes where byte i of each 64-weight group
  * holds weight i in its low nibble and weight 32 + i in its high one (so one
  * 32-byte load unpacks into 64 weights in order); 8-bit, K bytes in order.
+ * Lane layout (4-bit codes, the AVX2 per-row kernel's; `lanes` in the calls below): the
+ * outputs in passes of LANE_COLS = 8, N a multiple of 8, each pass's codes together
+ * ([N / 8][Kp / 32][4][32] bytes, as many as the rows take): chunk c of block b of a pass
+ * holds weights 32 b + 8 c .. + 7 of its 8 outputs, byte 4 j + t output j's weight
+ * 32 b + 8 c + t in its low nibble and 32 b + 8 c + 4 + t in its high one. One 32-byte load
+ * then feeds vpmaddubsw with 4 weights of each of 8 outputs per int32 lane against one
+ * broadcast dword of activations, so a block's sum per output builds up in the lanes
+ * (in int16: 8 pair sums of at most 2 x 15 x 128 each fit) with no horizontal reduction.
  *
  * The activations are quantized per 32-block to int8 with a float scale
  * (as llama.cpp's Q8 activations are), so a block's dot product is one
@@ -40,7 +48,9 @@
  *      tiled kernel for 8-bit codes widens codes and activations to int16 and
  *      takes vpmaddwd alone (tile_avx2_q8). Its per-row kernel reads each pass's
  *      scales and mins from a row-scale table (see gemm_rows) where the caller
- *      gives one, else transposes them per call.
+ *      gives one, else transposes them per call. A 4-bit matrix in the lane layout
+ *      (above) takes the lane kernel instead (lane_pass_avx2), and its tiled kernel
+ *      unpacks its codes from that layout a pass at a time.
  *   0  portable C, the reference the others are tested against.
  * Many rows (from quant_tiled_min_rows()), paths 2 and 1 take a
  * tiled kernel: the activations are transposed so that one vector holds 4
@@ -213,18 +223,29 @@ static inline int weight_q(const uint8_t *row, int64_t k, int bits) {
     return (k % 64) < 32 ? (byte & 0x0f) : (byte >> 4);
 }
 
+#define LANE_COLS 8 /* outputs per pass of the lane layout (see the top of the file) */
+
+/* Code k of output n: rows as above, or (lanes, 4-bit codes) the lane layout. */
+static inline int code_at(const uint8_t *q, int64_t n, int64_t k, int bits, int64_t row_bytes, int lanes) {
+    if (!lanes || bits != 4) return weight_q(q + n * row_bytes, k, bits);
+    const int64_t within = k % 32, t8 = within % 8;
+    const uint8_t byte = q[(n / LANE_COLS) * LANE_COLS * row_bytes + (k / 32 * 4 + within / 8) * 32 +
+                           4 * (n % LANE_COLS) + (t8 & 3)];
+    return t8 < 4 ? (byte & 0x0f) : (byte >> 4);
+}
+
 /* One output . one activation row in the float sequence every path follows (the batch
  * invariance of the quantized layers rests on it): per 32-block b in order, the exact integer
  * sum isum = sum (q - zero) * x (x = 256 q1 + q2 with two levels), then
  * acc = fma(isum, dx * dw, acc) and, with mins, acc = fma(dx * xsum, mw, acc). */
-static float dot_portable(const uint8_t *qrow, const uint16_t *drow, const uint16_t *mrow, int64_t Kp,
-                          int bits, int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+static float dot_portable(const uint8_t *q, int64_t n, int64_t row_bytes, int lanes, const uint16_t *drow,
+                          const uint16_t *mrow, int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
                           const int32_t *xsum) {
     float acc = 0.0f;
     for (int64_t b = 0; b < Kp / 32; b++) {
         int32_t dot = 0;
         for (int64_t k = 32 * b; k < 32 * b + 32; k++)
-            dot += weight_q(qrow, k, bits) * (xq2 ? 256 * xq[k] + xq2[k] : xq[k]);
+            dot += code_at(q, n, k, bits, row_bytes, lanes) * (xq2 ? 256 * xq[k] + xq2[k] : xq[k]);
         const float dxb = dx[b], scale = dxb * half_to_float(drow[b / r]);
         acc = fmaf((float)(dot - zero * xsum[b]), scale, acc);
         if (mrow) acc = fmaf(dxb * (float)xsum[b], half_to_float(mrow[b / r]), acc);
@@ -234,12 +255,12 @@ static float dot_portable(const uint8_t *qrow, const uint16_t *drow, const uint1
 
 /* y[i, n] for outputs [n0, n0 + count) and every row i, one dot_portable each. */
 static void gemm_outputs_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t n0, int64_t count,
-                                  int64_t N, int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq,
+                                  int64_t N, int64_t Kp, int bits, int r, int32_t zero, int lanes, const int8_t *xq,
                                   const int8_t *xq2, const float *dx, const int32_t *xsum, int64_t rows, float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r;
     for (int64_t n = n0; n < n0 + count; n++)
         for (int64_t i = 0; i < rows; i++)
-            y[i * N + n] = dot_portable(q + n * row_bytes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
+            y[i * N + n] = dot_portable(q, n, row_bytes, lanes, d + n * scales_per_row, m ? m + n * scales_per_row : 0,
                                         Kp, bits, r, zero, xq + i * Kp, xq2 ? xq2 + i * Kp : 0, dx + i * (Kp / 32),
                                         xsum + i * (Kp / 32));
 }
@@ -258,8 +279,14 @@ typedef struct {
     RowPass pass;              /* one activation row . the pass's outputs */
     int64_t cols;              /* outputs per pass, at most MAX_ROW_COLS */
     int64_t prefetch_passes;   /* a pass prefetches the weights of the pass this far ahead */
-    /* where the pass takes two levels joined: x16 = 256 xq + xq2 for n codes (NULL: x16 is NULL) */
-    void (*join)(const int8_t *xq, const int8_t *xq2, int64_t n, int bits, int16_t *x16);
+    /* where the pass takes the activations prepared once per call (its x16 argument; NULL: x16 is
+       NULL): join(xq, xq2, n, bits, out) writes join_bytes bytes per code and level for n codes
+       (the AVX2 row kernel: two levels joined as int16 256 xq + xq2; the lane kernel: each dword
+       of codes broadcast to a vector) */
+    void (*join)(const int8_t *xq, const int8_t *xq2, int64_t n, int bits, int16_t *out);
+    int64_t join_bytes;
+    int join_one_level; /* join one level too, not only two; and the pass needs the join (without
+                           it, out of memory, the passes take the portable path) */
     int tables; /* the pass reads a row-scale table (see gemm_rows, cols wide) in place of dw / mw */
 } RowKernel;
 
@@ -272,17 +299,20 @@ typedef struct {
  * entry (p, j, c) = s[p cols + c][j], 0 past N (quant_ops.row_scale_tables). The same values in
  * the order a pass reads them, one vector per group instead of a transpose on every call. */
 static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const uint16_t *m, const uint16_t *dt,
-                      const uint16_t *mt, int64_t N, int64_t Kp, int bits, int r, int zero, const int8_t *xq,
-                      const int8_t *xq2, const float *dx, const int32_t *xsum, int64_t rows, float *y) {
+                      const uint16_t *mt, int64_t N, int64_t Kp, int bits, int r, int zero, int lanes,
+                      const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum, int64_t rows,
+                      float *y) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, blocks = Kp / 32;
     const int64_t cols = k.cols, num_passes = (N + cols - 1) / cols;
     if (!m) mt = 0;
     if (!k.tables || (m && !mt)) dt = mt = 0;
     const int r_shift = r == 4 ? 2 : r == 2 ? 1 : 0;
-    /* the rows' two levels joined once per call, for a kernel that takes them so (NULL when out of
-       memory: the pass then takes them as bytes, the same sums) */
-    int16_t *x16 = k.join && xq2 ? malloc((size_t)(rows * Kp) * sizeof(int16_t)) : 0;
-    if (x16) k.join(xq, xq2, rows * Kp, bits, x16);
+    /* the rows' activations prepared once per call, for a kernel that takes them so (NULL when out
+       of memory: the pass then takes them as bytes, the same sums); 32-byte aligned rows */
+    const int64_t prep_stride = Kp * k.join_bytes * (xq2 ? 2 : 1);
+    char *prep = k.join && (xq2 || k.join_one_level) ? aligned_alloc(32, (size_t)(rows * prep_stride)) : 0;
+    if (prep) k.join(xq, xq2, rows * Kp, bits, (int16_t *)prep);
+    const int portable = k.join_one_level && !prep;
     _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
     {
         float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
@@ -290,8 +320,8 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < num_passes; p++) {
             const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
-            if (!dw) { /* out of memory: the same numbers one output at a time */
-                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+            if (!dw || portable) { /* out of memory: the same numbers one output at a time */
+                gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
                 continue;
             }
             const int64_t ahead = n0 + k.prefetch_passes * cols;
@@ -314,14 +344,14 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
             }
             for (int64_t i = 0; i < rows; i++) {
                 k.pass(q, row_bytes, n0, count, Kp, bits, zero, xq + i * Kp, xq2 ? xq2 + i * Kp : 0,
-                       x16 ? x16 + i * Kp : 0, dx + i * blocks,
+                       prep ? (const int16_t *)(prep + i * prep_stride) : 0, dx + i * blocks,
                        xsum + i * blocks, dw, mw, dtp, mtp, r_shift, i == 0 ? next : 0, out);
                 memcpy(y + i * N + n0, out, (size_t)count * sizeof(float));
             }
         }
         free(dw);
     }
-    free(x16);
+    free(prep);
 }
 
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -479,7 +509,7 @@ TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, 
 }
 
 static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, NULL,
-                                    0};
+                                    0, 0, 0};
 /* ------------------------------------------------------------ many rows: the tiled kernels */
 
 #define VNNI_TILE_ROWS 16 /* activation rows per zmm: one int32 lane each */
@@ -568,8 +598,8 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_scales(const uint16_
 }
 
 /* Outputs [n0, n0 + count) (count <= cols) unpacked into a tile's scratch: codes [cols][Kp]
- * one byte per weight, dw / mw [cols][blocks] float per-block scales / mins; outputs past count
- * are zero. */
+ * one byte per weight (codes NULL: not these), dw / mw [cols][blocks] float per-block scales /
+ * mins; outputs past count are zero. */
 __attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_t *q, const uint16_t *d,
                                                                     const uint16_t *m, int64_t n0, int64_t count,
                                                                     int64_t cols, int64_t Kp, int bits, int r,
@@ -577,8 +607,10 @@ __attribute__((target("avx2,fma,f16c"))) static void unpack_outputs(const uint8_
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r, blocks = Kp / 32;
     for (int64_t c = 0; c < cols; c++) {
-        uint8_t *dst = codes + c * Kp;
-        if (c >= count) {
+        uint8_t *dst = codes ? codes + c * Kp : 0;
+        if (!codes) {
+            /* the scales only (a lane-layout matrix's codes come from unpack_lane_outputs) */
+        } else if (c >= count) {
             memset(dst, 0, (size_t)Kp);
         } else if (bits == 8) {
             memcpy(dst, q + (n0 + c) * row_bytes, (size_t)Kp);
@@ -749,6 +781,27 @@ TARGET_AVX2 static inline void transpose8_avx2(__m256 v[8]) {
     for (int k = 0; k < 4; k++) {
         v[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
         v[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* Outputs [n0, n0 + count) of a lane-layout matrix (all in one pass) as codes [count][Kp], one
+ * byte per weight in order (gemm_tiled unpacks whole passes, which its groups of outputs then
+ * share): per block, the 4 chunks' low and high nibbles are the rows of an
+ * 8 x 8 matrix of dwords (row 2 c + h: weights 8 c + 4 h .. + 3 of the 8 outputs), whose
+ * transpose has output j's 32 weights in row j. */
+TARGET_AVX2 static void unpack_lane_outputs(const uint8_t *q, int64_t n0, int64_t count, int64_t Kp, uint8_t *codes) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const int64_t first = n0 % LANE_COLS, blocks = Kp / 32;
+    const uint8_t *pass = q + (n0 - first) * (Kp / 2);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 v[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(pass + b * 128 + 32 * c));
+            v[2 * c] = _mm256_castsi256_ps(_mm256_and_si256(packed, low4));
+            v[2 * c + 1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
+        }
+        transpose8_avx2(v);
+        for (int64_t c = 0; c < count; c++) _mm256_storeu_ps((float *)(codes + c * Kp + 32 * b), v[first + c]);
     }
 }
 
@@ -952,7 +1005,100 @@ TARGET_AVX2 static void join_levels_avx2(const int8_t *xq, const int8_t *xq2, in
 }
 
 static const RowKernel AVX2_ROWS = {transpose_scales_avx2, row_pass_avx2_bits, AVX2_ROW_COLS, AVX2_ROW_PREFETCH_PASSES,
-                                    join_levels_avx2, 1};
+                                    join_levels_avx2, 1, 0, 1};
+
+/* The lane layout's pass (4-bit codes; see the top of the file): outputs [n0, n0 + 8) . one
+ * activation row, in dot_portable's float sequence. Per block, 4 loads of 32 bytes give the low
+ * and high nibbles of 8 outputs x 8 weights; vpmaddubsw multiplies each by one broadcast dword
+ * of the level's activation bytes, and the pair sums add up in int16 (8 per block, at most
+ * 8 x 2 x 15 x 128 = 30,720: exact); vpmaddwd by 256 (first level) and by 1 (second) then
+ * gives each output's block sum in its int32 lane: the integers of the row kernel above, with
+ * no reduction across lanes. The broadcast dwords come from xb ([Kp / 4][levels] vectors,
+ * broadcast_codes_avx2, made once per call), so vpmaddubsw reads its operand from memory. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void lane_pass_avx2(
+    const uint8_t *pass, int64_t blocks, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+    const int32_t *xsum, const __m256i *xb, const float *dw, const float *mw, const uint16_t *dt,
+    const uint16_t *mt, int r_shift, const int two, const int table, const int mins, const uint8_t *next,
+    float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *chunks = pass + b * 128;
+        if (next) { /* the later pass's block b: its codes are contiguous too */
+            _mm_prefetch((const char *)(next + b * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + b * 128 + 64), _MM_HINT_T0);
+        }
+        const int64_t levels = 1 + two;
+        const __m256i *xv = xb + 8 * b * levels; /* the block's 8 broadcast dwords, [dword][level] */
+        __m256i a = _mm256_setzero_si256(), a2 = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(chunks + 32 * c));
+            const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(xv + 2 * c * levels)));
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xv + (2 * c + 1) * levels)));
+            if (two) {
+                a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(xv + 2 * c * levels + 1)));
+                a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xv + (2 * c + 1) * levels + 1)));
+            }
+        }
+        __m256i isum = two ? _mm256_add_epi32(_mm256_madd_epi16(a, k256), _mm256_madd_epi16(a2, ones))
+                           : _mm256_madd_epi16(a, ones);
+        if (zero) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-zero * xsum[b]));
+        const float dxb = dx[b];
+        const __m256 dwb = table ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (b >> r_shift) * LANE_COLS)))
+                                 : _mm256_loadu_ps(dw + b * LANE_COLS);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(dxb), dwb), acc);
+        if (mins) {
+            const __m256 mwb = table ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + (b >> r_shift) * LANE_COLS)))
+                                     : _mm256_loadu_ps(mw + b * LANE_COLS);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dxb * (float)xsum[b]), mwb, acc);
+        }
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+/* lane_pass_avx2 as a RowPass (bits is 4; count is 8: lane-layout matrices have whole passes),
+ * compiled per level count, scale source and mins. */
+TARGET_AVX2 static void lane_pass_avx2_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
+                                            int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
+                                            const float *dx, const int32_t *xsum, const float *dw, const float *mw,
+                                            const uint16_t *dt, const uint16_t *mt, int r_shift, const uint8_t *next,
+                                            float *out) {
+    const uint8_t *pass = q + n0 * row_bytes;
+    const int64_t blocks = Kp / 32;
+    const __m256i *xb = (const __m256i *)x16; /* broadcast_codes_avx2's vectors (gemm_rows: never NULL) */
+    (void)count, (void)bits;
+#define LANE_PASS(two_, table_, mins_) \
+    lane_pass_avx2(pass, blocks, zero, xq, xq2, dx, xsum, xb, dw, mw, dt, mt, r_shift, two_, table_, mins_, next, out)
+#define LANE_PASS_MINS(two_, table_)   \
+    if (table_ ? mt != 0 : mw != 0)    \
+        LANE_PASS(two_, table_, 1);    \
+    else                               \
+        LANE_PASS(two_, table_, 0)
+    if (xq2 && dt) LANE_PASS_MINS(1, 1);
+    else if (xq2) LANE_PASS_MINS(1, 0);
+    else if (dt) LANE_PASS_MINS(0, 1);
+    else LANE_PASS_MINS(0, 0);
+#undef LANE_PASS_MINS
+#undef LANE_PASS
+}
+
+/* The lane kernel's activations for n codes (rows x Kp): each dword of 4 codes broadcast to a
+ * vector, [n / 4][levels] (two levels: the first's vector, then the second's). */
+TARGET_AVX2 static void broadcast_codes_avx2(const int8_t *xq, const int8_t *xq2, int64_t n, int bits, int16_t *out) {
+    __m256i *v = (__m256i *)out;
+    const int64_t levels = xq2 ? 2 : 1;
+    for (int64_t i = 0; i < n / 4; i++) {
+        int32_t w;
+        memcpy(&w, xq + 4 * i, 4);
+        _mm256_storeu_si256(v + levels * i, _mm256_set1_epi32(w));
+        if (xq2) memcpy(&w, xq2 + 4 * i, 4), _mm256_storeu_si256(v + levels * i + 1, _mm256_set1_epi32(w));
+    }
+    (void)bits;
+}
+
+static const RowKernel AVX2_LANES = {transpose_scales_avx2, lane_pass_avx2_bits, LANE_COLS, AVX2_ROW_PREFETCH_PASSES,
+                                     broadcast_codes_avx2, 8, 1, 1};
 
 /* One block's integer sums of an AVX2 tile into its float accumulators: x scale x w scale,
  * plus the block's min term (Q4_1-style) when the weights have mins. */
@@ -1144,7 +1290,7 @@ static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, tile_store_avx2, AVX2_TILE_
  * each unpacks its outputs once per band of row tiles and runs the band's tiles on them.
  * Returns 0 when out of memory (y then incomplete: the caller recomputes it another way). */
 static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
-                      int64_t Kp, int bits, int r, int zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                      int64_t Kp, int bits, int r, int zero, int lanes, const int8_t *xq, const int8_t *xq2, const float *dx,
                       const int32_t *xsum, int64_t rows, float *y) {
     const int64_t tile_rows = shape.rows, cols = shape.cols;
     RowTiles rt;
@@ -1156,9 +1302,13 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
     const int64_t tile_bytes = tile_rows * Kp * (xq2 || shape.wide ? 2 : 1);
     const int64_t band = TILE_BAND_BYTES / tile_bytes > 4 ? TILE_BAND_BYTES / tile_bytes : 4;
     int failed = 0;
+    lanes = lanes && bits == 4 && !shape.wide && LANE_COLS % cols == 0;
     _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
     {
-        uint8_t *codes = malloc((size_t)(cols * Kp * (shape.wide ? 2 : 1)));
+        /* a lane-layout matrix's codes are unpacked a pass at a time: the groups of the pass
+           (consecutive, so mostly on one thread) take theirs from it */
+        uint8_t *codes = malloc((size_t)((lanes ? LANE_COLS : cols) * Kp * (shape.wide ? 2 : 1)));
+        int64_t unpacked_pass = -1;
         float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
         float out[MAX_TILE_OUT];
         if (!codes || !dw) {
@@ -1178,12 +1328,22 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
             for (int64_t g = 0; g < num_groups; g++) {
                 if (!codes || !dw) continue;
                 const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
-                if (shape.wide) unpack_outputs16(q, d, m, n0, count, cols, Kp, r, (int16_t *)codes, dw, mw);
-                else unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, codes, dw, mw);
+                const uint8_t *group_codes = codes;
+                if (shape.wide) {
+                    unpack_outputs16(q, d, m, n0, count, cols, Kp, r, (int16_t *)codes, dw, mw);
+                } else if (lanes) { /* N is a multiple of LANE_COLS: every group is whole */
+                    const int64_t pass = n0 / LANE_COLS;
+                    if (pass != unpacked_pass) unpack_lane_outputs(q, pass * LANE_COLS, LANE_COLS, Kp, codes);
+                    unpacked_pass = pass;
+                    group_codes = codes + (n0 % LANE_COLS) * Kp;
+                    unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, NULL, dw, mw);
+                } else {
+                    unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, codes, dw, mw);
+                }
                 for (int64_t step = 0; step < t1 - t0; step++) {
                     /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
                     const int64_t t = g % 2 ? t1 - 1 - step : t0 + step;
-                    shape.kernel(&rt, t, codes, dw, mw, Kp, zero, out);
+                    shape.kernel(&rt, t, group_codes, dw, mw, Kp, zero, out);
                     const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
                     shape.store(out, num, count, y + t * tile_rows * N + n0, N);
                 }
@@ -1971,11 +2131,11 @@ int quant_tiled_min_rows(int isa, int bits, int levels) {
 }
 
 static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t Kp, int bits,
-                          int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
+                          int r, int32_t zero, int lanes, const int8_t *xq, const int8_t *xq2, const float *dx,
                           const int32_t *xsum, int64_t rows, float *y) {
     _Pragma("omp parallel for schedule(static) if(N * Kp * rows >= 65536)")
     for (int64_t n = 0; n < N; n++)
-        gemm_outputs_portable(q, d, m, n, 1, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+        gemm_outputs_portable(q, d, m, n, 1, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
 }
 
 /* y [rows, N] float32 = quantized activations [rows, Kp] . weights [N, Kp]^T; xq2: the
@@ -1985,12 +2145,23 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
  * default; other values for benchmarks and tests).
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
  * the tiled kernel out of memory) falls back to the next one down,
- * which gives the same bits. */
+ * which gives the same bits. lanes: 4-bit codes in the lane layout (see the top of the file),
+ * which the AVX2 path's kernels and the portable one read; the AVX-512 paths hand such a
+ * matrix to the portable path (the engine makes it only where AVX2 is the path). */
 void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m,
                 const uint16_t *dt, const uint16_t *mt, int64_t N,
-                int64_t Kp, int bits, int r, int32_t zero, const int8_t *xq, const int8_t *xq2, const float *dx,
-                const int32_t *xsum, int64_t rows, float *y) {
+                int64_t Kp, int bits, int r, int32_t zero, int lanes, const int8_t *xq, const int8_t *xq2,
+                const float *dx, const int32_t *xsum, int64_t rows, float *y) {
+    lanes = lanes && bits == 4;
 #ifdef QUANT_X86
+    if (lanes && isa == 1) {
+        if (rows >= tiled_min_rows &&
+            gemm_tiled(AVX2_Q4_TILE, q, d, m, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y))
+            return;
+        gemm_rows(AVX2_LANES, q, d, m, dt, mt, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y);
+        return;
+    }
+    if (lanes) isa = 0;
     if (isa == 3) {
         if (rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
             return;
@@ -2000,29 +2171,29 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
     }
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
-            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
+            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(VNNI_ROWS, q, d, m, 0, 0, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+        gemm_rows(VNNI_ROWS, q, d, m, 0, 0, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
         if (rows >= tiled_min_rows && gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r,
-                                                 zero, xq, xq2, dx, xsum, rows, y))
+                                                 zero, 0, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(AVX2_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+        gemm_rows(AVX2_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y);
         return;
     }
 #endif
     (void)isa; /* without x86, every path is the portable one */
     (void)tiled_min_rows;
-    gemm_portable(q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+    gemm_portable(q, d, m, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
 }
 
 /* quantize_activations (levels: 1 or 2) then quant_gemm, scratch from the heap: one call per
  * matmul. Returns 0 when out of memory (y not written). */
 int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, int64_t rows, int64_t K,
                  const uint8_t *q, const uint16_t *d, const uint16_t *m, const uint16_t *dt, const uint16_t *mt,
-                 int64_t N, int64_t Kp, int bits, int r, int32_t zero, float *y) {
+                 int64_t N, int64_t Kp, int bits, int r, int32_t zero, int lanes, float *y) {
     const int64_t blocks = Kp / 32, code_bytes = (levels == 2 ? 2 : 1) * rows * Kp;
     char *scratch = malloc((size_t)(code_bytes + rows * blocks * 8));
     if (!scratch) return 0;
@@ -2030,7 +2201,7 @@ int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, in
     float *dx = (float *)(scratch + code_bytes); /* Kp is a multiple of 64: aligned */
     int32_t *xsum = (int32_t *)(dx + rows * blocks);
     quantize_activations(isa, x, rows, K, Kp, xq, xq2, dx, xsum);
-    quant_gemm(isa, tiled_min_rows, q, d, m, dt, mt, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y);
+    quant_gemm(isa, tiled_min_rows, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
     free(scratch);
     return 1;
 }
@@ -2134,6 +2305,7 @@ typedef struct {
     int64_t N, K, Kp, bits, r, zero, tiled_min_rows, levels;
     const uint16_t *w16; /* a dense bfloat16 weight in dense_bf16_pack's layout (the codes above unused), or NULL */
     int64_t glu;         /* w16 is a SwiGLU's [gate | up] in dense_bf16_pack_glu's layout (gate_up only) */
+    int64_t lanes;       /* the codes are in the lane layout (see the top of the file) */
 } StackLinear;
 
 typedef struct {
@@ -2182,7 +2354,7 @@ static int stack_linear_packed_bf16(const LayerStack *s, const StackLinear *l, c
     for (int64_t i = 0; i < rows; i++)
         for (int64_t k = 0; k < K; k++) xf[i * K + k] = stack_bf16_to_f32(x[i * K + k]);
     if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, xf, rows, K, l->q, l->d, l->m, l->dt, l->mt, N, l->Kp,
-                      (int)l->bits, (int)l->r, (int32_t)l->zero, yf))
+                      (int)l->bits, (int)l->r, (int32_t)l->zero, (int)l->lanes, yf))
         return 0;
     const uint16_t *bias = l->bias;
     _Pragma("omp parallel for schedule(static) if(rows * N >= 16384)")
@@ -2199,7 +2371,7 @@ static int stack_linear(const LayerStack *s, const StackLinear *l, const void *x
     if (l->w16) return dense_linear_bf16(x, rows, l->K, l->w16, l->N, l->Kp, l->bias, y);
     if (s->elem == 2) return stack_linear_packed_bf16(s, l, x, rows, y, wide);
     if (!quant_linear((int)s->isa, l->tiled_min_rows, (int)l->levels, x, rows, l->K, l->q, l->d, l->m, l->dt, l->mt, l->N, l->Kp,
-                      (int)l->bits, (int)l->r, (int32_t)l->zero, y))
+                      (int)l->bits, (int)l->r, (int32_t)l->zero, (int)l->lanes, y))
         return 0;
     if (l->bias) {
         float *yf = y;
@@ -2292,14 +2464,13 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
 
 /* out [num, K] float32: weight rows rows[0..num) dequantized (the embedding lookup). */
 void quant_dequantize_rows(const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t Kp, int64_t K, int bits,
-                           int r, int32_t zero, const int64_t *rows, int64_t num, float *out) {
+                           int r, int32_t zero, int lanes, const int64_t *rows, int64_t num, float *out) {
     const int64_t row_bytes = bits == 4 ? Kp / 2 : Kp, scales_per_row = Kp / 32 / r;
     _Pragma("omp parallel for schedule(static) if(num * K >= 65536)")
     for (int64_t i = 0; i < num; i++) {
-        const uint8_t *qrow = q + rows[i] * row_bytes;
         const uint16_t *drow = d + rows[i] * scales_per_row, *mrow = m ? m + rows[i] * scales_per_row : 0;
         for (int64_t k = 0; k < K; k++) {
-            float w = half_to_float(drow[k / 32 / r]) * (float)(weight_q(qrow, k, bits) - zero);
+            float w = half_to_float(drow[k / 32 / r]) * (float)(code_at(q, rows[i], k, bits, row_bytes, lanes) - zero);
             if (mrow) w += half_to_float(mrow[k / 32 / r]);
             out[i * K + k] = w;
         }

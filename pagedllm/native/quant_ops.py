@@ -19,6 +19,14 @@ in pass order, as many bytes again as the scales and mins) instead of
 transposing them on every call. The layers build it where that kernel is the
 path; ``PAGEDLLM_QUANT_ROW_TABLES=0`` leaves it out (the transposing kernel,
 the same bits, no extra bytes).
+
+Lane layout: on the AVX2 path a 4-bit matrix whose output count is a multiple of 8
+keeps its codes with the outputs interleaved by 8 (quant_ops.c, "Lane layout";
+:func:`pagedllm.quant.formats.to_lanes`), the same bytes reordered, which the per-row
+kernel multiplies with no reduction across vector lanes. Such a ``qweight`` is 3-D,
+``[N / 8, Kp / 32, 128]``, so every call here knows its layout from the tensor. The layers
+reorder a matrix once, where that path runs it; ``PAGEDLLM_QUANT_LANES=0`` keeps the row
+layout.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ _FORCED_TILED_FROM = {True: 1, False: 2**62}  # the same for gemm(tiled=True / F
 ACTIVATION_LEVELS = {"int16": 2, "int8": 1}
 ROW_TABLES_ENV = "PAGEDLLM_QUANT_ROW_TABLES"
 ROW_TABLE_COLS = {1: 8}  # path -> outputs per pass of the per-row kernels that read row-scale tables
+LANES_ENV = "PAGEDLLM_QUANT_LANES"
+LANE_COLS = {1: 8}  # path -> outputs interleaved per pass of the lane layout, where the path has one
 
 
 def available() -> bool:
@@ -140,9 +150,9 @@ def build_library() -> ctypes.CDLL:
     library.quant_isa.argtypes = []
     library.quant_tiled_min_rows.argtypes = [c_int, c_int, c_int]
     library.quantize_activations.argtypes = [c_int, p, i64, i64, i64, p, p, p, p]
-    library.quant_gemm.argtypes = [c_int, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, p, p, p, p, i64, p]
-    library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, p, i64, p]
-    library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, p]
+    library.quant_gemm.argtypes = [c_int, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, c_int, p, p, p, p, i64, p]
+    library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, c_int, p, i64, p]
+    library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, c_int, p]
     library.quant_linear.restype = c_int
     library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
@@ -186,21 +196,50 @@ def gemm(
     (``tiled=None``), at any row count (``True``) or never (``False``); for the AMX path
     the tiled kernel is the AMX one, and ``False`` runs path 2's dispatch. ``tables``:
     :func:`row_scale_tables` of this weight for the path, read by its per-row kernel (the
-    same bits as without)."""
+    same bits as without). A 3-D ``qweight`` holds 4-bit codes in the lane layout
+    (:func:`lanes_wanted`), which the AVX2 and portable paths read and the AVX-512 ones hand to
+    the portable path."""
     path = _check_path(isa_override, levels)
+    lanes = _lanes_of(qweight, bits)
     dt, mt = _table_pointers(tables, scales, mins, path)
     rows, in_features = x.shape
-    out_features = qweight.shape[0]
+    out_features = scales.shape[0]
     y = torch.empty((rows, out_features), dtype=torch.float32)
     done = _library.quant_linear(
         path, _tiled_from[(path, bits, levels)] if tiled is None else _FORCED_TILED_FROM[tiled], levels, x.data_ptr(), rows,
         in_features,
         qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(), dt, mt,
-        out_features, padded_in, bits, group_size // 32, zero, y.data_ptr(),
+        out_features, padded_in, bits, group_size // 32, zero, int(lanes), y.data_ptr(),
     )
     if not done:
         raise MemoryError(f"quantized matmul scratch for {rows} rows x {padded_in} inputs")
     return y
+
+
+def lanes_wanted(bits: int, out_features: int, path: int | None = None) -> bool:
+    """Whether a ``bits``-bit matrix of ``out_features`` outputs takes the lane layout on ``path``
+    (default: :func:`isa`): 4-bit codes, whole passes of outputs, a path with a lane kernel, and
+    ``PAGEDLLM_QUANT_LANES`` not 0."""
+    if not available():
+        return False
+    value = os.environ.get(LANES_ENV, "1")
+    if value not in ("0", "1"):
+        from pagedllm.errors import ConfigError
+
+        raise ConfigError(f"{LANES_ENV} must be 0 or 1, got {value!r}")
+    cols = LANE_COLS.get(_isa if path is None else path)
+    return value == "1" and bits == 4 and cols is not None and out_features % cols == 0
+
+
+def _lanes_of(qweight: torch.Tensor, bits: int) -> bool:
+    """Whether ``qweight`` is in the lane layout (3-D: ``[N / 8, Kp / 32, 128]``); ValueError for
+    a 3-D tensor that cannot be one."""
+    if qweight.dim() == 2:
+        return False
+    if qweight.dim() != 3 or bits != 4 or qweight.shape[2] != 128:
+        raise ValueError(f"codes of shape {tuple(qweight.shape)} are neither rows [N, Kp / 2 or Kp] nor "
+                         f"the lane layout of 4-bit codes [N / 8, Kp / 32, 128] ({bits}-bit codes given)")
+    return True
 
 
 def _check_path(isa_override: int | None, levels: int) -> int:
@@ -261,14 +300,15 @@ def bind_gemm(
     """:func:`gemm` on one weight, its arguments converted once: ``f(x)`` takes a float32,
     contiguous ``[T, K]`` and returns ``[T, N]``. For the layers' forward passes, where the
     per-call cost of :func:`gemm`'s checks is a few percent of a batch-1 decode step.
-    ``isa_override`` and ``tables`` as for :func:`gemm`."""
+    ``isa_override``, ``tables`` and the lane layout as for :func:`gemm`."""
     assert available(), "bind_gemm needs the native kernels"
     path, kernel = _check_path(isa_override, levels), _library.quant_linear
+    lanes = _lanes_of(qweight, bits)
     tiled_from = _tiled_from[(path, bits, levels)]
-    out_features = qweight.shape[0]
+    out_features = scales.shape[0]
     dt, mt = _table_pointers(tables, scales, mins, path)
     weight_args = (qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(), dt, mt,
-                   out_features, padded_in, bits, group_size // 32, zero)
+                   out_features, padded_in, bits, group_size // 32, zero, int(lanes))
     keep = (qweight, scales, mins, tables)  # the pointers stay valid while the closure lives
 
     def call(x: torch.Tensor) -> torch.Tensor:
@@ -304,6 +344,8 @@ def gemm_bf16(
     (the values ``dequantize().bfloat16()`` gives), sums in float32, the result rounded to
     bfloat16. None where the CPU has no AMX-BF16 (or scratch ran out): take another path."""
     assert x.dtype == torch.bfloat16 and x.is_contiguous()
+    if _lanes_of(qweight, bits):  # the AMX-BF16 kernel reads rows
+        return None
     rows, in_features = x.shape
     out_features = qweight.shape[0]
     y = torch.empty((rows, out_features), dtype=torch.bfloat16)
@@ -423,12 +465,14 @@ def dequantize_rows(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     bits: int, group_size: int, zero: int, padded_in: int, in_features: int,
 ) -> torch.Tensor:  # [R, in_features] float32
-    """Weight rows ``rows`` in float32: the embedding lookup of a quantized embedding matrix."""
+    """Weight rows ``rows`` in float32: the embedding lookup of a quantized embedding matrix
+    (its codes in rows or in the lane layout)."""
+    lanes = _lanes_of(qweight, bits)
     rows = rows.contiguous()
     out = torch.empty((rows.numel(), in_features), dtype=torch.float32)
     _library.quant_dequantize_rows(
         qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(), padded_in,
-        in_features, bits, group_size // 32, zero, rows.data_ptr(), rows.numel(), out.data_ptr(),
+        in_features, bits, group_size // 32, zero, int(lanes), rows.data_ptr(), rows.numel(), out.data_ptr(),
     )
     return out
 

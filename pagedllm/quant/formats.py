@@ -11,6 +11,9 @@ byte ``i`` holds weight ``i`` in its low nibble and weight ``32 + i`` in its
 high one); ``in`` is padded to a multiple of 64 and of ``G`` with groups whose
 scale and min are 0. Resident bytes equal the GGUF blocks' bytes for Q4_0,
 Q4_1 and Q8_0 (plus padding, none for widths that are multiples of 64).
+Where the CPU's per-row kernel reads 4-bit codes best in the lane layout (the
+outputs interleaved by 8, :func:`to_lanes`), a matrix reorders its codes once
+when first bound to the native kernel: the same bytes, no second copy.
 
 ``apply(x)`` runs the native kernel (activations quantized per 32 on the fly,
 to two int8 levels or one: ``activation_levels``); ``dequantize()`` is the
@@ -54,6 +57,31 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.cat([groups & 0x0F, groups >> 4], dim=2).reshape(rows, half * 2)
 
 
+LANE_OUTPUTS = 8  # outputs interleaved per pass of the lane layout
+
+
+def to_lanes(packed: Tensor) -> Tensor:
+    """``[N, Kp / 2]`` packed 4-bit rows (N a multiple of 8) -> the same bytes in the lane layout
+    of pagedllm/native/quant_ops.c, ``[N / 8, Kp / 32, 128]`` uint8: per pass of 8 outputs and
+    block of 32 weights, 4 chunks of 32 bytes; byte ``4 j + t`` of chunk ``c`` holds output ``j``'s
+    weight ``8 c + t`` of the block in its low nibble and ``8 c + 4 + t`` in its high one. The
+    kernels know the layout by the three dimensions; :func:`from_lanes` undoes it."""
+    rows, half = packed.shape
+    assert rows % LANE_OUTPUTS == 0, rows
+    codes = unpack_nibbles(packed).view(rows // LANE_OUTPUTS, LANE_OUTPUTS, half // 16, 4, 2, 4)  # p j b c h t
+    lanes = codes.permute(0, 2, 3, 1, 5, 4)  # p b c j t h
+    return (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(rows // LANE_OUTPUTS, half // 16, 128).contiguous()
+
+
+def from_lanes(lanes: Tensor) -> Tensor:
+    """Inverse of :func:`to_lanes`: packed 4-bit rows ``[N, Kp / 2]``."""
+    passes, blocks, _ = lanes.shape
+    rows, half = passes * LANE_OUTPUTS, blocks * 16
+    b = lanes.view(passes, blocks, 4, LANE_OUTPUTS, 4)  # p b c j t
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1)  # p b c j t h
+    return pack_nibbles(codes.permute(0, 3, 1, 2, 5, 4).reshape(rows, half * 2))
+
+
 @dataclass
 class QuantizedWeight:
     """One packed ``[out_features, in_features]`` matrix (see the module docstring)."""
@@ -63,7 +91,7 @@ class QuantizedWeight:
     zero: int
     group_size: int
     in_features: int
-    qweight: Tensor  # [N, Kp / 2] (4-bit) or [N, Kp] (8-bit) uint8
+    qweight: Tensor  # [N, Kp / 2] (4-bit) or [N, Kp] (8-bit) uint8; or 4-bit in the lane layout [N / 8, Kp / 32, 128]
     scales: Tensor  # [N, Kp / G] float16
     mins: Tensor | None  # [N, Kp / G] float16
     # int8 levels per activation the native kernel quantizes inputs to: 2 (16-bit fixed point
@@ -75,7 +103,7 @@ class QuantizedWeight:
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.scales.shape[0]
 
     @property
     def padded_in(self) -> int:
@@ -105,6 +133,24 @@ class QuantizedWeight:
             self._tables = quant_ops.row_scale_tables(self.scales, self.mins)
         return self._tables
 
+    def native_codes(self) -> bool:
+        """Reorder the codes once into the layout the CPU's native per-row kernel reads best (the
+        lane layout where :func:`quant_ops.lanes_wanted`; the old tensor is released, so no
+        second copy stays); returns whether ``qweight`` is now in the lane layout."""
+        if not self.lanes and quant_ops.lanes_wanted(self.bits, self.out_features):
+            self.qweight = to_lanes(self.qweight)
+        return self.lanes
+
+    @property
+    def lanes(self) -> bool:
+        """Whether ``qweight`` holds the codes in the lane layout (3-D; see :meth:`native_codes`)."""
+        return self.qweight.dim() == 3
+
+    def plain_qweight(self) -> Tensor:
+        """The codes in the row layout of the module docstring (a new tensor where ``qweight`` is in
+        the lane layout)."""
+        return from_lanes(self.qweight) if self.lanes else self.qweight
+
     # ---- compute
 
     def apply(self, x: Tensor) -> Tensor:
@@ -117,10 +163,12 @@ class QuantizedWeight:
         dequantized matrix (made at each call: the reference, not a serving path)."""
         if device.type != "cpu" or not quant_ops.available():
             return lambda x: F.linear(x, self.dequantize().to(x.device, x.dtype))
+        lanes = self.native_codes()
         native = quant_ops.bind_gemm(*self._kernel_args(), levels=self.activation_levels, tables=self.row_tables())
         # bfloat16 activations in many rows: the AMX-BF16 tiles on the weights dequantized to
-        # bfloat16 where the CPU has them (faster from AMX_BF16_MIN_ROWS rows, kernel_bench)
-        amx_bf16, args = quant_ops.amx_bf16_available(), self._kernel_args()
+        # bfloat16 where the CPU has them (faster from AMX_BF16_MIN_ROWS rows, kernel_bench; that
+        # kernel reads the row layout)
+        amx_bf16, args = quant_ops.amx_bf16_available() and not lanes, self._kernel_args()
 
         def apply(x: Tensor) -> Tensor:
             if x.dtype == torch.float32:
@@ -146,7 +194,7 @@ class QuantizedWeight:
 
     def codes(self) -> Tensor:
         """``[N, Kp]`` int16 codes, unpacked."""
-        q = unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight
+        q = unpack_nibbles(self.plain_qweight()) if self.bits == 4 else self.qweight
         return q.to(torch.int16)
 
     def dequantize(self) -> Tensor:
@@ -154,7 +202,7 @@ class QuantizedWeight:
         return self.dequantize_rows(None)
 
     def dequantize_rows(self, ids: Tensor | None) -> Tensor:
-        qweight, scales = self.qweight, self.scales
+        qweight, scales = self.plain_qweight(), self.scales
         mins = self.mins
         if ids is not None:
             qweight, scales = qweight[ids], scales[ids]
@@ -173,7 +221,7 @@ class QuantizedWeight:
         """The same format with ``fn`` applied to every per-row tensor (``fn`` acts on dim 0)."""
         return QuantizedWeight(
             self.format_name, self.bits, self.zero, self.group_size, self.in_features,
-            fn(self.qweight).contiguous(), fn(self.scales).contiguous(),
+            fn(self.plain_qweight()).contiguous(), fn(self.scales).contiguous(),
             None if self.mins is None else fn(self.mins).contiguous(), self.activation_levels,
         )
 
@@ -190,7 +238,7 @@ class QuantizedWeight:
             raise ValueError("only matrices of one format, group size, width and activation levels can be fused")
         return QuantizedWeight(
             first.format_name, first.bits, first.zero, first.group_size, first.in_features,
-            torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+            torch.cat([p.plain_qweight() for p in parts]), torch.cat([p.scales for p in parts]),
             None if first.mins is None else torch.cat([p.mins for p in parts]), first.activation_levels,
         )
 

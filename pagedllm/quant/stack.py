@@ -47,7 +47,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 class _Linear(ctypes.Structure):
     _fields_ = [("q", _p), ("d", _p), ("m", _p), ("dt", _p), ("mt", _p), ("bias", _p), ("N", _i64), ("K", _i64), ("Kp", _i64),
                 ("bits", _i64), ("r", _i64), ("zero", _i64), ("tiled_min_rows", _i64), ("levels", _i64),
-                ("w16", _p), ("glu", _i64)]
+                ("w16", _p), ("glu", _i64), ("lanes", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -75,13 +75,14 @@ def _packed(layer: nn.Module) -> QuantizedWeight | None:
 def _linear(layer: nn.Module, weight: QuantizedWeight, isa: int) -> _Linear:
     bias = layer.bias
     tables = weight.row_tables() if isa == quant_ops.isa() else None  # made for the CPU's own path
+    lanes = weight.native_codes() if isa == quant_ops.isa() else weight.lanes  # and qweight in that layout
     dt, mt = (None, None) if tables is None else (t if t is None else t.data_ptr() for t in tables)
     return _Linear(
         weight.qweight.data_ptr(), weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
         dt, mt, None if bias is None else bias.data_ptr(), weight.out_features, weight.in_features, weight.padded_in,
         weight.bits, weight.group_size // 32, weight.zero,
         quant_ops.tiled_min_rows(weight.bits, isa, weight.activation_levels) or 2**62, weight.activation_levels,
-        None, 0,
+        None, 0, int(lanes),
     )
 
 
@@ -94,7 +95,7 @@ def _dense_linear(layer: nn.Module, matmul: AmxBf16Matmul) -> _Linear:
     bias = layer.bias
     return _Linear(None, None, None, None, None, None if bias is None else bias.data_ptr(), matmul.out_features,
                    matmul.in_features, matmul.packed.shape[1] * quant_ops.DENSE_BF16_BLOCK, 0, 0, 0, 0, 0,
-                   matmul.packed.data_ptr(), int(matmul.glu))
+                   matmul.packed.data_ptr(), int(matmul.glu), 0)
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -159,9 +160,9 @@ class LayerStack:
             modules = _linears(layer)
             if all(_packed(x) is not None for x in modules):  # float32, or bfloat16 without AMX-BF16
                 weights = [_packed(x) for x in modules]
+                linears = [_linear(x, w, self.isa) for x, w in zip(modules, weights)]  # codes reordered first
                 for w in weights:
                     self._keep += [t for t in (w.qweight, w.scales, w.mins, *(w.row_tables() or ())) if t is not None]
-                linears = [_linear(x, w, self.isa) for x, w in zip(modules, weights)]
             else:
                 matmuls = [_dense_bf16(x) for x in modules]
                 self._keep += [mm.packed for mm in matmuls]
