@@ -62,10 +62,11 @@ def _lane_args(weight: QuantizedWeight) -> tuple:
 @pytest.mark.parametrize("name", FOUR_BIT)
 def test_every_path_reads_the_lane_layout_with_the_row_layouts_bits(name, levels):
     """Exact inputs (the product is the dequantized one, exactly) and random ones; 40 outputs (5
-    passes), widths whose blocks end on a half group (160) or not; every row count of the
+    passes), widths whose blocks end on a half group (160) or not, up to the default model's
+    widest input (1536, whose broadcast activations fill most of L1); every row count of the
     per-row and tiled kernels; with and without row-scale tables."""
     paths = [(isa, tiled) for isa in quant_ops.runnable_isas() for tiled in (None, False, True)]
-    for in_features in (160, 576):
+    for in_features in (160, 576, 800, 1536):
         weight = _exact_weight(name, 40, in_features, seed=in_features)
         lane_args = _lane_args(weight)
         for rows in (1, 2, 3, 5, 8, 9, 17):
