@@ -27,6 +27,8 @@ from pagedllm.limits import (
 from pagedllm.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+# at most this many ids in logprob_token_ids (vLLM 0.32's bound), and at most RequestLimits.max_logprobs
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 def _fail(param: str, message: str) -> NoReturn:
@@ -107,6 +109,18 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # step outputs at most every this many new tokens (the finished one always)
     stream_interval: int = 1
+    # logprobs of exactly these token ids at every output position (with the drawn token's), each with its
+    # rank in the vocabulary: scoring label tokens without logprobs over the whole vocabulary; a
+    # non-empty list, at most MAX_LOGPROB_TOKEN_IDS; logprobs, when also set, must equal its length
+    logprob_token_ids: list[int] | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprob entries asked per output token besides the drawn one (vLLM's): ``logprobs``, else
+        the number of ``logprob_token_ids``; None when neither asks for any."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     def __post_init__(self) -> None:
         self.structured_outputs = _structured_outputs(self.structured_outputs)
@@ -184,8 +198,26 @@ class SamplingParams:
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if not _is_int(self.stream_interval) or not 1 <= self.stream_interval <= INT64_MAX:
             _fail("stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
+        self._check_logprob_token_ids()
         if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
             _fail("skip_reading_prefix_cache", f"must be true, false or null, got {self.skip_reading_prefix_cache!r}")
+
+    def _check_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, (list, tuple)):
+            _fail("logprob_token_ids", f"must be a list of token ids, got {ids!r}")
+        self.logprob_token_ids = ids = list(ids)
+        if not ids:
+            _fail("logprob_token_ids", "must not be empty (leave it unset for no logprobs)")
+        if any(not _is_int(t) or t < 0 for t in ids):
+            _fail("logprob_token_ids", "every token id must be an integer >= 0")
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            _fail("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} token ids, got {len(ids)}")
+        if self.logprobs is not None and self.logprobs != len(ids):
+            _fail("logprob_token_ids", f"with logprobs also set, logprobs must equal its length ({len(ids)}), "
+                  f"got logprobs={self.logprobs}")
 
     def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
         """The counts within ``limits`` and every token id within the vocabulary."""
@@ -208,6 +240,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > limits.max_logprobs:
                 _fail(name, f"must be <= {limits.max_logprobs}, got {value}")
+        if self.logprob_token_ids is not None:
+            check_at_most("logprob_token_ids", len(self.logprob_token_ids), limits.max_logprobs, "token ids")
+            check_token_ids(self.logprob_token_ids, vocab_size, "logprob_token_ids")
 
     def resolve_bad_words(self, encode) -> None:
         """Set bad_words_token_ids from ``encode`` (text -> token ids, no special tokens).

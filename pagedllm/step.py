@@ -113,7 +113,8 @@ class StepInput:
 class SampledToken:
     """A drawn token with its logprob under the unprocessed distribution.
 
-    ``rank`` and ``top_logprobs`` (best first, ``params.logprobs`` of them)
+    ``rank`` and ``top_logprobs`` (best first, ``params.logprobs`` of them; or the
+    ``params.logprob_token_ids`` in their order, each with its rank in ``top_ranks``)
     are set only for sequences whose parameters ask for logprobs.
     """
 
@@ -122,6 +123,7 @@ class SampledToken:
     logprob: float
     rank: int | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    top_ranks: list[int] | None = None  # the ranks of top_logprobs' tokens; None: 1, 2, ... (best first)
 
 
 @dataclass

@@ -177,6 +177,8 @@ SAMPLING_NOTES = {
     "stream_interval": SAME_NOTE + "LLMEngine.step and AsyncLLMEngine.generate honour it",
     "output_kind": SAME_NOTE + "pagedllm.RequestOutputKind; LLMEngine.step and AsyncLLMEngine.generate honour it, "
                    "LLM.generate returns finished outputs",
+    "logprob_token_ids": SAME_NOTE + "at most 128 ids and max_logprobs; each with its rank in the vocabulary; "
+                         "an empty list raises RequestError (vLLM: no logprobs)",
 }
 EARLIER_NOTE = "a field of vLLM releases before 0.32"
 

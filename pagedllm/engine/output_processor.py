@@ -30,7 +30,7 @@ def can_sample_ahead(request: Request) -> bool:
     return (
         not request.is_beam_search
         and params.num_samples == 1
-        and params.logprobs is None
+        and params.num_logprobs is None
         and params.prompt_logprobs is None
         and params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0
@@ -75,7 +75,7 @@ class OutputProcessor:
         params = request.params
         if request.is_beam_search:
             return
-        if params.logprobs is not None:
+        if params.num_logprobs is not None:
             seq.logprobs = []
         if params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
@@ -193,7 +193,9 @@ class OutputProcessor:
 
     def _position_logprobs(self, sampled: SampledToken) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
-        for rank, (tid, lp) in enumerate(sampled.top_logprobs or [], start=1):
+        top = sampled.top_logprobs or []
+        ranks = sampled.top_ranks if sampled.top_ranks is not None else range(1, len(top) + 1)
+        for rank, (tid, lp) in zip(ranks, top, strict=True):
             entry[tid] = Logprob(lp, rank, self.tokenizer.id_to_piece(tid))
         if sampled.token_id not in entry:
             entry[sampled.token_id] = Logprob(sampled.logprob, sampled.rank, self.tokenizer.id_to_piece(sampled.token_id))

@@ -77,9 +77,12 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[float]
-    # When any row set params.logprobs: its params.logprobs best (id, logprob) pairs; [] otherwise.
+    # When any row asked for logprobs: its params.logprobs best (id, logprob) pairs, or the pairs of its
+    # params.logprob_token_ids in their order; [] otherwise.
     top_logprobs: list[list[tuple[int, float]]] | None
     ranks: list[int] | None  # 1 = the most likely token under the raw distribution
+    # per row, the ranks of its top_logprobs' tokens where they are logprob_token_ids; None: best first
+    top_ranks: list[list[int] | None] | None = None
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -104,7 +107,7 @@ class Sampler:
         logits = logits.float()
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)  # in place; constrained rows' logprobs are the masked ones
-        if any(r.params.logprobs is not None for r in rows):
+        if any(r.params.num_logprobs is not None for r in rows):
             raw_logprobs = compute_logprobs(logits)  # [rows, vocab]
             token_ids = _choose_tokens(_apply_logit_processors(logits, rows), rows)  # [rows]
             return _gather_logprobs(raw_logprobs, token_ids, rows)
@@ -439,13 +442,23 @@ def _exponential_noise(
 def _gather_logprobs(
     raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
 ) -> SamplerOutput:
-    """The chosen tokens' raw logprobs, plus ranks and top-k lists when any row asked."""
+    """The chosen tokens' raw logprobs, plus ranks and top-k lists (or the asked tokens') when any row asked."""
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
-    wanted = [r.params.logprobs for r in rows]
-    if all(k is None for k in wanted):
+    wanted = [None if r.params.logprob_token_ids else r.params.logprobs for r in rows]  # top-k rows
+    if all(r.params.num_logprobs is None for r in rows):
         return SamplerOutput(token_ids.tolist(), chosen.squeeze(1).tolist(), None, None)
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1  # [rows]
     top_lists: list[list[tuple[int, float]]] = [[] for _ in rows]
+    top_ranks: list[list[int] | None] = [None for _ in rows]
+    for i, r in enumerate(rows):
+        if r.params.logprob_token_ids:  # these tokens, in the order asked, each with its rank
+            ids = torch.tensor(r.params.logprob_token_ids, dtype=torch.int64, device=raw_logprobs.device)
+            values = raw_logprobs[i, ids]
+            token_ranks = (raw_logprobs[i].unsqueeze(0) > values.unsqueeze(1)).sum(dim=-1) + 1
+            kept = [(t, v, k) for t, v, k in zip(r.params.logprob_token_ids, values.tolist(), token_ranks.tolist(),
+                                                 strict=True) if v != float("-inf")]  # as below
+            top_lists[i] = [(t, v) for t, v, _ in kept]
+            top_ranks[i] = [k for _, _, k in kept]
     max_k = min(max(k or 0 for k in wanted), raw_logprobs.shape[1])
     if max_k > 0:
         values, ids = top_k_logprobs(raw_logprobs, max_k)
@@ -456,4 +469,4 @@ def _gather_logprobs(
                 # JSON has no -inf to report it with.
                 top_lists[i] = [(t, v) for t, v in zip(ids_list[i][:k], values_list[i][:k], strict=True)
                                 if v != float("-inf")]
-    return SamplerOutput(token_ids.tolist(), chosen.squeeze(1).tolist(), top_lists, ranks.tolist())
+    return SamplerOutput(token_ids.tolist(), chosen.squeeze(1).tolist(), top_lists, ranks.tolist(), top_ranks)

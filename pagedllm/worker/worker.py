@@ -410,11 +410,12 @@ class Worker:
                 _grammar_mask(jobs, logits.shape[1]),
             )
             for i, job in enumerate(jobs):
-                wants = job.state.params.logprobs is not None
+                wants = job.state.params.num_logprobs is not None
                 result.sampled.append(SampledToken(
                     job.seq_id, out.token_ids[i], out.logprobs[i],
                     rank=out.ranks[i] if wants and out.ranks else None,
                     top_logprobs=out.top_logprobs[i] if wants and out.top_logprobs else None,
+                    top_ranks=out.top_ranks[i] if wants and out.top_ranks else None,
                 ))
             for job, token in zip(jobs, out.token_ids):
                 if job.state is self.batch.seqs.get(job.seq_id):
