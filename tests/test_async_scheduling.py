@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.rank_times import collect as collect_times
 from pagedllm.errors import ConfigError
 
 PROMPTS = [
@@ -95,11 +96,15 @@ def test_steady_decode_runs_ahead_every_step(plain, overlapped):
     want = _run(plain, PROMPTS[:4], params)
     engine = overlapped.llm_engine
     before = engine.num_overlapped_steps
+    collect_times(engine, reset=True)
     got = _run(overlapped, PROMPTS[:4], params)
     _assert_same_outputs(got, want)
     # one prefill step, then 19 decode steps, each launched before the previous step's
     # tokens were read; none after the last token, which ends every request by length
     assert engine.num_overlapped_steps - before == 19
+    # the launched steps count in the worker's times as the ordinary ones do (bench's table)
+    (times,) = collect_times(engine)
+    assert times.num_steps == 20 and 0 < times.forward_seconds and 0 < times.sample_seconds
     assert engine._in_flight is None
     _assert_all_blocks_free(overlapped)
 

@@ -147,6 +147,7 @@ def test_each_rank_takes_its_share_of_the_cores_this_process_may_use(monkeypatch
 def test_tp2_greedy_equals_tp1_on_the_default_model():
     tp2 = _llm(2)
     try:
+        assert tp2.llm_engine.async_scheduling is False  # the default with TP, which does not run it
         got = _run(tp2)
         times = tp2.llm_engine.executor.rank_times(reset=True)
         assert tp2.llm_engine.executor.rank_times()[1].num_steps == 0  # reset on every rank

@@ -300,9 +300,15 @@ class Worker:
         """Run the step and draw its tokens without reading them (:meth:`collect` does).
 
         Only for steps whose every sampled row needs no logprobs and no beams
-        (the engine's ``can_sample_ahead``).
+        (the engine's ``can_sample_ahead``). Its times count as :meth:`execute`'s do (the
+        sampling's up to the launch of its copy to the host).
         """
+        start, start_cpu = time.perf_counter(), time.thread_time()
         chunks, inputs, logits = self._forward(step)
+        forwarded = time.perf_counter()
+        self.tp.times.num_steps += 1
+        self.tp.times.forward_seconds += forwarded - start
+        self.tp.times.forward_cpu_seconds += time.thread_time() - start_cpu
         jobs = self._jobs(step, inputs)
         assert not any(s.prompt_logprobs or s.num_beam_candidates for s in step.scheduled)
         rows = self._sampling_rows(jobs)
@@ -312,6 +318,7 @@ class Worker:
         launched = _Launched(step.step_id, [j.seq_id for j in jobs], token_ids, logprobs)
         launched.start_copy_to_host()
         self._launched.append(launched)
+        self.tp.times.sample_seconds += time.perf_counter() - forwarded
 
     def collect(self) -> StepResult:
         """The oldest unread step's result."""
