@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quant_kernels import FORMATS, _exact_activations, _exact_weight
+from test_quant_kernels import (  # _single_thread: its autouse fixture, one thread here too
+    FORMATS,
+    _exact_activations,
+    _exact_weight,
+    _single_thread,  # noqa: F401
+)
 
 from pagedllm.errors import ConfigError
 from pagedllm.native import quant_ops
@@ -30,15 +35,8 @@ FOUR_BIT = sorted(name for name, spec in FORMATS.items() if spec[0] == 4)
 LANE_PATHS = [isa for isa in quant_ops.LANE_COLS if quant_ops.available() and isa in quant_ops.runnable_isas()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def test_the_lane_layout_holds_each_code_where_the_kernel_reads_it():
+    assert torch.get_num_threads() == 1  # the kernels' module fixture applies here
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (24, 192), generator=g, dtype=torch.uint8)
     lanes = to_lanes(pack_nibbles(codes))
