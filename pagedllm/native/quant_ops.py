@@ -220,15 +220,18 @@ def lanes_wanted(bits: int, out_features: int, path: int | None = None) -> bool:
     """Whether a ``bits``-bit matrix of ``out_features`` outputs takes the lane layout on ``path``
     (default: :func:`isa`): 4-bit codes, whole passes of outputs, a path with a lane kernel, and
     ``PAGEDLLM_QUANT_LANES`` not 0."""
-    if not available():
-        return False
-    value = os.environ.get(LANES_ENV, "1")
+    cols = LANE_COLS.get(_isa if path is None else path) if available() else None
+    return cols is not None and _switched_on(LANES_ENV) and bits == 4 and out_features % cols == 0
+
+
+def _switched_on(name: str) -> bool:
+    """``$name`` as a switch: unset or 1 is on, 0 off; anything else is a ConfigError."""
+    value = os.environ.get(name, "1")
     if value not in ("0", "1"):
         from pagedllm.errors import ConfigError
 
-        raise ConfigError(f"{LANES_ENV} must be 0 or 1, got {value!r}")
-    cols = LANE_COLS.get(_isa if path is None else path)
-    return value == "1" and bits == 4 and cols is not None and out_features % cols == 0
+        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _lanes_of(qweight: torch.Tensor, bits: int) -> bool:
@@ -254,14 +257,7 @@ def _check_path(isa_override: int | None, levels: int) -> int:
 def row_tables_wanted(path: int | None = None) -> bool:
     """Whether the per-row kernel of ``path`` (default: :func:`isa`) reads row-scale tables and
     ``PAGEDLLM_QUANT_ROW_TABLES`` does not turn them off."""
-    if not available():
-        return False
-    value = os.environ.get(ROW_TABLES_ENV, "1")
-    if value not in ("0", "1"):
-        from pagedllm.errors import ConfigError
-
-        raise ConfigError(f"{ROW_TABLES_ENV} must be 0 or 1, got {value!r}")
-    return value == "1" and (_isa if path is None else path) in ROW_TABLE_COLS
+    return available() and _switched_on(ROW_TABLES_ENV) and (_isa if path is None else path) in ROW_TABLE_COLS
 
 
 def row_scale_tables(

@@ -163,12 +163,12 @@ class QuantizedWeight:
         dequantized matrix (made at each call: the reference, not a serving path)."""
         if device.type != "cpu" or not quant_ops.available():
             return lambda x: F.linear(x, self.dequantize().to(x.device, x.dtype))
-        lanes = self.native_codes()
+        self.native_codes()
         native = quant_ops.bind_gemm(*self._kernel_args(), levels=self.activation_levels, tables=self.row_tables())
         # bfloat16 activations in many rows: the AMX-BF16 tiles on the weights dequantized to
         # bfloat16 where the CPU has them (faster from AMX_BF16_MIN_ROWS rows, kernel_bench; that
-        # kernel reads the row layout)
-        amx_bf16, args = quant_ops.amx_bf16_available() and not lanes, self._kernel_args()
+        # kernel reads the row layout only: gemm_bf16 gives None for lane-layout codes)
+        amx_bf16, args = quant_ops.amx_bf16_available(), self._kernel_args()
 
         def apply(x: Tensor) -> Tensor:
             if x.dtype == torch.float32:

@@ -266,12 +266,7 @@ class Worker:
     def execute(self, step: StepInput) -> StepResult:
         """Run the step and read its results (a step launched earlier is read first)."""
         self._read_launched()
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        chunks, inputs, logits = self._forward(step)
-        forwarded = time.perf_counter()
-        self.tp.times.num_steps += 1
-        self.tp.times.forward_seconds += forwarded - start
-        self.tp.times.forward_cpu_seconds += time.thread_time() - start_cpu
+        chunks, inputs, logits, forwarded = self._timed_forward(step)
         if not self.tp.is_first:
             return StepResult(step.step_id)
         result = self._sample_on_host(step, chunks, inputs, logits)
@@ -303,12 +298,7 @@ class Worker:
         (the engine's ``can_sample_ahead``). Its times count as :meth:`execute`'s do (the
         sampling's up to the launch of its copy to the host).
         """
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        chunks, inputs, logits = self._forward(step)
-        forwarded = time.perf_counter()
-        self.tp.times.num_steps += 1
-        self.tp.times.forward_seconds += forwarded - start
-        self.tp.times.forward_cpu_seconds += time.thread_time() - start_cpu
+        chunks, inputs, logits, forwarded = self._timed_forward(step)
         jobs = self._jobs(step, inputs)
         assert not any(s.prompt_logprobs or s.num_beam_candidates for s in step.scheduled)
         rows = self._sampling_rows(jobs)
@@ -339,6 +329,16 @@ class Worker:
                 state.token_ids.append(token)
             result.sampled.append(SampledToken(seq_id, token, logprob))
         return result
+
+    def _timed_forward(self, step: StepInput) -> tuple[list[BatchChunk], ModelInputs, torch.Tensor, float]:
+        """:meth:`_forward`, counted in the rank's times; also returns when it ended (perf_counter)."""
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        chunks, inputs, logits = self._forward(step)
+        forwarded = time.perf_counter()
+        self.tp.times.num_steps += 1
+        self.tp.times.forward_seconds += forwarded - start
+        self.tp.times.forward_cpu_seconds += time.thread_time() - start_cpu
+        return chunks, inputs, logits, forwarded
 
     def _forward(self, step: StepInput) -> tuple[list[BatchChunk], ModelInputs, torch.Tensor]:
         for seq_id in step.finished_seq_ids:
