@@ -1,8 +1,8 @@
-"""The lane layout of 4-bit codes (quant_ops.c, "Lane layout"): the AVX2 per-row kernel's.
+"""The lane layout of 4-bit codes (quant_ops.c, "Lane layout"): the per-row lane kernels'.
 
 A matrix reordered into it must give the bits of the row layout on every path that reads it
-(the AVX2 per-row and tiled kernels, the portable path, and the AVX-512 paths, which hand it
-to the portable one), at both activation levels, with and without row-scale tables; its
+(the AVX2 and AVX-512 VNNI per-row and tiled kernels, the portable path, and the AMX path, which
+hands it to VNNI's), at both activation levels, with and without row-scale tables; its
 dequantized values and embedding rows must not change; and a weight reorders itself only
 where the CPU's kernel reads the layout, keeping the row layout for every reader of rows.
 """
@@ -74,8 +74,9 @@ def test_every_path_reads_the_lane_layout_with_the_row_layouts_bits(name, levels
                 for isa, tiled in paths:
                     got = quant_ops.gemm(x, *lane_args, isa_override=isa, tiled=tiled, levels=levels)
                     assert torch.equal(got, want), (in_features, rows, isa, tiled)
-                for isa in LANE_PATHS:
-                    tables = quant_ops.row_scale_tables(weight.scales, weight.mins, isa)
+                for isa in LANE_PATHS:  # the bound call (and the AVX2 kernel's row-scale tables)
+                    tables = (quant_ops.row_scale_tables(weight.scales, weight.mins, isa)
+                              if isa in quant_ops.ROW_TABLE_COLS else None)
                     got = quant_ops.gemm(x, *lane_args, isa_override=isa, tiled=False, levels=levels,
                                          tables=tables)
                     assert torch.equal(got, want), (in_features, rows, isa, "tables")

@@ -13,7 +13,7 @@
  * q bytes, per row: 4-bit, K / 2 bytes where byte i of each 64-weight group
  * holds weight i in its low nibble and weight 32 + i in its high one (so one
  * 32-byte load unpacks into 64 weights in order); 8-bit, K bytes in order.
- * Lane layout (4-bit codes, the AVX2 per-row kernel's; `lanes` in the calls below): the
+ * Lane layout (4-bit codes, the per-row lane kernels'; `lanes` in the calls below): the
  * outputs in passes of LANE_COLS = 8, N a multiple of 8, each pass's codes together
  * ([N / 8][Kp / 32][4][32] bytes, as many as the rows take): chunk c of block b of a pass
  * holds weights 32 b + 8 c .. + 7 of its 8 outputs, byte 4 j + t output j's weight
@@ -21,6 +21,7 @@
  * then feeds vpmaddubsw with 4 weights of each of 8 outputs per int32 lane against one
  * broadcast dword of activations, so a block's sum per output builds up in the lanes
  * (in int16: 8 pair sums of at most 2 x 15 x 128 each fit) with no horizontal reduction.
+ * AVX-512 VNNI (lane_pass_vnni) loads two chunks per zmm and runs two passes side by side.
  *
  * The activations are quantized per 32-block to int8 with a float scale
  * (as llama.cpp's Q8 activations are), so a block's dot product is one
@@ -41,6 +42,8 @@
  *      unsigned weight bytes by 64 signed activation bytes; the per-lane terms
  *      (activation scale of each 4-weight lane, zero-point correction, min
  *      term) are precomputed per activation row, one reduction per output.
+ *      A 4-bit matrix in the lane layout takes lane_pass_vnni instead (no
+ *      reduction), and the tiled kernel unpacks it a pass at a time.
  *   1  AVX2 + FMA (no VNNI): vpmaddubsw + vpmaddwd; 8-bit codes through the
  *      sign trick (|w| times x with w's sign), whose int16 pairs cannot
  *      saturate since |w| <= 128 and |x| <= 127 (so 8-bit codes need zero
@@ -308,9 +311,9 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
     if (!k.tables || (m && !mt)) dt = mt = 0;
     const int r_shift = r == 4 ? 2 : r == 2 ? 1 : 0;
     /* the rows' activations prepared once per call, for a kernel that takes them so (NULL when out
-       of memory: the pass then takes them as bytes, the same sums); 32-byte aligned rows */
+       of memory: the pass then takes them as bytes, the same sums); 64-byte aligned rows */
     const int64_t prep_stride = Kp * k.join_bytes * (xq2 ? 2 : 1);
-    char *prep = k.join && (xq2 || k.join_one_level) ? aligned_alloc(32, (size_t)(rows * prep_stride)) : 0;
+    char *prep = k.join && (xq2 || k.join_one_level) ? aligned_alloc(64, (size_t)(rows * prep_stride)) : 0;
     if (prep) k.join(xq, xq2, rows * Kp, bits, (int16_t *)prep);
     const int portable = k.join_one_level && !prep;
     _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
@@ -463,13 +466,20 @@ TARGET_VNNI static void transpose_scales_vnni(const uint16_t *s, int64_t n0, int
     }
 }
 
+/* Block b's scales (or mins) of a pass's 16 outputs: from its row-scale table t (float16,
+ * [groups][16], see gemm_rows) where given, else from the pass's transposed floats w. */
+TARGET_VNNI static inline __m512 vnni_scales(const float *w, const uint16_t *t, int64_t b, int r_shift) {
+    return t ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + (b >> r_shift) * VNNI_ROW_COLS)))
+             : _mm512_loadu_ps(w + b * VNNI_ROW_COLS);
+}
+
 /* Outputs [n0, n0 + count) (count <= 16) . one quantized activation row, in dot_portable's
  * float sequence with the 16 outputs in the lanes. dw / mw: transpose_scales_vnni of the pass.
  * next: the weights of a later pass, prefetched a share per group, or 0. */
 TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
     const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp, int bits, int zero,
     const int8_t *xq, const int8_t *xq2, const float *dx, const int32_t *xsum, const float *dw, const float *mw,
-    const uint8_t *next, float *out) {
+    const uint16_t *dt, const uint16_t *mt, int r_shift, const uint8_t *next, float *out) {
     const uint8_t *rows[VNNI_ROW_COLS];
     for (int j = 0; j < VNNI_ROW_COLS; j++) rows[j] = q + (n0 + (j < count ? j : 0)) * row_bytes; /* spare lanes: any row */
     const int64_t prefetch_step = ((VNNI_ROW_COLS * row_bytes / (Kp / 64)) + 63) / 64 * 64;
@@ -487,9 +497,10 @@ TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
             __m512i isum = sums[h];
             if (zero) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-zero * xsum[b]));
             const float dxb = dx[b];
-            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), _mm512_loadu_ps(dw + b * VNNI_ROW_COLS));
+            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), vnni_scales(dw, dt, b, r_shift));
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
-            if (mw) acc = _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), _mm512_loadu_ps(mw + b * VNNI_ROW_COLS), acc);
+            if (mw || mt)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), vnni_scales(mw, mt, b, r_shift), acc);
         }
     }
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
@@ -501,15 +512,101 @@ TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, 
                                      const float *dx, const int32_t *xsum, const float *dw, const float *mw,
                                      const uint16_t *dt, const uint16_t *mt, int r_shift, const uint8_t *next,
                                      float *out) {
-    (void)x16, (void)dt, (void)mt, (void)r_shift; /* VNNI_ROWS takes no tables */
-    if (bits == 4 && xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, xq2, dx, xsum, dw, mw, next, out);
-    else if (bits == 4) row_pass_vnni(q, row_bytes, n0, count, Kp, 4, zero, xq, 0, dx, xsum, dw, mw, next, out);
-    else if (xq2) row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, xq2, dx, xsum, dw, mw, next, out);
-    else row_pass_vnni(q, row_bytes, n0, count, Kp, 8, zero, xq, 0, dx, xsum, dw, mw, next, out);
+    (void)x16;
+#define ROW_PASS_VNNI(bits_, xq2_) \
+    row_pass_vnni(q, row_bytes, n0, count, Kp, bits_, zero, xq, xq2_, dx, xsum, dw, mw, dt, mt, r_shift, next, out)
+    if (bits == 4 && xq2) ROW_PASS_VNNI(4, xq2);
+    else if (bits == 4) ROW_PASS_VNNI(4, 0);
+    else if (xq2) ROW_PASS_VNNI(8, xq2);
+    else ROW_PASS_VNNI(8, 0);
+#undef ROW_PASS_VNNI
 }
 
 static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, NULL,
-                                    0, 0, 0};
+                                    0, 0, 1};
+
+/* The lane layout's kernel on AVX-512 VNNI: two passes of the layout (outputs [n0, n0 + 16);
+ * count 8: one) . one activation row, in dot_portable's float sequence. A 64-byte load of a
+ * pass's block holds two chunks: lanes 0-7 chunk 2h of its 8 outputs, lanes 8-15 chunk 2h + 1.
+ * vpdpbusd multiplies each nibble half by a vector whose halves broadcast the two chunks'
+ * activation dwords: one vpermd per block and level puts the block's dwords 0, 1, 4, 5 in each
+ * 128-bit lane of the low half and 2, 3, 6, 7 in the high half, and one in-lane vpshufd then
+ * picks each operand. Each lane sums 16 products of one output per block, and one fold of the
+ * two passes' halves (lanes 0-7 + 8-15) gives the 16 outputs' exact block sums in order: the
+ * integers of row_pass_vnni, with no reduction tree and no unpack beyond the nibble masks. */
+TARGET_VNNI static inline __attribute__((always_inline)) void lane_pass_vnni(
+    const uint8_t *pa, const uint8_t *pb, int64_t blocks, int zero, const int8_t *xq, const int8_t *xq2,
+    const float *dx, const int32_t *xsum, const float *dw, const float *mw, const uint16_t *dt, const uint16_t *mt,
+    int r_shift, const int two, const int mins, const uint8_t *next, int64_t count, float *out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i spread = _mm512_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5, 2, 3, 6, 7, 2, 3, 6, 7);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        if (next) { /* the later pair's block b: 128 bytes of each of its passes */
+            _mm_prefetch((const char *)(next + b * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + b * 128 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + (blocks + b) * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next + (blocks + b) * 128 + 64), _MM_HINT_T0);
+        }
+        const __m512i x1 = _mm512_permutexvar_epi32(
+            spread, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + 32 * b))));
+        const __m512i x2 = two ? _mm512_permutexvar_epi32(
+                                     spread, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq2 + 32 * b))))
+                               : x1;
+        __m512i a1 = _mm512_setzero_si512(), b1 = a1, a2 = a1, b2 = a1;
+        for (int h = 0; h < 2; h++) {
+            const __m512i pka = _mm512_loadu_si512((const void *)(pa + b * 128 + 64 * h));
+            const __m512i pkb = _mm512_loadu_si512((const void *)(pb + b * 128 + 64 * h));
+            const __m512i loa = _mm512_and_si512(pka, low4), hia = _mm512_and_si512(_mm512_srli_epi16(pka, 4), low4);
+            const __m512i lob = _mm512_and_si512(pkb, low4), hib = _mm512_and_si512(_mm512_srli_epi16(pkb, 4), low4);
+            /* dword 2h of each 128-bit lane for the low nibbles, 2h + 1 for the high ones */
+            const __m512i xlo = _mm512_shuffle_epi32(x1, h ? _MM_PERM_CCCC : _MM_PERM_AAAA);
+            const __m512i xhi = _mm512_shuffle_epi32(x1, h ? _MM_PERM_DDDD : _MM_PERM_BBBB);
+            a1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a1, loa, xlo), hia, xhi);
+            b1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b1, lob, xlo), hib, xhi);
+            if (two) {
+                const __m512i xlo2 = _mm512_shuffle_epi32(x2, h ? _MM_PERM_CCCC : _MM_PERM_AAAA);
+                const __m512i xhi2 = _mm512_shuffle_epi32(x2, h ? _MM_PERM_DDDD : _MM_PERM_BBBB);
+                a2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a2, loa, xlo2), hia, xhi2);
+                b2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b2, lob, xlo2), hib, xhi2);
+            }
+        }
+        /* lanes 0-7: pass a's halves added, 8-15: pass b's */
+        __m512i isum = _mm512_add_epi32(_mm512_shuffle_i32x4(a1, b1, 0x44), _mm512_shuffle_i32x4(a1, b1, 0xee));
+        if (two)
+            isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), _mm512_add_epi32(_mm512_shuffle_i32x4(a2, b2, 0x44),
+                                                                                 _mm512_shuffle_i32x4(a2, b2, 0xee)));
+        if (zero) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-zero * xsum[b]));
+        const float dxb = dx[b];
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), vnni_scales(dw, dt, b, r_shift));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
+        if (mins) acc = _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), vnni_scales(mw, mt, b, r_shift), acc);
+    }
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
+}
+
+/* lane_pass_vnni as a RowPass (bits is 4; count 16, or 8 for a matrix's last, odd pass),
+ * compiled per level count and mins. */
+TARGET_VNNI static void lane_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, int64_t n0, int64_t count, int64_t Kp,
+                                            int bits, int zero, const int8_t *xq, const int8_t *xq2, const int16_t *x16,
+                                            const float *dx, const int32_t *xsum, const float *dw, const float *mw,
+                                            const uint16_t *dt, const uint16_t *mt, int r_shift, const uint8_t *next,
+                                            float *out) {
+    const uint8_t *pa = q + n0 * row_bytes, *pb = count > LANE_COLS ? pa + LANE_COLS * row_bytes : pa;
+    const int64_t blocks = Kp / 32;
+    (void)bits, (void)x16;
+#define LANE_PASS_VNNI(two_, mins_) \
+    lane_pass_vnni(pa, pb, blocks, zero, xq, xq2, dx, xsum, dw, mw, dt, mt, r_shift, two_, mins_, next, count, out)
+    const int mins = mw || mt;
+    if (xq2 && mins) LANE_PASS_VNNI(1, 1);
+    else if (xq2) LANE_PASS_VNNI(1, 0);
+    else if (mins) LANE_PASS_VNNI(0, 1);
+    else LANE_PASS_VNNI(0, 0);
+#undef LANE_PASS_VNNI
+}
+
+static const RowKernel VNNI_LANES = {transpose_scales_vnni, lane_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES,
+                                     NULL, 0, 0, 1};
 /* ------------------------------------------------------------ many rows: the tiled kernels */
 
 #define VNNI_TILE_ROWS 16 /* activation rows per zmm: one int32 lane each */
@@ -2146,8 +2243,8 @@ static void gemm_portable(const uint8_t *q, const uint16_t *d, const uint16_t *m
  * A path that cannot serve the arguments (AVX2 with 8-bit codes whose zero is not 128,
  * the tiled kernel out of memory) falls back to the next one down,
  * which gives the same bits. lanes: 4-bit codes in the lane layout (see the top of the file),
- * which the AVX2 path's kernels and the portable one read; the AVX-512 paths hand such a
- * matrix to the portable path (the engine makes it only where AVX2 is the path). */
+ * which the AVX2, AVX-512 VNNI and portable kernels read; the AMX path hands such a matrix to
+ * path 2's (the engine makes it only where AVX2 or VNNI is the path). */
 void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_t *d, const uint16_t *m,
                 const uint16_t *dt, const uint16_t *mt, int64_t N,
                 int64_t Kp, int bits, int r, int32_t zero, int lanes, const int8_t *xq, const int8_t *xq2,
@@ -2159,6 +2256,13 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
             gemm_tiled(AVX2_Q4_TILE, q, d, m, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y))
             return;
         gemm_rows(AVX2_LANES, q, d, m, dt, mt, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y);
+        return;
+    }
+    if (lanes && isa >= 2) { /* AVX-512 VNNI's kernels read the layout (AMX's tiles read rows) */
+        if (isa == 3) tiled_min_rows = xq2 ? VNNI_TILED_MIN_ROWS_TWO_LEVELS : VNNI_TILED_MIN_ROWS;
+        if (rows >= tiled_min_rows && gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y))
+            return;
+        gemm_rows(VNNI_LANES, q, d, m, dt, mt, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y);
         return;
     }
     if (lanes) isa = 0;
@@ -2173,7 +2277,7 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
         if (rows >= tiled_min_rows &&
             gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(VNNI_ROWS, q, d, m, 0, 0, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y);
+        gemm_rows(VNNI_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {

@@ -12,18 +12,18 @@ AMX tiles, all four). The AMX path asks Linux for the tile state once per proces
 disables the kernels, as it does the other native ones; the quantized layers
 then compute on their dequantized weight.
 
-Row-scale tables: the AVX2 per-row kernel (one or a few activation rows, a
-decode step) reads each pass's float16 scales and mins as one vector per block
-from a table made once per matrix (:func:`row_scale_tables`: the same values
+Row-scale tables: the AVX2 and AVX-512 VNNI per-row kernels (one or a few activation
+rows, a decode step; AMX's few rows run VNNI's) read each pass's float16 scales and mins
+as one vector per block from a table made once per matrix (:func:`row_scale_tables`: the same values
 in pass order, as many bytes again as the scales and mins) instead of
 transposing them on every call. The layers build it where that kernel is the
 path; ``PAGEDLLM_QUANT_ROW_TABLES=0`` leaves it out (the transposing kernel,
 the same bits, no extra bytes).
 
-Lane layout: on the AVX2 path a 4-bit matrix whose output count is a multiple of 8
-keeps its codes with the outputs interleaved by 8 (quant_ops.c, "Lane layout";
+Lane layout: on the AVX2 and AVX-512 VNNI paths a 4-bit matrix whose output count is a
+multiple of 8 keeps its codes with the outputs interleaved by 8 (quant_ops.c, "Lane layout";
 :func:`pagedllm.quant.formats.to_lanes`), the same bytes reordered, which the per-row
-kernel multiplies with no reduction across vector lanes. Such a ``qweight`` is 3-D,
+kernels multiply with no reduction across vector lanes (AVX-512 takes two passes per vector). Such a ``qweight`` is 3-D,
 ``[N / 8, Kp / 32, 128]``, so every call here knows its layout from the tensor. The layers
 reorder a matrix once, where that path runs it; ``PAGEDLLM_QUANT_LANES=0`` keeps the row
 layout.
@@ -63,9 +63,9 @@ _FORCED_TILED_FROM = {True: 1, False: 2**62}  # the same for gemm(tiled=True / F
 # weights' accuracy), "int8" one level (llama.cpp's Q8 activations; less integer work).
 ACTIVATION_LEVELS = {"int16": 2, "int8": 1}
 ROW_TABLES_ENV = "PAGEDLLM_QUANT_ROW_TABLES"
-ROW_TABLE_COLS = {1: 8}  # path -> outputs per pass of the per-row kernels that read row-scale tables
+ROW_TABLE_COLS = {1: 8, 2: 16, 3: 16}  # path -> outputs per pass of the per-row kernel that reads row-scale tables
 LANES_ENV = "PAGEDLLM_QUANT_LANES"
-LANE_COLS = {1: 8}  # path -> outputs interleaved per pass of the lane layout, where the path has one
+LANE_COLS = {1: 8, 2: 8}  # path -> outputs interleaved per pass of the lane layout, where the path has one
 
 
 def available() -> bool:
@@ -197,8 +197,7 @@ def gemm(
     the tiled kernel is the AMX one, and ``False`` runs path 2's dispatch. ``tables``:
     :func:`row_scale_tables` of this weight for the path, read by its per-row kernel (the
     same bits as without). A 3-D ``qweight`` holds 4-bit codes in the lane layout
-    (:func:`lanes_wanted`), which the AVX2 and portable paths read and the AVX-512 ones hand to
-    the portable path."""
+    (:func:`lanes_wanted`), which every path reads (the AMX one hands it to path 2's kernels)."""
     path = _check_path(isa_override, levels)
     lanes = _lanes_of(qweight, bits)
     dt, mt = _table_pointers(tables, scales, mins, path)
