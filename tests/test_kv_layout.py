@@ -193,4 +193,8 @@ def test_layout_env_var(monkeypatch):
     assert cpu_ops.preferred_kv_layout() == expected
     assert cpu_ops.preferred_kv_layout(native=False) == "token"
     assert TorchAttentionBackend().kv_layout(torch.device("cpu")) == expected
+    # caches of other dtypes keep the token layout (their conversions bound them)
+    for dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        assert cpu_ops.preferred_kv_layout(dtype=dtype) == "token"
+        assert TorchAttentionBackend().kv_layout(torch.device("cpu"), dtype) == "token"
     assert TorchAttentionBackend(use_native=False).kv_layout(torch.device("cpu")) == "token"

@@ -85,8 +85,8 @@ class AttentionBackend(ABC):
         v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
-    def kv_layout(self, device: torch.device) -> str:
-        """The layout of the KV pools this backend reads on ``device`` (``KVCache``'s ``layout``)."""
+    def kv_layout(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+        """The layout of the KV pools of ``dtype`` this backend reads on ``device`` (``KVCache``'s ``layout``)."""
         return "token"
 
     @abstractmethod

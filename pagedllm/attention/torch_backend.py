@@ -104,12 +104,12 @@ class TorchAttentionBackend(AttentionBackend):
             self._plan_block_size = block_size
         return self._plan
 
-    def kv_layout(self, device: torch.device) -> str:
-        """On the CPU, the layout the native kernels read fastest on this machine (or the one
-        ``PAGEDLLM_KV_LAYOUT`` names: both this path and the kernels read either)."""
+    def kv_layout(self, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+        """On the CPU, the layout the native kernels read fastest for caches of ``dtype`` on this
+        machine (or the one ``PAGEDLLM_KV_LAYOUT`` names: both this path and the kernels read either)."""
         if device.type != "cpu":
             return "token"
-        return cpu_ops.preferred_kv_layout(native=self.use_native is not False and cpu_ops.available())
+        return cpu_ops.preferred_kv_layout(native=self.use_native is not False and cpu_ops.available(), dtype=dtype)
 
     def _native_enabled(self, query: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
         if query.device.type != "cpu" or self.use_native is False:

@@ -177,22 +177,24 @@ def kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
 
 
 KV_LAYOUT_ENV = "PAGEDLLM_KV_LAYOUT"  # auto (default), token or head: the CPU pools' layout
-# The paths whose decode attention measured faster over KV_LAYOUT_HEAD pools (docs/profile.md,
-# twelfth round: AMD Zen 3). The AVX-512 paths keep the layout they were tuned on until
-# measured; AMX attention reads token-major blocks only.
-HEAD_LAYOUT_PATHS = frozenset({"avx2"})
+# The paths whose decode attention over float32 caches measured faster over KV_LAYOUT_HEAD
+# pools: avx2 on AMD Zen 3 (docs/profile.md, twelfth round), the AVX-512 paths on AMD Zen 5
+# (seventeenth round; not measured on Intel). Caches of other dtypes keep the token layout: their
+# conversions bound them, and on Zen 5 bfloat16 ran 1.2x slower over head-layout pools (on Zen 3
+# either layout alike). AMX attention (bfloat16 caches) reads token-major blocks only.
+HEAD_LAYOUT_PATHS = frozenset({"avx2", "avx512", "avx512_bf16"})
 
 
-def preferred_kv_layout(native: bool = True) -> str:
-    """The layout for CPU KV pools (KVCache's ``layout``): ``$PAGEDLLM_KV_LAYOUT`` when set to
-    token or head; by default head where the native kernels run the path of
-    ``HEAD_LAYOUT_PATHS``, token elsewhere (and where ``native`` is False)."""
+def preferred_kv_layout(native: bool = True, dtype: torch.dtype = torch.float32) -> str:
+    """The layout for CPU KV pools of ``dtype`` (KVCache's ``layout``): ``$PAGEDLLM_KV_LAYOUT``
+    when set to token or head; by default head for float32 caches where the native kernels run a
+    path of ``HEAD_LAYOUT_PATHS``, token elsewhere (and where ``native`` is False)."""
     value = os.environ.get(KV_LAYOUT_ENV, "auto").strip().lower() or "auto"
     if value not in ("auto", "token", "head"):
         raise ConfigError(f"{KV_LAYOUT_ENV}={value!r}: use auto, token or head")
     if value != "auto":
         return value
-    return "head" if native and selected_isa() in HEAD_LAYOUT_PATHS else "token"
+    return "head" if native and dtype == torch.float32 and selected_isa() in HEAD_LAYOUT_PATHS else "token"
 
 
 def tile_tokens(num_heads: int, num_kv_heads: int, head_dim: int) -> int:

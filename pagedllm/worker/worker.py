@@ -226,10 +226,11 @@ class Worker:
         """Allocate this rank's KV shard: every rank the same block count, its own heads."""
         if self.device.type == "cpu":
             host_memory.tune_malloc()
+        shape = self._kv_shape()
         self.kv_cache = KVCache(
             num_blocks=num_blocks, device=self.device, num_cpu_blocks=num_cpu_blocks,
-            prefault=self.config.kv_cache_prefault, layout=self.attn_backend.kv_layout(self.device),
-            **self._kv_shape(),
+            prefault=self.config.kv_cache_prefault, layout=self.attn_backend.kv_layout(self.device, shape["dtype"]),
+            **shape,
         )
         if self.config.kv_cache_prefault and self.device.type == "cpu":
             # the largest step's activations resident too, as the pools are: its first run then
