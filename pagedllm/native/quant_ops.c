@@ -473,6 +473,18 @@ TARGET_VNNI static inline __m512 vnni_scales(const float *w, const uint16_t *t, 
              : _mm512_loadu_ps(w + b * VNNI_ROW_COLS);
 }
 
+/* Block b's float work of a per-row pass, in dot_portable's sequence for its 16 outputs: acc +
+ * (isum - zero * xsum) * (dx * scale), then, with mins, + (dx * xsum) * min. */
+TARGET_VNNI static inline __m512 vnni_block_out(__m512 acc, __m512i isum, int64_t b, int zero, const float *dx,
+                                                const int32_t *xsum, const float *dw, const float *mw,
+                                                const uint16_t *dt, const uint16_t *mt, int r_shift, int mins) {
+    if (zero) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-zero * xsum[b]));
+    const float dxb = dx[b];
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), vnni_scales(dw, dt, b, r_shift));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
+    return mins ? _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), vnni_scales(mw, mt, b, r_shift), acc) : acc;
+}
+
 /* Outputs [n0, n0 + count) (count <= 16) . one quantized activation row, in dot_portable's
  * float sequence with the 16 outputs in the lanes. dw / mw: transpose_scales_vnni of the pass.
  * next: the weights of a later pass, prefetched a share per group, or 0. */
@@ -492,16 +504,8 @@ TARGET_VNNI static inline __attribute__((always_inline)) void row_pass_vnni(
         const __m512i xv2 = xq2 ? _mm512_loadu_si512((const void *)(xq2 + g * 64)) : _mm512_setzero_si512();
         __m512i sums[2];
         block_sums_vnni(rows, g, bits, xv, xv2, xq2 != 0, &sums[0], &sums[1]);
-        for (int h = 0; h < 2; h++) {
-            const int64_t b = 2 * g + h;
-            __m512i isum = sums[h];
-            if (zero) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-zero * xsum[b]));
-            const float dxb = dx[b];
-            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), vnni_scales(dw, dt, b, r_shift));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
-            if (mw || mt)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), vnni_scales(mw, mt, b, r_shift), acc);
-        }
+        for (int h = 0; h < 2; h++)
+            acc = vnni_block_out(acc, sums[h], 2 * g + h, zero, dx, xsum, dw, mw, dt, mt, r_shift, mw || mt);
     }
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
 }
@@ -576,11 +580,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void lane_pass_vnni(
         if (two)
             isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), _mm512_add_epi32(_mm512_shuffle_i32x4(a2, b2, 0x44),
                                                                                  _mm512_shuffle_i32x4(a2, b2, 0xee)));
-        if (zero) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(-zero * xsum[b]));
-        const float dxb = dx[b];
-        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dxb), vnni_scales(dw, dt, b, r_shift));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
-        if (mins) acc = _mm512_fmadd_ps(_mm512_set1_ps(dxb * (float)xsum[b]), vnni_scales(mw, mt, b, r_shift), acc);
+        acc = vnni_block_out(acc, isum, b, zero, dx, xsum, dw, mw, dt, mt, r_shift, mins);
     }
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
 }
