@@ -529,6 +529,11 @@ TARGET_VNNI static void row_pass_vnni_bits(const uint8_t *q, int64_t row_bytes, 
 static const RowKernel VNNI_ROWS = {transpose_scales_vnni, row_pass_vnni_bits, VNNI_ROW_COLS, ROW_PREFETCH_PASSES, NULL,
                                     0, 0, 1};
 
+/* Lanes 0-7: a's two halves (lanes 0-7 and 8-15) added; lanes 8-15: b's. */
+TARGET_VNNI static inline __m512i fold_passes_vnni(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xee));
+}
+
 /* The lane layout's kernel on AVX-512 VNNI: two passes of the layout (outputs [n0, n0 + 16);
  * count 8: one) . one activation row, in dot_portable's float sequence. A 64-byte load of a
  * pass's block holds two chunks: lanes 0-7 chunk 2h of its 8 outputs, lanes 8-15 chunk 2h + 1.
@@ -575,11 +580,9 @@ TARGET_VNNI static inline __attribute__((always_inline)) void lane_pass_vnni(
                 b2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b2, lob, xlo2), hib, xhi2);
             }
         }
-        /* lanes 0-7: pass a's halves added, 8-15: pass b's */
-        __m512i isum = _mm512_add_epi32(_mm512_shuffle_i32x4(a1, b1, 0x44), _mm512_shuffle_i32x4(a1, b1, 0xee));
-        if (two)
-            isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), _mm512_add_epi32(_mm512_shuffle_i32x4(a2, b2, 0x44),
-                                                                                 _mm512_shuffle_i32x4(a2, b2, 0xee)));
+        /* lanes 0-7: pass a's block sums, 8-15: pass b's */
+        __m512i isum = fold_passes_vnni(a1, b1);
+        if (two) isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), fold_passes_vnni(a2, b2));
         acc = vnni_block_out(acc, isum, b, zero, dx, xsum, dw, mw, dt, mt, r_shift, mins);
     }
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), acc);
@@ -2251,40 +2254,26 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
                 const float *dx, const int32_t *xsum, int64_t rows, float *y) {
     lanes = lanes && bits == 4;
 #ifdef QUANT_X86
-    if (lanes && isa == 1) {
-        if (rows >= tiled_min_rows &&
-            gemm_tiled(AVX2_Q4_TILE, q, d, m, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y))
-            return;
-        gemm_rows(AVX2_LANES, q, d, m, dt, mt, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y);
-        return;
-    }
-    if (lanes && isa >= 2) { /* AVX-512 VNNI's kernels read the layout (AMX's tiles read rows) */
-        if (isa == 3) tiled_min_rows = xq2 ? VNNI_TILED_MIN_ROWS_TWO_LEVELS : VNNI_TILED_MIN_ROWS;
-        if (rows >= tiled_min_rows && gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y))
-            return;
-        gemm_rows(VNNI_LANES, q, d, m, dt, mt, N, Kp, bits, r, zero, 1, xq, xq2, dx, xsum, rows, y);
-        return;
-    }
-    if (lanes) isa = 0;
     if (isa == 3) {
-        if (rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
+        /* AMX's tiles read rows: a lane-layout matrix takes path 2's kernels at any row count */
+        if (!lanes && rows >= tiled_min_rows && gemm_amx(q, d, m, N, Kp, bits, r, zero, xq, xq2, dx, xsum, rows, y))
             return;
-        /* few rows (or out of memory): path 2 */
+        /* few rows (or out of memory, or lanes): path 2 */
         tiled_min_rows = xq2 ? VNNI_TILED_MIN_ROWS_TWO_LEVELS : VNNI_TILED_MIN_ROWS;
         isa = 2;
     }
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
-            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y))
+            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(VNNI_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y);
+        gemm_rows(lanes ? VNNI_LANES : VNNI_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
         if (rows >= tiled_min_rows && gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r,
-                                                 zero, 0, xq, xq2, dx, xsum, rows, y))
+                                                 zero, lanes, xq, xq2, dx, xsum, rows, y))
             return;
-        gemm_rows(AVX2_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, 0, xq, xq2, dx, xsum, rows, y);
+        gemm_rows(lanes ? AVX2_LANES : AVX2_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
         return;
     }
 #endif
