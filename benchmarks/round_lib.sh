@@ -45,6 +45,17 @@ w64_beside_vllm() {  # w64_beside_vllm COMPARE: W64 float32 (2 GiB of KV) with v
   echo done > $O/done
 }
 
+w64_bf16_beside_vllm() {  # w64_bf16_beside_vllm [COMPARE]: W64 bfloat16 (2 GiB of KV), vLLM in bfloat16 too, twice, into $O
+  local i
+  for i in 1 2; do
+    probe bf16_$i
+    $P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json \
+      --dtype bfloat16 --peer-python /work/peer-vllm/bin/python --kv-cache-memory 2GiB \
+      --compare "${1:-pagedllm,vllm}" --json $O/bf16_$i.json > $O/bf16_$i.log 2>&1
+  done
+  probe bf16_end
+}
+
 latency_beside_llamacpp() {  # one request 128 -> 128 beside llama.cpp, three invocations between read probes, into $O
   local i
   for i in 1 2 3; do

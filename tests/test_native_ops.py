@@ -186,6 +186,36 @@ def test_paged_attention_matches_oracle(library, dtype, block_size, num_heads, n
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_paged_attention_never_reads_unwritten_slots(library, dtype, block_size):
+    """The CPU pools are allocated uninitialised: every slot past a sequence's length holds NaN
+    here, and on every path none of it reaches the output, with chunks that end at odd lengths
+    (the bfloat16 pair kernels take value rows two tokens at a time)."""
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    batch = make_paged_batch(
+        ATTENTION_SPECS, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, seed=block_size + 7,
+    )
+    md = batch.metadata
+    k_cache, v_cache = torch.full_like(batch.k_cache, float("nan")), torch.full_like(batch.v_cache, float("nan"))
+    for i, (seq_len, q_len) in enumerate(zip(md.seq_lens_host, md.query_lens_host, strict=True)):
+        for pos in range(seq_len - q_len):  # the context already written; the new tokens come next
+            block, offset = md.block_tables[i, pos // block_size].item(), pos % block_size
+            k_cache[block, offset], v_cache[block, offset] = batch.k_cache[block, offset], batch.v_cache[block, offset]
+    batch.k_cache, batch.v_cache = k_cache, v_cache
+    TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, k_cache, v_cache, md.slot_mapping)
+    tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host,
+                               cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim))
+    expected = naive_attention(batch.query.double(), batch)
+    for split_heads in (True, False):
+        out = cpu_ops.paged_attention(batch.query, k_cache, v_cache, md.block_tables, tiles, batch.scale,
+                                      library=library, split_heads=split_heads)
+        assert torch.isfinite(out).all()
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (out.double() - expected).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", [(16, 9, 3, 64), (8, 8, 2, 128), (32, 4, 4, 32)])
 @pytest.mark.parametrize("length", [70, 600])
 def test_a_rows_attention_is_the_same_bits_in_any_tile(library, dtype, block_size, num_heads, num_kv_heads, head_dim,

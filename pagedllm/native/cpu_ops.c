@@ -569,6 +569,95 @@ DEFINE_ACCUMULATE_V(accumulate_v_i8, kv8_t, vloadu_i8)
 DEFINE_ACCUMULATE_V(accumulate_v_e4m3, kv8_t, vloadu_e4m3)
 DEFINE_ACCUMULATE_V(accumulate_v_e5m2, kv8_t, vloadu_e5m2)
 
+/* bfloat16 caches where the CPU has vdpbf16ps (the avx512_bf16 path): scores and value
+   products on bfloat16 pairs, two multiply-adds per float32 lane and instruction. Scores: the
+   query's raw bfloat16 pairs against the keys' pairs of dims (2j, 2j + 1), VW tokens per
+   vector (the token layout's dword transposes, the head layout's two dim rows interleaved: the
+   same vectors), float32 sums, the scale applied to the sum. Values: the softmax weights
+   rounded to bfloat16 (as PyTorch's CPU flash attention does for bfloat16 inputs) in pairs of
+   tokens, against the two tokens' value rows interleaved by dim (unpacklo / unpackhi of 16-bit
+   words), so the accumulators hold each 32 dims in the order of those unpacks until the tile
+   ends (unpermute_pairs). Every tile of a bfloat16 cache on this path takes it, prefill or
+   decode, either layout: a row's bits stay the same in any tile. On AMD Zen 5 vdpbf16ps issues
+   as often as an FMA, so the multiply-adds halve (docs/profile.md, eighteenth round). */
+#if VW == 16 && defined(__AVX512BF16__)
+#define DP_BF16 1
+#else
+#define DP_BF16 0
+#endif
+/* acc[r] = acc[r] * corr[r] + sum_t PB[r][t] V[t], as DEFINE_ACCUMULATE_V with the weights in
+   bfloat16 (PB) and two tokens per vdpbf16ps; acc in the pair order (above). */
+static inline __attribute__((always_inline)) void accumulate_v_bf16_dp(
+    float *acc, const bf16_t *PB, const float *corr, const bf16_t *const *vbs, const int64_t *ns,
+    const int NSUB, int64_t tok_stride, int64_t r0, const int NR, const int CH,
+    const char *const *pf, const int64_t *prefetch_rows, int64_t stride_bytes, int64_t row_bytes) {
+#if DP_BF16
+    const int64_t D = VW * CH;
+    vf a[4][CH_MAX];
+    for (int j = 0; j < NR; ++j) {
+        const vf scale = vset1(corr[r0 + j]);
+        for (int c = 0; c < CH; ++c) a[j][c] = vmul(vload(acc + (r0 + j) * D + VW * c), scale);
+    }
+    for (int sub = 0; sub < NSUB; ++sub) {
+        const bf16_t *vb = vbs[sub];
+        for (int64_t t = 0; t < ns[sub]; t += 2) {
+            const bf16_t *v0 = vb + t * tok_stride, *v1 = v0 + tok_stride;
+            const int pair = t + 1 < ns[sub]; /* an odd chunk's last token pairs with zeros */
+            for (int64_t u = t; u < t + 2 && u < prefetch_rows[sub]; ++u)
+                for (int64_t byte = 0; byte < row_bytes; byte += 64)
+                    _mm_prefetch(pf[sub] + u * stride_bytes + byte, PF_HINT);
+            __m512i p[4];
+            for (int j = 0; j < NR; ++j) {
+                int32_t w;
+                memcpy(&w, PB + (r0 + j) * P_STRIDE + sub * VW + t, sizeof w);
+                p[j] = _mm512_set1_epi32(w);
+            }
+            for (int c2 = 0; c2 < CH / 2; ++c2) {
+                const __m512i x = _mm512_loadu_si512((const void *)(v0 + 2 * VW * c2));
+                const __m512i y = pair ? _mm512_loadu_si512((const void *)(v1 + 2 * VW * c2)) : _mm512_setzero_si512();
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                for (int j = 0; j < NR; ++j) {
+                    a[j][2 * c2] = _mm512_dpbf16_ps(a[j][2 * c2], lo, (__m512bh)p[j]);
+                    a[j][2 * c2 + 1] = _mm512_dpbf16_ps(a[j][2 * c2 + 1], hi, (__m512bh)p[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < NR; ++j)
+        for (int c = 0; c < CH; ++c) vstore(acc + (r0 + j) * D + VW * c, a[j][c]);
+#else
+    (void)acc, (void)PB, (void)corr, (void)vbs, (void)ns, (void)NSUB, (void)tok_stride, (void)r0, (void)NR;
+    (void)CH, (void)pf, (void)prefetch_rows, (void)stride_bytes, (void)row_bytes;
+#endif
+}
+/* A row of accumulators in the pair order -> dims in order (each 32 dims: unpacklo's lanes hold
+   dims 8L .. 8L + 3, unpackhi's 8L + 4 .. 8L + 7) */
+static inline void unpermute_pairs(float *row, const int CH) {
+#if DP_BF16
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int c2 = 0; c2 < CH / 2; ++c2) {
+        const vf lo = vload(row + 2 * VW * c2), hi = vload(row + 2 * VW * c2 + VW);
+        vstore(row + 2 * VW * c2, _mm512_permutex2var_ps(lo, first, hi));
+        vstore(row + 2 * VW * c2 + VW, _mm512_permutex2var_ps(lo, second, hi));
+    }
+#else
+    (void)row, (void)CH;
+#endif
+}
+/* Two rows of VW bfloat16 keys (dims 2j and 2j + 1 of VW tokens) -> VW dwords, dim 2j in the
+   low half: what the token layout's dword transposes give */
+static inline vf interleave_bf16_rows(const bf16_t *even, const bf16_t *odd, int64_t n) {
+#if DP_BF16
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(vfirst(n), even));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(vfirst(n), odd));
+    return _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+#else
+    (void)even, (void)odd, (void)n;
+    return vzero();
+#endif
+}
+
 /* Scores of NR query rows from row r against the SUB transposed key chunks
    KTs[sub] ([d][VW], rows kstr[sub] floats apart), then their online-softmax update: P[row] gets the weights
    (times V's scales when quant), corr[row] the factor acc[row] takes.
@@ -577,11 +666,28 @@ static inline __attribute__((always_inline)) void score_rows(
     const float *Q, const float *const *KTs, const int64_t *kstr, const int CH, const int NSUB, int64_t r,
     const int NR, int64_t G,
     int64_t visible0, const int64_t *ns, const int64_t *offs, const int quant, const float *KS,
-    const float *VS, float *run_max, float *run_sum, float *corr, float *P) {
+    const float *VS, float *run_max, float *run_sum, float *corr, float *P,
+    const int dp, const uint32_t *QP, vf vscale, bf16_t *PB) {
     const int64_t D = VW * CH;
     vf s[4][SUB]; /* NR <= QK_ROWS <= 4 */
     for (int j = 0; j < NR; ++j)
         for (int sub = 0; sub < NSUB; ++sub) s[j][sub] = vzero();
+#if DP_BF16
+    if (dp) { /* the raw query pairs (QP, [rows][D / 2]) against KTs' pairs ([D / 2][VW] dwords) */
+        for (int64_t i = 0; i < D / 2; ++i) {
+            __m512bh q[4];
+            for (int j = 0; j < NR; ++j) q[j] = (__m512bh)_mm512_set1_epi32((int)QP[(r + j) * (D / 2) + i]);
+            for (int sub = 0; sub < NSUB; ++sub) {
+                const __m512bh k = (__m512bh)_mm512_castps_si512(vload(KTs[sub] + i * VW));
+                for (int j = 0; j < NR; ++j) s[j][sub] = _mm512_dpbf16_ps(s[j][sub], k, q[j]);
+            }
+        }
+        for (int j = 0; j < NR; ++j)
+            for (int sub = 0; sub < NSUB; ++sub) s[j][sub] = vmul(s[j][sub], vscale);
+    } else
+#else
+    (void)QP, (void)vscale, (void)PB;
+#endif
     for (int64_t d = 0; d < D; ++d) {
         vf q[4];
         for (int j = 0; j < NR; ++j) q[j] = vset1(Q[(r + j) * D + d]);
@@ -609,6 +715,12 @@ static inline __attribute__((always_inline)) void score_rows(
         for (int sub = 0; sub < NSUB; ++sub) {
             const vf p = vselect(mask[sub], vexp(vsub(s[j][sub], shift)), vzero());
             sum = vadd(sum, p);
+#if DP_BF16
+            if (dp) {
+                _mm256_store_si256((__m256i *)(PB + row * P_STRIDE + sub * VW), bf16_bits(p));
+                continue;
+            }
+#endif
             vstore(P + row * P_STRIDE + sub * VW, quant ? vmul(p, vload(VS + sub * VW)) : p);
         }
         run_sum[row] = run_sum[row] * corr[row] + vsum(sum);
@@ -637,7 +749,7 @@ static inline int64_t key_chunk(const int32_t *table, int64_t pos, int64_t max_l
    and output's element type; TC: the cache's. QUANT (a constant: the float
    caches' instantiations compile without it) applies the per-slot scales,
    times the format's UNIT, to each chunk's scores and softmax weights. */
-#define DEFINE_TILE(NAME, TQ, LOADQ, STOREQ, T, LOADV, ACCUMULATE_V, QUANT, UNIT, PAIRS)          \
+#define DEFINE_TILE(NAME, TQ, LOADQ, STOREQ, T, LOADV, ACCUMULATE_V, QUANT, UNIT, PAIRS, DP)      \
 static inline __attribute__((always_inline)) void NAME(                                           \
     const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache, const uint16_t *k_scale,   \
     const uint16_t *v_scale, const int32_t *table,                                                \
@@ -657,6 +769,11 @@ static inline __attribute__((always_inline)) void NAME(                         
     float P[MAX_ROWS * P_STRIDE] __attribute__((aligned(64)));    /* [R][SUB * VW] */            \
     float run_max[MAX_ROWS], run_sum[MAX_ROWS], corr[MAX_ROWS]; /* [nh][R], [nh][R], [R] */      \
     float KS[SUB * VW] __attribute__((aligned(64))), VS[SUB * VW] __attribute__((aligned(64)));  \
+    /* DP: the pair kernels (DP_BF16 above) for bfloat16 queries and caches, head_dim a multiple  \
+       of 2 VW: the raw query pairs [nh][R][D / 2] and the weights in bfloat16 [R][SUB * VW] */   \
+    const int dp = (DP) && CH % 2 == 0;                                                           \
+    uint32_t QP[(DP) ? MAX_ROW_FLOATS / 2 : 1] __attribute__((aligned(64)));                      \
+    bf16_t PB[(DP) ? MAX_ROWS * P_STRIDE : 1] __attribute__((aligned(64)));                       \
     const vf vscale = vset1(scale);                                                               \
     for (int64_t r = 0; r < nh * R; ++r) { /* row r: head h0 + r / R, its row r % R */           \
         const TQ *src = q + (tile.q_row + r % R / G) * q_stride + ((h0 + r / R) * G + r % G) * D; \
@@ -664,6 +781,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             vstore(Q + r * D + VW * c, vmul(LOADQ(src + VW * c), vscale));                        \
             vstore(acc + r * D + VW * c, vzero());                                                \
         }                                                                                         \
+        if (dp) memcpy(QP + r * (D / 2), src, (size_t)D * sizeof(TQ));                            \
         run_max[r] = -INFINITY;                                                                   \
         run_sum[r] = 0.0f;                                                                        \
     }                                                                                             \
@@ -711,6 +829,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t hh = 0; hh < nh; ++hh) {                                                     \
         const int64_t h = h0 + hh;                                                                \
         float *const Qh = Q + hh * R * D, *const acch = acc + hh * R * D;                         \
+        const uint32_t *const QPh = QP + (dp ? hh * R * (D / 2) : 0);                              \
         float *const maxh = run_max + hh * R, *const sumh = run_sum + hh * R;                     \
         for (int sub = 0; sub < NSUB; ++sub) {                                                     \
             kbs[sub] = k_cache + key_at(slots[sub], h, num_kv_heads, D, block_size, layout);      \
@@ -741,7 +860,11 @@ static inline __attribute__((always_inline)) void NAME(                         
                    tokens as 0, as the transposes below give them). Not prefetched: on AMD Zen 3 \
                    these reads ran as fast without. */                                            \
                 const T *kb = kbs[sub];                                                           \
-                if (ns[sub] == VW && sizeof(T) == sizeof(float)) {                                \
+                if (dp) {                                                                         \
+                    for (int64_t i = 0; i < D / 2; ++i)                                           \
+                        vstore(kt + i * VW, interleave_bf16_rows((const bf16_t *)kb + 2 * i * k_dim, \
+                                                                 (const bf16_t *)kb + (2 * i + 1) * k_dim, ns[sub])); \
+                } else if (ns[sub] == VW && sizeof(T) == sizeof(float)) {                         \
                     kts[sub] = (const float *)kb;                                                 \
                     kstr[sub] = k_dim;                                                            \
                 } else if (ns[sub] == VW) {                                                       \
@@ -773,6 +896,10 @@ static inline __attribute__((always_inline)) void NAME(                         
                         for (int64_t t = 0; t < ahead[sub]; ++t)                                  \
                             _mm_prefetch(nk[sub] + t * k_stride_bytes + 64 * cg, PF_HINT);      \
                     vtranspose(rows);                                                             \
+                    if (dp) { /* the raw pairs: dims (2 (VW cg + j), + 1) of the chunk's tokens */ \
+                        for (int j = 0; j < VW; ++j) vstore(kt + (VW * cg + j) * VW, rows[j]);    \
+                        continue;                                                                 \
+                    }                                                                             \
                     for (int j = 0; j < VW; ++j) {                                                \
                         vf codes[4];                                                              \
                         if ((PAIRS) == 2) split_bf16_pairs(rows[j], codes);                       \
@@ -800,10 +927,10 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t r_first = first * G, visible0 = tile.len0 - start;                          \
         for (int64_t r = r_first; r < R; r += QK_ROWS) {                                          \
             switch (R - r < QK_ROWS ? (int)(R - r) : QK_ROWS) {                                   \
-            case 4: score_rows(Qh, kts, kstr, CH, NSUB, r, 4, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
-            case 3: score_rows(Qh, kts, kstr, CH, NSUB, r, 3, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
-            case 2: score_rows(Qh, kts, kstr, CH, NSUB, r, 2, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
-            default: score_rows(Qh, kts, kstr, CH, NSUB, r, 1, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P); break; \
+            case 4: score_rows(Qh, kts, kstr, CH, NSUB, r, 4, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P, dp, QPh, vscale, PB); break; \
+            case 3: score_rows(Qh, kts, kstr, CH, NSUB, r, 3, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P, dp, QPh, vscale, PB); break; \
+            case 2: score_rows(Qh, kts, kstr, CH, NSUB, r, 2, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P, dp, QPh, vscale, PB); break; \
+            default: score_rows(Qh, kts, kstr, CH, NSUB, r, 1, G, visible0, ns, offs, QUANT, KS, VS, maxh, sumh, corr, P, dp, QPh, vscale, PB); break; \
             }                                                                                     \
         }                                                                                         \
         /* acc = acc * corr + P @ V, PASS_ROWS(CH) rows per pass; the first pass also            \
@@ -812,6 +939,16 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t no_prefetch[SUB] = {0};                                                     \
         for (int64_t r = r_first; r < R; r += per_pass) {                                         \
             const int64_t *pf = r == r_first ? ahead : no_prefetch;                               \
+            if (dp) {                                                                             \
+                const bf16_t *const *vb2 = (const bf16_t *const *)vbs;                            \
+                switch (R - r < per_pass ? (int)(R - r) : per_pass) {                             \
+                case 4: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 4, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+                case 3: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 3, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+                case 2: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 2, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+                default: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 1, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+                }                                                                                 \
+                continue;                                                                         \
+            }                                                                                     \
             switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                 \
             case 4: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 4, CH, nv, pf, v_stride_bytes, row_bytes); break; \
             case 3: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 3, CH, nv, pf, v_stride_bytes, row_bytes); break; \
@@ -822,6 +959,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                         \
         start = pos;                                                                              \
     }                                                                                             \
+    if (dp)                                                                                       \
+        for (int64_t r = 0; r < nh * R; ++r) unpermute_pairs(acc + r * D, CH);                    \
     if (partial) { /* the key range's state, unnormalized: acc [rows][D], then max and sum [rows] */ \
         const int64_t n_rows = nh * R;                                                            \
         for (int64_t r = 0; r < n_rows; ++r) {                                                    \
@@ -838,14 +977,14 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                             \
 }
 
-DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, float, vloadu_f32, accumulate_v_f32, 0, 1.0f, 1)
-DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, bf16_t, vloadu_bf16, accumulate_v_bf16, 0, 1.0f, 2)
-DEFINE_TILE(tile_f32_i8, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 4)
-DEFINE_TILE(tile_bf16_i8, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 4)
-DEFINE_TILE(tile_f32_e4m3, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 1)
-DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 1)
-DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1)
-DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1)
+DEFINE_TILE(tile_f32, float, vloadu_f32, vstoreu_f32, float, vloadu_f32, accumulate_v_f32, 0, 1.0f, 1, 0)
+DEFINE_TILE(tile_bf16, bf16_t, vloadu_bf16, vstoreu_bf16, bf16_t, vloadu_bf16, accumulate_v_bf16, 0, 1.0f, 2, DP_BF16)
+DEFINE_TILE(tile_f32_i8, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 4, 0)
+DEFINE_TILE(tile_bf16_i8, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_i8, accumulate_v_i8, 1, I8_UNIT, 4, 0)
+DEFINE_TILE(tile_f32_e4m3, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 1, 0)
+DEFINE_TILE(tile_bf16_e4m3, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e4m3, accumulate_v_e4m3, 1, E4M3_UNIT, 1, 0)
+DEFINE_TILE(tile_f32_e5m2, float, vloadu_f32, vstoreu_f32, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1, 0)
+DEFINE_TILE(tile_bf16_e5m2, bf16_t, vloadu_bf16, vstoreu_bf16, kv8_t, vloadu_e5m2, accumulate_v_e5m2, 1, E5M2_UNIT, 1, 0)
 
 #if VW == 16 && defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 11
 /* ---- bfloat16 caches on AMX-BF16 tiles (Sapphire Rapids and later)
