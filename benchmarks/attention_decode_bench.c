@@ -12,7 +12,8 @@
  *   OMP_NUM_THREADS=2 /tmp/attn LAYERS SEQS CTX ROUNDS
  *
  * (KERNEL_SOURCE is relative to this file; -mavx512f -mavx512bw -mavx512vl -mavx512dq
- * instead of -mavx2 builds the AVX-512 path.) LAYOUT=head in the environment stores the caches
+ * instead of -mavx2 builds the AVX-512 path; add -mavx512bf16 for avx512_bf16, and -DBF16=1 for bfloat16
+ * queries and caches.) LAYOUT=head in the environment stores the caches
  * in cpu_ops.c's KV_LAYOUT_HEAD (the same random values, rearranged: the check value must not
  * change), LAYOUT=token (the default) as [block][token][head][dim]. 30 64 340 4 streams 1 GB (float32) from
  * memory, as a W64 decode step's attention does; 1 4 340 1500 keeps the caches in L2 and
@@ -26,6 +27,9 @@
 #include KERNEL_SOURCE
 #ifndef KV8
 #define KV8 0
+#endif
+#ifndef BF16 /* -DBF16=1: bfloat16 queries and caches (paged_attention_bf16) */
+#define BF16 0
 #endif
 
 static double now(void) {
@@ -64,11 +68,14 @@ int main(int argc, char **argv) {
             for (int64_t i = 0; i < elems; ++i) kc[i] = (uint8_t)(rand() % 200 - 100), vc[i] = (uint8_t)(rand() % 200 - 100);
             uint16_t *ks = (uint16_t *)(kc + elems), *vs = (uint16_t *)(vc + elems);
             for (int64_t i = 0; i < elems / D; ++i) ks[i] = vs[i] = f32_to_f16(0.01f);
+        } else if (BF16) {
+            bf16_t *kb = (bf16_t *)k[l], *vb = (bf16_t *)v[l];
+            for (int64_t i = 0; i < elems; ++i) kb[i] = f32_to_bf16(uniform()), vb[i] = f32_to_bf16(uniform());
         } else {
             for (int64_t i = 0; i < elems; ++i) k[l][i] = uniform(), v[l][i] = uniform();
         }
         if (layout == KV_LAYOUT_HEAD) { /* the same slots' values, rearranged (codes: 1 byte, floats: 4) */
-            const size_t e = KV8 ? 1 : 4;
+            const size_t e = KV8 ? 1 : BF16 ? 2 : 4;
             char *tk = malloc(elems * e), *tv = malloc(elems * e), *sk = (char *)k[l], *sv = (char *)v[l];
             for (int64_t i = 0; i < nblocks * BS * KVH; ++i) {
                 const int64_t slot = i / KVH, h = i % KVH;
@@ -83,9 +90,11 @@ int main(int argc, char **argv) {
     }
     float *q = aligned_alloc(64, seqs * H * D * 4), *out = aligned_alloc(64, seqs * H * D * 4);
     for (int64_t i = 0; i < seqs * H * D; ++i) q[i] = uniform();
+    bf16_t *qb = aligned_alloc(64, seqs * H * D * 2), *outb = aligned_alloc(64, seqs * H * D * 2);
+    for (int64_t i = 0; i < seqs * H * D; ++i) qb[i] = f32_to_bf16(q[i]);
     tile_t *tiles = malloc(seqs * sizeof(tile_t));
     for (int64_t s = 0; s < seqs; ++s) tiles[s] = (tile_t){(int32_t)s, (int32_t)s, (int32_t)ctx, 1};
-    const double bytes = 2.0 * seqs * ctx * KVH * (KV8 ? D + 2 : D * 4) * layers;
+    const double bytes = 2.0 * seqs * ctx * KVH * (KV8 ? D + 2 : BF16 ? D * 2 : D * 4) * layers;
     const int32_t split = getenv("SPLIT") ? atoi(getenv("SPLIT")) : 0; /* split_heads, as the engine sets it for few sequences */
     double best = 1e30;
     for (int64_t r = 0; r < rounds; ++r) {
@@ -95,6 +104,9 @@ int main(int argc, char **argv) {
                 paged_attention_f32_i8(q, H * D, (kv8_t *)k[l], (kv8_t *)v[l], (uint16_t *)((uint8_t *)k[l] + elems),
                                        (uint16_t *)((uint8_t *)v[l] + elems), tables, bps, tiles, seqs, H, KVH, D, BS,
                                        layout, 0.125f, split, 0, out);
+            else if (BF16)
+                paged_attention_bf16(qb, H * D, (bf16_t *)k[l], (bf16_t *)v[l], 0, 0, tables, bps, tiles, seqs, H, KVH,
+                                     D, BS, layout, 0.125f, split, 0, outb);
             else
                 paged_attention_f32(q, H * D, k[l], v[l], 0, 0, tables, bps, tiles, seqs, H, KVH, D, BS, layout, 0.125f,
                                     split, 0, out);
@@ -102,7 +114,8 @@ int main(int argc, char **argv) {
         const double t = now() - t0;
         if (t < best) best = t;
     }
-    printf("%s %s %s layers %ld seqs %ld ctx %ld: %.2f GB/s (%.3f ms per layer) check %g\n", KV8 ? "int8" : "f32",
+    if (BF16) out[7] = bf16_to_f32(outb[7]);
+    printf("%s %s %s layers %ld seqs %ld ctx %ld: %.2f GB/s (%.3f ms per layer) check %g\n", KV8 ? "int8" : BF16 ? "bf16" : "f32",
            ISA_NAME, layout ? "head" : "token", (long)layers, (long)seqs, (long)ctx, bytes / best / 1e9,
            best / layers * 1e3, out[7]);
     return 0;

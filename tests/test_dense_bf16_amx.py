@@ -1,10 +1,12 @@
-"""Dense bfloat16 matmuls on the AMX-BF16 tiles (quant_ops.c ``gemm_amx_bf16_dense``).
+"""Dense bfloat16 matmuls on the AMX-BF16 tiles (quant_ops.c ``gemm_amx_bf16_dense``), or on
+VDPBF16PS where the CPU has AVX512-BF16 without AMX (``gemm_dp_bf16_dense``): whichever this
+CPU runs (``quant_ops.dense_bf16_kernel()``).
 
 The oracle is the float32 product of the same bfloat16 values, rounded to
 bfloat16 once: the kernel's float32 sums differ from it only in their order,
 so every output is within one bfloat16 step of it. A row's output must not
 depend on the other rows of the call, and the layer must give its weight back
-bit for bit. Skipped where the CPU has no AMX-BF16 (the layers then run on
+bit for bit. Skipped where the CPU has neither (the layers then run on
 oneDNN, which the rest of the suite covers).
 """
 
@@ -17,7 +19,7 @@ from pagedllm.layers import linear
 from pagedllm.native import quant_ops
 
 needs_amx_bf16 = pytest.mark.skipif(
-    not quant_ops.dense_bf16_available(), reason="no AMX-BF16 on this CPU"
+    not quant_ops.dense_bf16_available(), reason="no AMX-BF16 or AVX512-BF16 on this CPU"
 )
 
 

@@ -106,18 +106,18 @@ def test_stack_applies_biases(biased_dir, monkeypatch):
     assert got == _results(_llm(biased_dir, monkeypatch, False), params)
 
 
-needs_amx_bf16 = pytest.mark.skipif(
-    not (cpu_ops.available() and quant_ops.available() and quant_ops.amx_bf16_available()),
-    reason="no AMX-BF16 on this CPU: dense bfloat16 matmuls are oneDNN's",
+needs_dense_bf16 = pytest.mark.skipif(
+    not (cpu_ops.available() and quant_ops.available() and quant_ops.dense_bf16_available()),
+    reason="no AMX-BF16 or AVX512-BF16 on this CPU: dense bfloat16 matmuls are oneDNN's",
 )
 
 
-@needs_amx_bf16
+@needs_dense_bf16
 @pytest.mark.parametrize("biased,kv_cache_dtype", [
     (False, "auto"), (True, "auto"), (False, "int8"), (True, "int8"), (False, "fp8_e4m3"), (False, "fp8_e5m2"),
 ])
 def test_bfloat16_stack_equals_the_modules_bit_for_bit(tiny_dir, biased_dir, monkeypatch, biased, kv_cache_dtype):
-    # dense bfloat16 weights on the AMX-BF16 tiles: the stack calls the modules' very kernels, over
+    # dense bfloat16 weights on the AMX-BF16 tiles or VDPBF16PS: the stack calls the modules' very kernels, over
     # bfloat16 caches and 8-bit ones (int8's rotation in float32, as the modules do it)
     directory = biased_dir if biased else tiny_dir
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)

@@ -122,7 +122,8 @@ def machine_class() -> dict:
     whether torch has native bf16 matmuls there, and the dispatched paths of
     pagedllm's native kernels (``PAGEDLLM_CPU_ISA`` forces one) and of its packed
     quantized matmuls (``PAGEDLLM_QUANT_ISA``; None where they did not build), and
-    whether attention and dense bfloat16 matmuls run on AMX tiles."""
+    whether attention and dense bfloat16 matmuls run on AMX tiles (and which kernel takes dense
+    bfloat16 weights: "amx", "avx512_bf16", or None for oneDNN)."""
     import torch
 
     from pagedllm.layers.linear import dense_bf16_amx_available
@@ -141,7 +142,8 @@ def machine_class() -> dict:
         "native_isa": cpu_ops.selected_isa(),
         "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
         "attention_amx": cpu_ops.attention_amx(),
-        "dense_bf16_amx": dense_bf16_amx_available(),
+        "dense_bf16_amx": dense_bf16_amx_available() and quant_ops.dense_bf16_kernel() == "amx",
+        "dense_bf16_kernel": quant_ops.dense_bf16_kernel() if dense_bf16_amx_available() else None,
         "quant_isa": quant_ops.ISA_NAMES[quant_ops.isa()] if quant_ops.available() else None,
         "cpus_allowed": cores,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

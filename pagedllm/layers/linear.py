@@ -108,14 +108,16 @@ def _bf16_rows(x: Tensor) -> Tensor:
 
 
 class AmxBf16Matmul(_HeldMatmul):
-    """bfloat16 on the AMX-BF16 tiles (pagedllm/native/quant_ops.c, ``gemm_amx_bf16_dense``), the
-    weight stored once as the tiles' B operand.
+    """bfloat16 on the AMX-BF16 tiles (pagedllm/native/quant_ops.c, ``gemm_amx_bf16_dense``), or
+    where a CPU has AVX512-BF16 but no AMX on VDPBF16PS (``gemm_dp_bf16_dense``, which reads the
+    same layout a vector at a time), the weight stored once as the tiles' B operand.
 
     Every output is the float32 sum over 32-input blocks in one order, rounded
     once, so a row's result is the same whatever other rows share the call
     (oneDNN's is not); and the decoder-layer stack calls the same kernel
     (pagedllm/quant/stack.py), so it gives the modules' bits. Chosen on CPUs
-    with AMX-BF16 for bfloat16 weights; ``PAGEDLLM_DENSE_BF16_AMX=0`` keeps oneDNN.
+    with AMX-BF16 or AVX512-BF16 for bfloat16 weights (:func:`quant_ops.dense_bf16_kernel`
+    says which kernel); ``PAGEDLLM_DENSE_BF16_AMX=0`` keeps oneDNN.
 
     With ``glu`` the weight is a SwiGLU's ``[gate | up]`` (no bias), stored with the
     halves' groups of outputs in turn, and :meth:`silu_mul` gives ``silu(gate) * up``
@@ -124,7 +126,8 @@ class AmxBf16Matmul(_HeldMatmul):
 
     def __init__(self, weight: Tensor, glu: bool = False) -> None:
         if not quant_ops.dense_bf16_available():
-            raise RuntimeError("the AMX-BF16 kernels do not run on this CPU (or PAGEDLLM_NATIVE_OPS=0)")
+            raise RuntimeError("the dense bfloat16 kernels (AMX-BF16 or AVX512-BF16) do not run on this CPU "
+                               "(or PAGEDLLM_NATIVE_OPS=0)")
         self.out_features, self.in_features = weight.shape
         self.glu = glu
         pack = quant_ops.dense_bf16_pack_glu if glu else quant_ops.dense_bf16_pack
@@ -172,8 +175,8 @@ DENSE_BF16_AMX_ENV = "PAGEDLLM_DENSE_BF16_AMX"
 
 
 def dense_bf16_amx_available() -> bool:
-    """Whether dense bfloat16 matmuls run on :class:`AmxBf16Matmul`: a CPU with AMX-BF16 and the
-    native kernels built, unless ``PAGEDLLM_DENSE_BF16_AMX=0``."""
+    """Whether dense bfloat16 matmuls run on :class:`AmxBf16Matmul`: a CPU with AMX-BF16 or
+    AVX512-BF16 and the native kernels built, unless ``PAGEDLLM_DENSE_BF16_AMX=0``."""
     return os.environ.get(DENSE_BF16_AMX_ENV, "1") != "0" and quant_ops.dense_bf16_available()
 
 

@@ -2162,6 +2162,113 @@ TARGET_AMX_BF16 static int gemm_amx_bf16_dense(const uint16_t *x, int64_t rows, 
     return 1;
 }
 
+/* ------------------------------------------------------------ AVX512-BF16 without AMX: dense bfloat16 weights
+ *
+ * The same packed weight (dense_bf16_pack's layout: per group of 16 outputs and block of 32
+ * inputs, [16 pairs][16 outputs][2]) is what VDPBF16PS takes as a vector: one 64-byte row of a
+ * tile is one pair of inputs for 16 outputs. Each activation pair (a dword of the row) is
+ * broadcast and multiplied into the 16 outputs' float32 sums, DENSE_DP_ROWS rows by two groups
+ * (32 outputs, or a SwiGLU's gate and up groups) at a time, so each weight vector loaded serves
+ * 2 x DENSE_DP_ROWS products. Each output is the float32 sum over the pairs in order, rounded
+ * once as the tiles' (bf16_store_row: the same epilogue, the same fused SiLU), so a row's result
+ * does not depend on the other rows or the thread count. On AMD Zen 5 (no AMX) this ran
+ * 1.0-1.9x oneDNN's bfloat16 matmul at 64 rows and 1.1-1.2x at 256 (docs/profile.md,
+ * eighteenth round). */
+#ifndef DENSE_DP_ROWS
+#define DENSE_DP_ROWS 12 /* rows per register block: 24 accumulators, two weight vectors, a broadcast */
+#endif
+#ifndef DENSE_DP_ROW_BLOCK
+#define DENSE_DP_ROW_BLOCK 256 /* rows taken through a thread's share of the outputs at a time */
+#endif
+
+/* Rows r0 .. r0 + nr of the activations (Bf16Rows: zero past K) times groups w0 and w1 (two
+ * consecutive groups' panels, blocks of them), their outputs n0 .. into y / yf (bf16_store_row). */
+TARGET_AMX_BF16 static inline __attribute__((always_inline)) void dense_dp_rows(
+    const Bf16Rows *in, int64_t r0, const int nr, const uint16_t *w0, const uint16_t *w1, int64_t blocks,
+    const __m512 *bias, uint16_t *y, float *yf, int64_t N, int64_t n0, __mmask32 mask, int glu, const char *pf) {
+    __m512 acc[DENSE_DP_ROWS][2];
+    const int32_t *xr[DENSE_DP_ROWS];
+    for (int r = 0; r < nr; r++) {
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        const int64_t row = r0 + r;
+        xr[r] = (const int32_t *)(bf16_rows_tile(in, row / 16) + (row % 16) * in->Kp);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512i *a = (const __m512i *)(w0 + 512 * b), *c = (const __m512i *)(w1 + 512 * b);
+        for (int kk = 0; kk < 16; kk++) {
+            const __m512bh wa = (__m512bh)_mm512_loadu_si512(a + kk), wc = (__m512bh)_mm512_loadu_si512(c + kk);
+            if (pf) { /* the next pair's panels (2 blocks x 1 KiB per block here), into L2 */
+                _mm_prefetch(pf + 2048 * b + 128 * kk, _MM_HINT_T1);
+                _mm_prefetch(pf + 2048 * b + 128 * kk + 64, _MM_HINT_T1);
+            }
+            for (int r = 0; r < nr; r++) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[r][16 * b + kk]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wa, xb);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], wc, xb);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        __m512 lo = acc[r][0], hi = acc[r][1];
+        if (bias) lo = _mm512_add_ps(lo, bias[0]), hi = _mm512_add_ps(hi, bias[1]);
+        bf16_store_row(y, yf, r0 + r, N, n0, mask, lo, hi, glu);
+    }
+}
+
+/* gemm_amx_bf16_dense's contract (y, yf, bias, glu) on VDPBF16PS. Returns 0 when out of memory. */
+TARGET_AMX_BF16 static int gemm_dp_bf16_dense(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w,
+                                              int64_t N, int64_t Kp, const uint16_t *bias, uint16_t *y, float *yf,
+                                              int glu) {
+    if (rows <= 0 || N <= 0) return 1;
+    const int64_t blocks = Kp / 32, num_groups = (glu ? 2 : 1) * ((N + 15) / 16), pairs = (num_groups + 1) / 2;
+    Bf16Rows in;
+    if (!bf16_rows_init(&in, x, rows, K, Kp)) return 0;
+    _Pragma("omp parallel if(pairs > 1 && N * Kp * rows >= 65536)")
+    {
+        /* each thread its own share of the outputs, every row block through it in turn */
+        const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = pairs * me / nth, hi = pairs * (me + 1) / nth;
+        for (int64_t rb = 0; rb < rows; rb += DENSE_DP_ROW_BLOCK) {
+            const int64_t re = rb + DENSE_DP_ROW_BLOCK < rows ? rb + DENSE_DP_ROW_BLOCK : rows;
+            for (int64_t gp = lo; gp < hi; gp++) {
+                const int64_t width = glu ? 16 : 32, n0 = gp * width, count = N - n0 < width ? N - n0 : width;
+                const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
+                const int two = glu || 2 * gp + 1 < num_groups;
+                const uint16_t *w0 = w + 2 * gp * blocks * 512, *w1 = two ? w0 + blocks * 512 : w0;
+                __m512 bias_v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                if (bias) {
+                    const __m512i b32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)mask, bias + n0));
+                    bias_v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(b32, 16));
+                    if (count > 16) {
+                        const __m512i h32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)(mask >> 16), bias + n0 + 16));
+                        bias_v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(h32, 16));
+                    }
+                }
+                /* the first row tile prefetches the next pair's panels (2 blocks KiB, contiguous) */
+                const char *next = gp + 1 < hi && 2 * gp + 3 < num_groups + 1 ? (const char *)(w0 + 2 * blocks * 512) : 0;
+                for (int64_t r0 = rb; r0 < re; r0 += DENSE_DP_ROWS) {
+                    const char *pf = r0 == rb ? next : 0;
+                    if (re - r0 >= DENSE_DP_ROWS)
+                        dense_dp_rows(&in, r0, DENSE_DP_ROWS, w0, w1, blocks, bias ? bias_v : 0, y, yf, N, n0, mask, glu, pf);
+                    else
+                        dense_dp_rows(&in, r0, (int)(re - r0), w0, w1, blocks, bias ? bias_v : 0, y, yf, N, n0, mask, glu, pf);
+                }
+            }
+        }
+    }
+    free(in.pad);
+    return 1;
+}
+
+/* AVX512-BF16 (CPUID.7.1 EAX bit 5) with AVX-512 BW / VL: gemm_dp_bf16_dense runs. */
+static int dp_bf16_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
 /* AMX-TILE (CPUID.7.0 EDX bit 24) and the tile unit's `feature` bit (22: BF16, 25: INT8), and
  * the kernel's leave to use the tile data (Linux asks each process to request it; the request
  * is granted once and holds for every thread). */
@@ -2323,13 +2430,30 @@ int quant_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint8_t 
     return 0;
 }
 
+/* Which kernel takes dense bfloat16 weights in dense_bf16_pack's layout: 2 the AMX-BF16 tiles
+ * (gemm_amx_bf16_dense), 1 VDPBF16PS (gemm_dp_bf16_dense: AVX512-BF16 without AMX), 0 none. */
+int dense_bf16_kernel(void) {
+#ifdef QUANT_X86
+    static int kind = -1;
+    if (kind < 0) kind = quant_amx_bf16() ? 2 : dp_bf16_usable() ? 1 : 0;
+    return kind;
+#else
+    return 0;
+#endif
+}
+#ifdef QUANT_X86
+#define DENSE_BF16(x, rows, K, w, N, Kp, bias, y, yf, glu)                                             \
+    (dense_bf16_kernel() == 2 ? gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y, yf, glu)          \
+                              : gemm_dp_bf16_dense(x, rows, K, w, N, Kp, bias, y, yf, glu))
+#endif
+
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias) for a dense bfloat16 weight in
- * dense_bf16_pack's tile layout, on the AMX-BF16 tiles (gemm_amx_bf16_dense). Returns 0 where
- * the CPU has no AMX-BF16 or memory ran out (y not written). */
+ * dense_bf16_pack's tile layout, on the AMX-BF16 tiles (gemm_amx_bf16_dense) or VDPBF16PS
+ * (gemm_dp_bf16_dense). Returns 0 where the CPU has neither or memory ran out (y not written). */
 int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                       const uint16_t *bias, uint16_t *y) {
 #ifdef QUANT_X86
-    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y, 0, 0);
+    if (dense_bf16_kernel()) return DENSE_BF16(x, rows, K, w, N, Kp, bias, y, 0, 0);
 #endif
     (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
     return 0;
@@ -2341,7 +2465,7 @@ int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t
 int dense_linear_bf16_f32(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                           const uint16_t *bias, float *y) {
 #ifdef QUANT_X86
-    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, 0, y, 0);
+    if (dense_bf16_kernel()) return DENSE_BF16(x, rows, K, w, N, Kp, bias, 0, y, 0);
 #endif
     (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
     return 0;
@@ -2354,7 +2478,7 @@ int dense_linear_bf16_f32(const uint16_t *x, int64_t rows, int64_t K, const uint
 int dense_linear_bf16_silu_mul(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                                uint16_t *y) {
 #ifdef QUANT_X86
-    if (quant_amx_bf16()) return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, 0, y, 0, 1);
+    if (dense_bf16_kernel()) return DENSE_BF16(x, rows, K, w, N, Kp, 0, y, 0, 1);
 #endif
     (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)y;
     return 0;

@@ -156,7 +156,8 @@ def build_library() -> ctypes.CDLL:
     library.quant_linear.restype = c_int
     library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
-    library.quant_amx_bf16.argtypes = []
+    library.quant_amx_bf16.argtypes = library.dense_bf16_kernel.argtypes = []
+    library.dense_bf16_kernel.restype = c_int
     library.dense_linear_bf16.argtypes = library.dense_linear_bf16_f32.argtypes = [p, i64, i64, p, i64, i64, p, p]
     library.dense_linear_bf16.restype = library.dense_linear_bf16_f32.restype = c_int
     library.dense_linear_bf16_silu_mul.argtypes = [p, i64, i64, p, i64, i64, p]
@@ -352,9 +353,20 @@ def gemm_bf16(
     return y if done else None
 
 
+# What runs :func:`dense_bf16_linear` (quant_ops.c ``dense_bf16_kernel``): the AMX-BF16 tiles, or
+# VDPBF16PS on an AVX512-BF16 CPU without them.
+DENSE_BF16_KERNELS = {2: "amx", 1: "avx512_bf16"}
+
+
+def dense_bf16_kernel() -> str | None:
+    """``"amx"``, ``"avx512_bf16"`` or None: the kernel :func:`dense_bf16_linear` runs on here."""
+    return DENSE_BF16_KERNELS.get(int(_library.dense_bf16_kernel())) if available() else None
+
+
 def dense_bf16_available() -> bool:
-    """Whether :func:`dense_bf16_linear` runs here: the kernels built and AMX-BF16 tiles granted."""
-    return available() and bool(_library.quant_amx_bf16())
+    """Whether :func:`dense_bf16_linear` runs here: the kernels built, and AMX-BF16 tiles granted
+    or AVX512-BF16 present."""
+    return dense_bf16_kernel() is not None
 
 
 # Outputs per group and inputs per block of the dense bfloat16 tile layout (TDPBF16PS's B operand).
