@@ -33,27 +33,24 @@ alternate_w64() {  # alternate_w64 PREFIX: W64 float32 on $BEFORE's and /work/ma
   done
 }
 
-w64_beside_vllm() {  # w64_beside_vllm COMPARE: W64 float32 (2 GiB of KV) with vLLM's CPU build in --compare, twice, into $O
-  local i
-  for i in 1 2; do
-    probe run_$i
+w64_runs() {  # w64_runs DTYPE PREFIX COMPARE [N]: W64 in DTYPE (2 GiB of KV) beside the peers in COMPARE (vLLM
+  local i    # in DTYPE too), N times (default 2), into $O/PREFIX_i.json, a read probe before each and after all
+  for i in $(seq ${4:-2}); do
+    probe ${2}_$i
     $P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json \
-      --dtype float32 --peer-python /work/peer-vllm/bin/python --kv-cache-memory 2GiB \
-      --compare "$1" --json $O/run_$i.json > $O/run_$i.log 2>&1
+      --dtype $1 --peer-python /work/peer-vllm/bin/python --kv-cache-memory 2GiB \
+      --compare "$3" --json $O/${2}_$i.json > $O/${2}_$i.log 2>&1
   done
-  probe end
+  probe ${2}_end
+}
+
+w64_beside_vllm() {  # w64_beside_vllm COMPARE: W64 float32 with vLLM's CPU build in --compare, twice, into $O/run_*
+  w64_runs float32 run "$1"
   echo done > $O/done
 }
 
-w64_bf16_beside_vllm() {  # w64_bf16_beside_vllm [COMPARE]: W64 bfloat16 (2 GiB of KV), vLLM in bfloat16 too, twice, into $O
-  local i
-  for i in 1 2; do
-    probe bf16_$i
-    $P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json \
-      --dtype bfloat16 --peer-python /work/peer-vllm/bin/python --kv-cache-memory 2GiB \
-      --compare "${1:-pagedllm,vllm}" --json $O/bf16_$i.json > $O/bf16_$i.log 2>&1
-  done
-  probe bf16_end
+w64_bf16_beside_vllm() {  # w64_bf16_beside_vllm [N]: W64 bfloat16 beside vLLM in bfloat16, N times (2), into $O/bf16_*
+  w64_runs bfloat16 bf16 pagedllm,vllm ${1:-2}
 }
 
 latency_beside_llamacpp() {  # one request 128 -> 128 beside llama.cpp, three invocations between read probes, into $O

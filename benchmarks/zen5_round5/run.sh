@@ -6,10 +6,5 @@ set -u
 R=/work/main/benchmarks/zen5_round5
 begin_round $R/w64
 lscpu > $O/lscpu.txt
-w64_bf16_beside_vllm
-probe bf16_3
-$P/python -m pagedllm.cli bench throughput --workload /work/shared/workloads/w64.json \
-  --dtype bfloat16 --peer-python /work/peer-vllm/bin/python --kv-cache-memory 2GiB \
-  --compare pagedllm,vllm --json $O/bf16_3.json > $O/bf16_3.log 2>&1
-probe bf16_3_end
+w64_bf16_beside_vllm 3
 echo done > $R/done

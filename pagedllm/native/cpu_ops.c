@@ -686,7 +686,7 @@ static inline __attribute__((always_inline)) void score_rows(
             for (int sub = 0; sub < NSUB; ++sub) s[j][sub] = vmul(s[j][sub], vscale);
     } else
 #else
-    (void)QP, (void)vscale, (void)PB;
+    (void)dp, (void)QP, (void)vscale, (void)PB;
 #endif
     for (int64_t d = 0; d < D; ++d) {
         vf q[4];
@@ -740,6 +740,16 @@ static inline int64_t key_chunk(const int32_t *table, int64_t pos, int64_t max_l
     if (n > max_len - pos) n = max_len - pos;
     return n;
 }
+
+/* One value pass of the tile below: FN over the pass's rows from r (a constant count each),
+   weights W (float32 P, or the pair kernels' bfloat16 PB), value rows VB. */
+#define V_PASS(FN, W, VB)                                                                         \
+    switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                         \
+    case 4: FN(acch, W, corr, VB, ns, NSUB, v_tok, r, 4, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+    case 3: FN(acch, W, corr, VB, ns, NSUB, v_tok, r, 3, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+    case 2: FN(acch, W, corr, VB, ns, NSUB, v_tok, r, 2, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+    default: FN(acch, W, corr, VB, ns, NSUB, v_tok, r, 1, CH, nv, pf, v_stride_bytes, row_bytes); break; \
+    }
 
 /* PAIRS (a constant): how many key codes one dword of the cache holds where the key
    transpose moves them raw and converts after (2: bf16, 4: int8; 1: converted on load). */
@@ -939,22 +949,10 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t no_prefetch[SUB] = {0};                                                     \
         for (int64_t r = r_first; r < R; r += per_pass) {                                         \
             const int64_t *pf = r == r_first ? ahead : no_prefetch;                               \
-            if (dp) {                                                                             \
-                const bf16_t *const *vb2 = (const bf16_t *const *)vbs;                            \
-                switch (R - r < per_pass ? (int)(R - r) : per_pass) {                             \
-                case 4: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 4, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-                case 3: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 3, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-                case 2: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 2, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-                default: accumulate_v_bf16_dp(acch, PB, corr, vb2, ns, NSUB, v_tok, r, 1, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-                }                                                                                 \
-                continue;                                                                         \
-            }                                                                                     \
-            switch (R - r < per_pass ? (int)(R - r) : per_pass) {                                 \
-            case 4: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 4, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-            case 3: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 3, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-            case 2: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 2, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-            default: ACCUMULATE_V(acch, P, corr, vbs, ns, NSUB, v_tok, r, 1, CH, nv, pf, v_stride_bytes, row_bytes); break; \
-            }                                                                                     \
+            if (dp)                                                                               \
+                V_PASS(accumulate_v_bf16_dp, PB, (const bf16_t *const *)vbs)                      \
+            else                                                                                  \
+                V_PASS(ACCUMULATE_V, P, vbs)                                                      \
         }                                                                                         \
         }                                                                                         \
         start = pos;                                                                              \
