@@ -53,6 +53,16 @@ w64_bf16_beside_vllm() {  # w64_bf16_beside_vllm [N]: W64 bfloat16 beside vLLM i
   w64_runs bfloat16 bf16 pagedllm,vllm ${1:-2}
 }
 
+round_beside_peers() {  # round_beside_peers DIR COMPARE: W64 bfloat16 beside vLLM in bfloat16, W64 float32 beside
+  begin_round $1/w64    # the peers of COMPARE (w64_beside_vllm), one request beside llama.cpp, into DIR/w64 and
+  lscpu > $O/lscpu.txt  # DIR/latency_llamacpp (each with its commit.txt)
+  w64_bf16_beside_vllm
+  w64_beside_vllm "$2"
+  begin_round $1/latency_llamacpp
+  latency_beside_llamacpp
+  echo done > $1/done
+}
+
 latency_beside_llamacpp() {  # one request 128 -> 128 beside llama.cpp, three invocations between read probes, into $O
   local i
   for i in 1 2 3; do

@@ -4,11 +4,4 @@
 # activation level as a third arm), one request 128 -> 128 beside llama.cpp (three invocations).
 set -u
 . /work/main/benchmarks/round_lib.sh
-R=/work/main/benchmarks/zen5_round4
-begin_round $R/w64
-lscpu > $O/lscpu.txt
-w64_bf16_beside_vllm
-w64_beside_vllm 'pagedllm,vllm,pagedllm[--quant-activations int8]'
-begin_round $R/latency_llamacpp
-latency_beside_llamacpp
-echo done > $R/done
+round_beside_peers /work/main/benchmarks/zen5_round4 'pagedllm,vllm,pagedllm[--quant-activations int8]'

@@ -131,6 +131,7 @@ def machine_class() -> dict:
     from pagedllm.native.cpu_dtype import native_matmul
 
     flags = sorted(f for f in cpu_ops.cpu_flags() if f.startswith(_ISA_FLAG_PREFIXES))
+    dense_kernel = quant_ops.dense_bf16_kernel() if dense_bf16_amx_available() else None
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -142,8 +143,8 @@ def machine_class() -> dict:
         "native_isa": cpu_ops.selected_isa(),
         "native_isa_paths": list(cpu_ops.cpu_isa_paths()),
         "attention_amx": cpu_ops.attention_amx(),
-        "dense_bf16_amx": dense_bf16_amx_available() and quant_ops.dense_bf16_kernel() == "amx",
-        "dense_bf16_kernel": quant_ops.dense_bf16_kernel() if dense_bf16_amx_available() else None,
+        "dense_bf16_amx": dense_kernel == "amx",
+        "dense_bf16_kernel": dense_kernel,
         "quant_isa": quant_ops.ISA_NAMES[quant_ops.isa()] if quant_ops.available() else None,
         "cpus_allowed": cores,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

@@ -788,10 +788,10 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t r = 0; r < nh * R; ++r) { /* row r: head h0 + r / R, its row r % R */           \
         const TQ *src = q + (tile.q_row + r % R / G) * q_stride + ((h0 + r / R) * G + r % G) * D; \
         for (int c = 0; c < CH; ++c) {                                                            \
-            vstore(Q + r * D + VW * c, vmul(LOADQ(src + VW * c), vscale));                        \
+            if (!dp) vstore(Q + r * D + VW * c, vmul(LOADQ(src + VW * c), vscale));               \
             vstore(acc + r * D + VW * c, vzero());                                                \
         }                                                                                         \
-        if (dp) memcpy(QP + r * (D / 2), src, (size_t)D * sizeof(TQ));                            \
+        if (dp) memcpy(QP + r * (D / 2), src, (size_t)D * sizeof(TQ)); /* the pair kernels' query */ \
         run_max[r] = -INFINITY;                                                                   \
         run_sum[r] = 0.0f;                                                                        \
     }                                                                                             \

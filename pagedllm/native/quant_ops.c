@@ -2071,6 +2071,15 @@ TARGET_AMX_BF16 static int gemm_amx_bf16(const uint16_t *x, int64_t rows, int64_
 #define DENSE_BF16_WIDE_ROW_BYTES (32 << 10)
 #endif
 
+/* A dense kernel's bias for outputs n0 .. under mask (32 bits: the second 16 read only where the
+ * mask reaches them, zero past it), as float32 vectors. */
+TARGET_AMX_BF16 static inline void bias_pair(const uint16_t *bias, int64_t n0, __mmask32 mask, __m512 out[2]) {
+    for (int h = 0; h < 2; h++) {
+        const __m512i b32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)(mask >> (16 * h)), bias + n0 + 16 * h));
+        out[h] = _mm512_castsi512_ps(_mm512_slli_epi32(b32, 16));
+    }
+}
+
 /* Row tiles [t_start, t_end) of y times group pair gp of the dense weight w, K-blocked (see
  * DENSE_BF16_K_BLOCKS; partial: a thread's buffer of 4 sum tiles per row-tile pair). With glu
  * the pair is a gate group and an up group, for outputs 16 gp .. of y. */
@@ -2082,15 +2091,8 @@ TARGET_AMX_BF16 static inline __attribute__((always_inline)) void dense_bf16_pai
     const int64_t width = glu ? 16 : 32, n0 = gp * width, count = N - n0 < width ? N - n0 : width;
     const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
     const int two = 2 * gp + 1 < num_groups;
-    __m512 bias_v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    if (bias) {
-        const __m512i b32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)mask, bias + n0));
-        bias_v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(b32, 16));
-        if (two) {
-            const __m512i h32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)(mask >> 16), bias + n0 + 16));
-            bias_v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(h32, 16));
-        }
-    }
+    __m512 bias_v[2];
+    if (bias) bias_pair(bias, n0, mask, bias_v);
     for (int64_t k0 = 0; k0 < blocks; k0 += k_step)
         for (int64_t t0 = t_start; t0 < t_end; t0 += 2)
             amx_bf16_2x2(w + 2 * gp * blocks * 512, two, bf16_rows_tile(in, t0),
@@ -2235,17 +2237,11 @@ TARGET_AMX_BF16 static int gemm_dp_bf16_dense(const uint16_t *x, int64_t rows, i
                 const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
                 const int two = glu || 2 * gp + 1 < num_groups;
                 const uint16_t *w0 = w + 2 * gp * blocks * 512, *w1 = two ? w0 + blocks * 512 : w0;
-                __m512 bias_v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-                if (bias) {
-                    const __m512i b32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)mask, bias + n0));
-                    bias_v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(b32, 16));
-                    if (count > 16) {
-                        const __m512i h32 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)(mask >> 16), bias + n0 + 16));
-                        bias_v[1] = _mm512_castsi512_ps(_mm512_slli_epi32(h32, 16));
-                    }
-                }
-                /* the first row tile prefetches the next pair's panels (2 blocks KiB, contiguous) */
-                const char *next = gp + 1 < hi && 2 * gp + 3 < num_groups + 1 ? (const char *)(w0 + 2 * blocks * 512) : 0;
+                __m512 bias_v[2];
+                if (bias) bias_pair(bias, n0, mask, bias_v);
+                /* the first row tile prefetches the next pair's panels (2 blocks KiB, contiguous;
+                   past the weight's end a prefetch is dropped, never a fault) */
+                const char *next = gp + 1 < hi ? (const char *)(w0 + 2 * blocks * 512) : 0;
                 for (int64_t r0 = rb; r0 < re; r0 += DENSE_DP_ROWS) {
                     const char *pf = r0 == rb ? next : 0;
                     if (re - r0 >= DENSE_DP_ROWS)
@@ -2278,14 +2274,8 @@ static int amx_usable_with(unsigned feature) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
-/* gemm_amx_bf16's needs: AMX-BF16 tiles, AVX512-BF16 (CPUID.7.1 EAX bit 5), AVX-512 BW / VL. */
-static int amx_bf16_usable(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return 0;
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl")) return 0;
-    return amx_usable_with(22);
-}
+/* gemm_amx_bf16's needs: AMX-BF16 tiles, and what VDPBF16PS's kernels need (dp_bf16_usable). */
+static int amx_bf16_usable(void) { return dp_bf16_usable() && amx_usable_with(22); }
 
 #endif
 
@@ -2441,22 +2431,25 @@ int dense_bf16_kernel(void) {
     return 0;
 #endif
 }
+/* The dense kernel dense_bf16_kernel names (gemm_amx_bf16_dense's contract); 0 where there is none. */
+static int dense_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
+                      const uint16_t *bias, uint16_t *y, float *yf, int glu) {
 #ifdef QUANT_X86
-#define DENSE_BF16(x, rows, K, w, N, Kp, bias, y, yf, glu)                                             \
-    (dense_bf16_kernel() == 2 ? gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y, yf, glu)          \
-                              : gemm_dp_bf16_dense(x, rows, K, w, N, Kp, bias, y, yf, glu))
+    switch (dense_bf16_kernel()) {
+    case 2: return gemm_amx_bf16_dense(x, rows, K, w, N, Kp, bias, y, yf, glu);
+    case 1: return gemm_dp_bf16_dense(x, rows, K, w, N, Kp, bias, y, yf, glu);
+    }
 #endif
+    (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y, (void)yf, (void)glu;
+    return 0;
+}
 
 /* y [rows, N] bfloat16 = x [rows, K] bfloat16 . w^T (+ bias) for a dense bfloat16 weight in
  * dense_bf16_pack's tile layout, on the AMX-BF16 tiles (gemm_amx_bf16_dense) or VDPBF16PS
  * (gemm_dp_bf16_dense). Returns 0 where the CPU has neither or memory ran out (y not written). */
 int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                       const uint16_t *bias, uint16_t *y) {
-#ifdef QUANT_X86
-    if (dense_bf16_kernel()) return DENSE_BF16(x, rows, K, w, N, Kp, bias, y, 0, 0);
-#endif
-    (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
-    return 0;
+    return dense_bf16(x, rows, K, w, N, Kp, bias, y, 0, 0);
 }
 
 /* dense_linear_bf16 with the outputs written as float32 (each the bfloat16 value dense_linear_bf16
@@ -2464,11 +2457,7 @@ int dense_linear_bf16(const uint16_t *x, int64_t rows, int64_t K, const uint16_t
  * second pass over them. */
 int dense_linear_bf16_f32(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                           const uint16_t *bias, float *y) {
-#ifdef QUANT_X86
-    if (dense_bf16_kernel()) return DENSE_BF16(x, rows, K, w, N, Kp, bias, 0, y, 0);
-#endif
-    (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)bias, (void)y;
-    return 0;
+    return dense_bf16(x, rows, K, w, N, Kp, bias, 0, y, 0);
 }
 
 /* y [rows, N] bfloat16 = silu(x . gate^T) * (x . up^T) for a SwiGLU's gate and up weights ([N, K]
@@ -2477,11 +2466,7 @@ int dense_linear_bf16_f32(const uint16_t *x, int64_t rows, int64_t K, const uint
  * [rows, 2 N] product going to memory and back. Returns 0 where dense_linear_bf16 would. */
 int dense_linear_bf16_silu_mul(const uint16_t *x, int64_t rows, int64_t K, const uint16_t *w, int64_t N, int64_t Kp,
                                uint16_t *y) {
-#ifdef QUANT_X86
-    if (dense_bf16_kernel()) return DENSE_BF16(x, rows, K, w, N, Kp, 0, y, 0, 1);
-#endif
-    (void)x, (void)rows, (void)K, (void)w, (void)N, (void)Kp, (void)y;
-    return 0;
+    return dense_bf16(x, rows, K, w, N, Kp, 0, y, 0, 1);
 }
 
 /* ------------------------------------------------------------ a stack of decoder layers in one call
