@@ -50,13 +50,13 @@ def _syntax_check(source: str, flags: list[str]) -> subprocess.CompletedProcess:
 def test_every_cpu_kernel_path_passes_the_strict_flags(isa):
     """Every ISA path, the ones this CPU cannot run included (an AVX2 machine checks the AVX-512
     and AMX code its users' compilers will see)."""
-    done = _syntax_check(cpu_ops._SOURCE_PATH.read_text(), cpu_ops.compile_flags(isa))
+    done = _syntax_check(build_cache.native_source(cpu_ops._SOURCE_PATH), cpu_ops.compile_flags(isa))
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 @needs_compiler
 def test_the_quantized_kernels_pass_the_strict_flags():
-    done = _syntax_check(quant_ops._SOURCE_PATH.read_text(), list(quant_ops.COMPILE_FLAGS))
+    done = _syntax_check(build_cache.native_source(quant_ops._SOURCE_PATH), list(quant_ops.COMPILE_FLAGS))
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -72,5 +72,5 @@ def test_the_portable_kernels_build_for_arm(name):
     flags = cpu_ops.compile_flags("scalar") if name == "cpu_ops" else list(quant_ops.COMPILE_FLAGS)
     flags = [f for f in flags if f not in ("-shared", "-O3")]
     done = subprocess.run([CROSS_ARM, *flags, *build_cache.STRICT_FLAGS, "-Wall", "-fsyntax-only", "-x", "c", "-"],
-                          input=module._SOURCE_PATH.read_text(), capture_output=True, text=True, timeout=300)
+                          input=build_cache.native_source(module._SOURCE_PATH), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "warning" not in done.stderr, done.stderr[-2000:]

@@ -59,3 +59,27 @@ def compiled(name: str, source: str, compiler: str, flags: list[str], key_extra:
                                  + " | ".join(errors[-3:]))
             os.replace(built, target)  # atomic: readers never see a partial file
     return target
+
+
+def native_source(path: Path) -> str:
+    """The C text of ``path`` with each ``#include "name"`` of a file beside it put in its
+    place (once per file), so that the text handed to :func:`compiled`, and the key of its
+    build, holds every line that goes into the library. ``#line`` directives keep the
+    compiler's messages pointing at the original files."""
+    seen: set[str] = set()
+
+    def expand(file: Path) -> list[str]:
+        out = [f'#line 1 "{file.name}"']
+        for number, line in enumerate(file.read_text().splitlines(), start=1):
+            words = line.split()
+            if len(words) == 2 and words[0] == "#include" and words[1].startswith('"'):
+                name = words[1].strip('"')
+                if name not in seen:
+                    seen.add(name)
+                    out += expand(file.with_name(name))
+                out.append(f'#line {number + 1} "{file.name}"')
+                continue
+            out.append(line)
+        return out
+
+    return "\n".join(expand(path)) + "\n"

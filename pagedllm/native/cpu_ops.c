@@ -41,6 +41,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "work_share.h"
+
 /* The same limits are in cpu_ops.py, which sizes the tiles. */
 #define MAX_HEAD_DIM 256
 #define MAX_ROWS 64        /* query rows (tile tokens x heads per KV head) in a tile */
@@ -1707,7 +1709,7 @@ static int NAME##_segment_items(const TQ *q, int64_t q_stride, const T *k_cache,
 #define DEFINE_ENTRY(NAME, TQ, T, TILE_FN)                                                        \
 DEFINE_SEGMENTED(NAME, TQ, T, TILE_FN)                                                            \
 DEFINE_SEGMENT_ITEMS(NAME, TQ, T, TILE_FN)                                                        \
-void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                     \
+void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,                      \
           const uint16_t *k_scale, const uint16_t *v_scale,                                       \
           const int32_t *tables, int64_t table_stride, const tile_t *tiles, int64_t num_tiles,    \
           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
@@ -1724,27 +1726,33 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
         int64_t total = 0;                                                                        \
         for (int64_t i = 0; i < items; ++i) total += DECODE_ITEM_WEIGHT(i);                       \
         if (total == 0) return; /* no tile has a head to compute */                               \
+        /* each thread a run of consecutive items with an even share of the keys (an item goes    \
+           to the share its middle key falls in), then the others' last items (work_share.h) */   \
+        const int64_t shares = work_share_threads(items);                                         \
+        int64_t bounds[WORK_SHARE_MAX + 1], share_keys = 0, at = 0;                               \
+        bounds[0] = 0;                                                                            \
+        for (int64_t i = 0; i < items; ++i) {                                                     \
+            const int64_t w = DECODE_ITEM_WEIGHT(i), owner = (2 * share_keys + w) * shares / (2 * total); \
+            while (at < owner) bounds[++at] = i;                                                  \
+            share_keys += w;                                                                      \
+        }                                                                                         \
+        while (at < shares) bounds[++at] = items;                                                 \
+        WorkShare ws;                                                                             \
+        work_share_init_bounds(&ws, bounds, shares, 1);                                           \
         _Pragma("omp parallel if(items > 1)")                                                     \
         {                                                                                         \
             const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();             \
-            int64_t first = 0, end = 0, keys = 0;                                                 \
-            for (int64_t i = 0; i < items; ++i) {                                                 \
-                const int64_t w = DECODE_ITEM_WEIGHT(i);                                          \
-                if ((2 * keys + w) * threads / (2 * total) == me) {                               \
-                    if (end == 0) first = i;                                                      \
-                    end = i + 1;                                                                  \
-                }                                                                                 \
-                keys += w;                                                                        \
-            }                                                                                     \
-            for (int64_t item = first; item < end; ++item) {                                      \
+            WorkItem it;                                                                          \
+            while (work_share_next(&ws, me, threads, &it)) {                                      \
+                const int64_t item = it.unit;                                                     \
                 const int32_t *next_table = 0;                                                    \
                 int64_t next_len = 0;                                                             \
-                if (item + 1 < end) {                                                             \
+                if (it.own && item + 1 < it.share_hi) {                                           \
                     const tile_t next_tile = tiles[item + 1];                                     \
                     next_table = tables + (int64_t)next_tile.table_row * table_stride;            \
                     next_len = next_tile.len0 + next_tile.rows - 1;                               \
                 }                                                                                 \
-                ENTRY_ITEM(NAME, TILE_FN);                                                              \
+                ENTRY_ITEM(NAME, TILE_FN);                                                        \
             }                                                                                     \
         }                                                                                         \
         return;                                                                                   \
@@ -1753,7 +1761,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
     for (int64_t item = 0; item < items; ++item) {                                                \
         const int32_t *const next_table = 0;                                                      \
         const int64_t next_len = 0;                                                               \
-        ENTRY_ITEM(NAME, TILE_FN);                                                                      \
+        ENTRY_ITEM(NAME, TILE_FN);                                                                \
     }                                                                                             \
 }
 
@@ -1761,7 +1769,7 @@ void NAME(const TQ *q, int64_t q_stride, const T *k_cache, const T *v_cache,    
 
 /* residual += delta (when delta is given); out = rmsnorm(residual) * weight. Rows of n. */
 #define DEFINE_RMS_NORM(NAME, T, LOADN, STOREN, ROUND)                                            \
-void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows, int64_t n,     \
+void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows, int64_t n,       \
           T *out) {                                                                               \
     _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
     for (int64_t r = 0; r < rows; ++r) {                                                          \

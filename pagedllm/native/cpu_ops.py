@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.errors import ConfigError
-from pagedllm.native.build_cache import compiled
+from pagedllm.native.build_cache import compiled, native_source
 
 logger = logging.getLogger("pagedllm")
 
@@ -734,4 +734,4 @@ def _build(compiler: str, flags: list[str]) -> Path:
 
     The flags name the instruction set, not this CPU model, so the file is keyed
     on the source, the compiler and the flags."""
-    return compiled("cpu_ops", _SOURCE_PATH.read_text(), compiler, flags)
+    return compiled("cpu_ops", native_source(_SOURCE_PATH), compiler, flags)

@@ -76,6 +76,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "work_share.h"
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -316,19 +318,23 @@ static void gemm_rows(RowKernel k, const uint8_t *q, const uint16_t *d, const ui
     char *prep = k.join && (xq2 || k.join_one_level) ? aligned_alloc(64, (size_t)(rows * prep_stride)) : 0;
     if (prep) k.join(xq, xq2, rows * Kp, bits, (int16_t *)prep);
     const int portable = k.join_one_level && !prep;
+    WorkShare ws; /* each thread the static split's passes, then the others' last ones (work_share.h) */
+    work_share_init(&ws, num_passes, work_share_threads(num_passes), 1);
     _Pragma("omp parallel if(num_passes > 1 && N * Kp * rows >= 65536)")
     {
         float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
         float out[MAX_ROW_COLS];
-        _Pragma("omp for schedule(static)")
-        for (int64_t p = 0; p < num_passes; p++) {
-            const int64_t n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
+        const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+        WorkItem it;
+        while (work_share_next(&ws, me, nth, &it)) {
+            const int64_t p = it.unit, n0 = p * cols, count = N - n0 < cols ? N - n0 : cols;
             if (!dw || portable) { /* out of memory: the same numbers one output at a time */
                 gemm_outputs_portable(q, d, m, n0, count, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
                 continue;
             }
+            /* a pass of the thread's own share prefetches the one k.prefetch_passes on in it */
             const int64_t ahead = n0 + k.prefetch_passes * cols;
-            const uint8_t *next = ahead + cols <= N ? q + ahead * row_bytes : 0;
+            const uint8_t *next = it.own && p + k.prefetch_passes < it.share_hi ? q + ahead * row_bytes : 0;
             /* a pass's table rows start where its first output's scales do in s: at n0 * per_row */
             const uint16_t *ds_src = dt ? dt : d, *ms_src = dt ? mt : m;
             const uint16_t *dtp = dt ? dt + n0 * (blocks / r) : 0, *mtp = mt ? mt + n0 * (blocks / r) : 0;
@@ -1403,8 +1409,13 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
     const int64_t band = TILE_BAND_BYTES / tile_bytes > 4 ? TILE_BAND_BYTES / tile_bytes : 4;
     int failed = 0;
     lanes = lanes && bits == 4 && !shape.wide && LANE_COLS % cols == 0;
+    /* items (group, band): each thread the static split's groups, band after band, then the
+       others' last items (work_share.h) */
+    WorkShare ws;
+    work_share_init(&ws, num_groups, work_share_threads(num_groups), (rt.num_tiles + band - 1) / band);
     _Pragma("omp parallel if(num_groups > 1 && N * Kp * rows >= 65536)")
     {
+        const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
         /* a lane-layout matrix's codes are unpacked a pass at a time: the groups of the pass
            (consecutive, so mostly on one thread) take theirs from it */
         uint8_t *codes = malloc((size_t)((lanes ? LANE_COLS : cols) * Kp * (shape.wide ? 2 : 1)));
@@ -1422,31 +1433,29 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
         }
         /* Many rows (a prefill chunk) go in bands of row tiles whose activations stay in L2
          * while every group of outputs passes over them; each band unpacks the codes again. */
-        for (int64_t t0 = 0; t0 < rt.num_tiles; t0 += band) {
-            const int64_t t1 = t0 + band < rt.num_tiles ? t0 + band : rt.num_tiles;
-            _Pragma("omp for schedule(static) nowait")
-            for (int64_t g = 0; g < num_groups; g++) {
-                if (!codes || !dw) continue;
-                const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
-                const uint8_t *group_codes = codes;
-                if (shape.wide) {
-                    unpack_outputs16(q, d, m, n0, count, cols, Kp, r, (int16_t *)codes, dw, mw);
-                } else if (lanes) { /* N is a multiple of LANE_COLS: every group is whole */
-                    const int64_t pass = n0 / LANE_COLS;
-                    if (pass != unpacked_pass) unpack_lane_outputs(q, pass * LANE_COLS, LANE_COLS, Kp, codes);
-                    unpacked_pass = pass;
-                    group_codes = codes + (n0 % LANE_COLS) * Kp;
-                    unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, NULL, dw, mw);
-                } else {
-                    unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, codes, dw, mw);
-                }
-                for (int64_t step = 0; step < t1 - t0; step++) {
-                    /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
-                    const int64_t t = g % 2 ? t1 - 1 - step : t0 + step;
-                    shape.kernel(&rt, t, group_codes, dw, mw, Kp, zero, out);
-                    const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
-                    shape.store(out, num, count, y + t * tile_rows * N + n0, N);
-                }
+        WorkItem it;
+        while (work_share_next(&ws, me, nth, &it)) {
+            const int64_t g = it.unit, t0 = it.round * band, t1 = t0 + band < rt.num_tiles ? t0 + band : rt.num_tiles;
+            if (!codes || !dw) continue;
+            const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
+            const uint8_t *group_codes = codes;
+            if (shape.wide) {
+                unpack_outputs16(q, d, m, n0, count, cols, Kp, r, (int16_t *)codes, dw, mw);
+            } else if (lanes) { /* N is a multiple of LANE_COLS: every group is whole */
+                const int64_t pass = n0 / LANE_COLS;
+                if (pass != unpacked_pass) unpack_lane_outputs(q, pass * LANE_COLS, LANE_COLS, Kp, codes);
+                unpacked_pass = pass;
+                group_codes = codes + (n0 % LANE_COLS) * Kp;
+                unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, NULL, dw, mw);
+            } else {
+                unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, codes, dw, mw);
+            }
+            for (int64_t step = 0; step < t1 - t0; step++) {
+                /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
+                const int64_t t = g % 2 ? t1 - 1 - step : t0 + step;
+                shape.kernel(&rt, t, group_codes, dw, mw, Kp, zero, out);
+                const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
+                shape.store(out, num, count, y + t * tile_rows * N + n0, N);
             }
         }
         free(codes);
@@ -2225,30 +2234,33 @@ TARGET_AMX_BF16 static int gemm_dp_bf16_dense(const uint16_t *x, int64_t rows, i
     const int64_t blocks = Kp / 32, num_groups = (glu ? 2 : 1) * ((N + 15) / 16), pairs = (num_groups + 1) / 2;
     Bf16Rows in;
     if (!bf16_rows_init(&in, x, rows, K, Kp)) return 0;
+    /* Items (group pair, row block): each thread its static share of the pairs, every row block
+       through it in turn (its slice of the weight stays in its L2); a thread done with its
+       share takes the others' last items (work_share.h) */
+    WorkShare ws;
+    work_share_init(&ws, pairs, work_share_threads(pairs), (rows + DENSE_DP_ROW_BLOCK - 1) / DENSE_DP_ROW_BLOCK);
     _Pragma("omp parallel if(pairs > 1 && N * Kp * rows >= 65536)")
     {
-        /* each thread its own share of the outputs, every row block through it in turn */
         const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = pairs * me / nth, hi = pairs * (me + 1) / nth;
-        for (int64_t rb = 0; rb < rows; rb += DENSE_DP_ROW_BLOCK) {
+        WorkItem it;
+        while (work_share_next(&ws, me, nth, &it)) {
+            const int64_t gp = it.unit, rb = it.round * DENSE_DP_ROW_BLOCK;
             const int64_t re = rb + DENSE_DP_ROW_BLOCK < rows ? rb + DENSE_DP_ROW_BLOCK : rows;
-            for (int64_t gp = lo; gp < hi; gp++) {
-                const int64_t width = glu ? 16 : 32, n0 = gp * width, count = N - n0 < width ? N - n0 : width;
-                const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
-                const int two = glu || 2 * gp + 1 < num_groups;
-                const uint16_t *w0 = w + 2 * gp * blocks * 512, *w1 = two ? w0 + blocks * 512 : w0;
-                __m512 bias_v[2];
-                if (bias) bias_pair(bias, n0, mask, bias_v);
-                /* the first row tile prefetches the next pair's panels (2 blocks KiB, contiguous;
-                   past the weight's end a prefetch is dropped, never a fault) */
-                const char *next = gp + 1 < hi ? (const char *)(w0 + 2 * blocks * 512) : 0;
-                for (int64_t r0 = rb; r0 < re; r0 += DENSE_DP_ROWS) {
-                    const char *pf = r0 == rb ? next : 0;
-                    if (re - r0 >= DENSE_DP_ROWS)
-                        dense_dp_rows(&in, r0, DENSE_DP_ROWS, w0, w1, blocks, bias ? bias_v : 0, y, yf, N, n0, mask, glu, pf);
-                    else
-                        dense_dp_rows(&in, r0, (int)(re - r0), w0, w1, blocks, bias ? bias_v : 0, y, yf, N, n0, mask, glu, pf);
-                }
+            const int64_t width = glu ? 16 : 32, n0 = gp * width, count = N - n0 < width ? N - n0 : width;
+            const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : (1u << count) - 1u);
+            const int two = glu || 2 * gp + 1 < num_groups;
+            const uint16_t *w0 = w + 2 * gp * blocks * 512, *w1 = two ? w0 + blocks * 512 : w0;
+            __m512 bias_v[2];
+            if (bias) bias_pair(bias, n0, mask, bias_v);
+            /* the first row tile prefetches the share's next pair's panels (2 blocks KiB,
+               contiguous; past the weight's end a prefetch is dropped, never a fault) */
+            const char *next = it.own && gp + 1 < it.share_hi ? (const char *)(w0 + 2 * blocks * 512) : 0;
+            for (int64_t r0 = rb; r0 < re; r0 += DENSE_DP_ROWS) {
+                const char *pf = r0 == rb ? next : 0;
+                if (re - r0 >= DENSE_DP_ROWS)
+                    dense_dp_rows(&in, r0, DENSE_DP_ROWS, w0, w1, blocks, bias ? bias_v : 0, y, yf, N, n0, mask, glu, pf);
+                else
+                    dense_dp_rows(&in, r0, (int)(re - r0), w0, w1, blocks, bias ? bias_v : 0, y, yf, N, n0, mask, glu, pf);
             }
         }
     }

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.native.build_cache import compiled
+from pagedllm.native.build_cache import compiled, native_source
 from pagedllm.native.cpu_ops import _compiler
 
 logger = logging.getLogger("pagedllm")
@@ -168,7 +168,7 @@ def build_library() -> ctypes.CDLL:
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    return compiled("quant_ops", _SOURCE_PATH.read_text(), compiler, flags, (_cpu_signature(),))
+    return compiled("quant_ops", native_source(_SOURCE_PATH), compiler, flags, (_cpu_signature(),))
 
 
 def _cpu_signature() -> str:
