@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Iterable
@@ -28,6 +29,7 @@ from pagedllm.kv.tiers import DiskTier, block_layout, layout_nbytes, model_ident
 from pagedllm.limits import INT64_MAX, RequestLimits, check_text, check_token_ids
 from pagedllm.models.loader import default_quantization
 from pagedllm.models.paths import model_display_name, resolve_model_path
+from pagedllm.native.threads import set_engine_threads
 from pagedllm.outputs import RequestMetrics, RequestOutput, delta_output, stream_due
 from pagedllm.sampling_params import (
     BeamSearchParams,
@@ -108,6 +110,8 @@ class LLMEngine:
         self.limits = limits if limits is not None else RequestLimits(max_logprobs=config.max_logprobs or INT64_MAX)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        elif config.tensor_parallel_size == 1 and "OMP_NUM_THREADS" not in os.environ:
+            set_engine_threads()  # the cores no other process keeps busy
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
         self.model_path = resolve_model_path(config.model)
         if config.quantization is None:  # unset: what suits this checkpoint and device (loader.default_quantization)

@@ -19,9 +19,18 @@ the cores it cost about 10% against passive waiting, at 8x about 40%
 is imported; if torch was imported first it can no longer take effect, and it
 says so in the log.
 
-The thread count is libgomp's: one per core of this process's affinity mask
-(``os.sched_getaffinity``), i.e. the cores a container or ``taskset`` grants;
-``--num-threads`` / ``EngineConfig.num_threads`` overrides it.
+The thread count: one per core of this process's affinity mask
+(``os.sched_getaffinity``, i.e. the cores a container or ``taskset`` grants) that
+no other process keeps busy when the engine starts (:func:`engine_threads`: each
+core's busy share over 50 ms of ``/proc/stat``; over half is taken). A core that
+another process holds costs far more than its share: the thread placed beside
+that process gets half a core, and every parallel region waits for it. With one
+spinning process pinned to one of 2 cores, W64 bfloat16 ran at 165 output tok/s
+on two threads and at 389 on one (docs/profile.md, "Nineteenth round").
+``--num-threads`` / ``EngineConfig.num_threads`` or ``OMP_NUM_THREADS`` overrides
+it. The count is only lowered from that default, so later engines of the process keep
+it; a neighbour that starts after the engine is not seen (set the count, or
+``OMP_WAIT_POLICY=PASSIVE``, on such a machine).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 logger = logging.getLogger("pagedllm")
 
@@ -42,6 +52,76 @@ def allowed_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def cpu_busy_shares(cpus: list[int], window_s: float = 0.05) -> dict[int, float] | None:
+    """Each of ``cpus``' busy share (not idle, not waiting on I/O) over ``window_s`` seconds
+    of ``/proc/stat``; None where that file is missing or unreadable."""
+    first = _cpu_times()
+    if first is None:
+        return None
+    time.sleep(window_s)
+    second = _cpu_times()
+    if second is None:
+        return None
+    return {cpu: busy_share(first[cpu], second[cpu]) for cpu in cpus if cpu in first and cpu in second}
+
+
+def busy_share(before: list[int], after: list[int]) -> float:
+    """The busy share between two ``/proc/stat`` lines of one CPU (user nice system idle iowait
+    irq softirq steal ...); 0 when no time passed."""
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])
+    idle = delta[3] + (delta[4] if len(delta) > 4 else 0)
+    return 0.0 if total <= 0 else max(0.0, min(1.0, 1.0 - idle / total))
+
+
+def _cpu_times() -> dict[int, list[int]] | None:
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    times = {}
+    for line in lines:
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            times[int(name[3:])] = [int(v) for v in values]
+    return times
+
+
+BUSY_ABOVE = 0.5  # a core busy more than this share of the window is taken by another process
+
+
+def engine_threads(shares: dict[int, float] | None = None) -> int:
+    """Threads for an engine whose user chose none: this process's cores less those another
+    process keeps busy (``shares``: :func:`cpu_busy_shares` over them, measured here when
+    None), at least 1. This process is idle while it measures, so what it sees busy is
+    someone else's work."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(allowed_cpus()))
+    if shares is None:
+        shares = cpu_busy_shares(cpus) if len(cpus) > 1 else None
+    if not shares:
+        return len(cpus) or 1
+    taken = sum(1 for cpu in cpus if shares.get(cpu, 0.0) > BUSY_ABOVE)
+    return max(1, len(cpus) - taken)
+
+
+def set_engine_threads() -> int:
+    """Lower torch's (and so OpenMP's) thread count to :func:`engine_threads` while it is still
+    the default of one per allowed core (a count someone set, this function's earlier one
+    included, stays); returns the count in force."""
+    import torch
+
+    current = torch.get_num_threads()
+    if current != allowed_cpus():
+        return current
+    threads = engine_threads()
+    if threads < current:
+        logger.info("%d of this process's %d cores are busy with other work: %d threads "
+                    "(--num-threads or OMP_NUM_THREADS sets the count)", current - threads, current, threads)
+        torch.set_num_threads(threads)
+    return threads
 
 
 def set_openmp_defaults() -> bool:
