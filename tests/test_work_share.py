@@ -37,7 +37,7 @@ int main(int argc, char **argv) {
     const int slow = atoi(argv[4]);
     WorkShare ws;
     if (argc > 5) {
-        int64_t bounds[WORK_SHARE_MAX + 1];
+        int64_t *bounds = calloc((size_t)argc, sizeof(int64_t));
         for (int i = 5; i < argc; i++) bounds[i - 5] = atoll(argv[i]);
         work_share_init_bounds(&ws, bounds, argc - 6, rounds);
     } else {
@@ -124,6 +124,14 @@ def test_a_smaller_team_takes_the_shares_of_missing_threads(program):
     """Shares set up for 5 threads, a team of 2: every item still taken exactly once."""
     taken, _ = _run(program, 2, 23, 2, slow=-1, bounds=[0, 4, 9, 14, 20, 23])
     assert sorted((u, r) for u, r, *_ in taken) == sorted((u, r) for r in range(2) for u in range(23))
+    assert all(count == 1 for *_, count in taken)
+
+
+@needs_compiler
+def test_more_shares_than_the_header_keeps(program):
+    """70 shares given (WORK_SHARE_MAX is 64): the ones past the last kept join it, nothing is lost."""
+    taken, _ = _run(program, 2, 140, 2, slow=-1, bounds=list(range(0, 142, 2)))
+    assert sorted((u, r) for u, r, *_ in taken) == sorted((u, r) for r in range(2) for u in range(140))
     assert all(count == 1 for *_, count in taken)
 
 

@@ -42,22 +42,24 @@ typedef struct {
     int own;             /* taken from the thread's own share, in order */
 } WorkItem;
 
-/* Shares for a region: the threads it may get, at most `units` (1 or more). */
+/* Shares for a region: the threads it may get, at most `units` and WORK_SHARE_MAX (1 or more). */
 static inline int64_t work_share_threads(int64_t units) {
-    const int64_t t = omp_get_max_threads();
-    return t < units ? (t > 0 ? t : 1) : (units > 0 ? units : 1);
+    int64_t t = omp_get_max_threads();
+    if (t > units) t = units;
+    if (t > WORK_SHARE_MAX) t = WORK_SHARE_MAX;
+    return t > 0 ? t : 1;
 }
 
 /* Share s of `shares`: units bounds[s] .. bounds[s + 1], each for `rounds` rounds (the items of
  * all shares at most 2^31 - 1). */
 static inline void work_share_init_bounds(WorkShare *ws, const int64_t *bounds, int64_t shares, int64_t rounds) {
-    if (shares > WORK_SHARE_MAX) shares = WORK_SHARE_MAX; /* callers pass at most that many */
-    ws->shares = shares;
+    const int64_t kept = shares < WORK_SHARE_MAX ? shares : WORK_SHARE_MAX; /* the rest join the last */
+    ws->shares = kept;
     ws->rounds = rounds;
-    for (int64_t s = 0; s < shares; s++) {
+    for (int64_t s = 0; s < kept; s++) {
         ws->slot[s].lo = bounds[s];
-        ws->slot[s].hi = bounds[s + 1];
-        __atomic_store_n(&ws->slot[s].state, (uint64_t)((bounds[s + 1] - bounds[s]) * rounds), __ATOMIC_RELAXED);
+        ws->slot[s].hi = bounds[s + 1 < kept ? s + 1 : shares];
+        __atomic_store_n(&ws->slot[s].state, (uint64_t)((ws->slot[s].hi - ws->slot[s].lo) * rounds), __ATOMIC_RELAXED);
     }
 }
 
