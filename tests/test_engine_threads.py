@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.native import threads
 
-CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+CPUS = threads.allowed_cpu_list()
 needs_two_cores = pytest.mark.skipif(len(CPUS) < 2 or not os.path.exists("/proc/stat"),
                                      reason="needs 2 or more cores and /proc/stat")
 SPIN = "import time\nt = time.time()\nwhile time.time() - t < 60: pass\n"
@@ -90,3 +90,13 @@ def test_a_count_the_user_set_with_torch_is_left_alone(thread_state):
     torch.set_num_threads(threads.allowed_cpus() - 1 if threads.allowed_cpus() > 2 else 1)
     user = torch.get_num_threads()
     assert threads.set_engine_threads() == user and torch.get_num_threads() == user
+
+
+@needs_two_cores
+def test_omp_num_threads_is_the_users_count(spinner, thread_state, monkeypatch):
+    """OMP_NUM_THREADS set: the default count stays, busy core or not."""
+    torch.set_num_threads(threads.allowed_cpus())
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads.allowed_cpus()))
+    assert threads.set_engine_threads() == threads.allowed_cpus() == torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads.set_engine_threads() <= len(CPUS) - 1  # the same call without it sees the spinner

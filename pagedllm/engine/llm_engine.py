@@ -7,7 +7,6 @@ import dataclasses
 import enum
 import itertools
 import logging
-import os
 import time
 import weakref
 from collections.abc import Iterable
@@ -110,8 +109,8 @@ class LLMEngine:
         self.limits = limits if limits is not None else RequestLimits(max_logprobs=config.max_logprobs or INT64_MAX)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        elif config.tensor_parallel_size == 1 and "OMP_NUM_THREADS" not in os.environ:
-            set_engine_threads()  # the cores no other process keeps busy
+        elif config.tensor_parallel_size == 1:
+            set_engine_threads()  # the cores no other process keeps busy, unless a count was set
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine seed
         self.model_path = resolve_model_path(config.model)
         if config.quantization is None:  # unset: what suits this checkpoint and device (loader.default_quantization)

@@ -46,12 +46,17 @@ SPIN_COUNT = "20000"  # libgomp spin iterations before a waiting thread sleeps
 _set_here = False  # whether GOMP_SPINCOUNT in os.environ is pagedllm's default, not the user's
 
 
-def allowed_cpus() -> int:
-    """CPUs this process may run on (its affinity mask; the CPU count where there is none)."""
+def allowed_cpu_list() -> list[int]:
+    """The CPUs this process may run on (its affinity mask; every CPU where there is none)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def allowed_cpus() -> int:
+    """How many CPUs this process may run on (:func:`allowed_cpu_list`)."""
+    return len(allowed_cpu_list())
 
 
 def cpu_busy_shares(cpus: list[int], window_s: float = 0.05) -> dict[int, float] | None:
@@ -98,7 +103,7 @@ def engine_threads(shares: dict[int, float] | None = None) -> int:
     process keeps busy (``shares``: :func:`cpu_busy_shares` over them, measured here when
     None), at least 1. This process is idle while it measures, so what it sees busy is
     someone else's work."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(allowed_cpus()))
+    cpus = allowed_cpu_list()
     if shares is None:
         shares = cpu_busy_shares(cpus) if len(cpus) > 1 else None
     if not shares:
@@ -109,12 +114,12 @@ def engine_threads(shares: dict[int, float] | None = None) -> int:
 
 def set_engine_threads() -> int:
     """Lower torch's (and so OpenMP's) thread count to :func:`engine_threads` while it is still
-    the default of one per allowed core (a count someone set, this function's earlier one
-    included, stays); returns the count in force."""
+    the default of one per allowed core (a count someone set, ``OMP_NUM_THREADS`` or this
+    function's earlier one included, stays); returns the count in force."""
     import torch
 
     current = torch.get_num_threads()
-    if current != allowed_cpus():
+    if current != allowed_cpus() or "OMP_NUM_THREADS" in os.environ:
         return current
     threads = engine_threads()
     if threads < current:
