@@ -47,6 +47,43 @@ def test_greedy_is_argmax(sampler):
     assert out.top_logprobs is None and out.ranks is None
 
 
+@pytest.mark.parametrize("vocab", [5, 100, 49152])
+def test_greedy_rows_take_one_pass_with_the_general_paths_bits(sampler, monkeypatch, vocab):
+    """Greedy rows with no logit processor: the native pick's token and logprob are those of
+    argmax, gather and logsumexp (ties to the first index); a processor takes the general path."""
+    from pagedllm.native import cpu_ops
+    from pagedllm.sampling import sampler as sampler_module
+
+    if not cpu_ops.available():
+        pytest.skip("no native kernels")
+    logits = 2 * random_logits(5, vocab=vocab, seed=vocab)
+    logits[1] = 0.5  # all tied
+    logits[2, vocab // 2 :] = logits[2].max() + 1  # the maximum tied in later lanes
+    picks = []
+    pick = cpu_ops.greedy_pick
+    monkeypatch.setattr(cpu_ops, "greedy_pick", lambda x: picks.append(x) or pick(x))
+    out = sampler(logits, [row() for _ in range(5)])
+    assert len(picks) == 1
+    assert out.token_ids == logits.argmax(-1).tolist()
+    expected = logits.gather(1, logits.argmax(-1, keepdim=True)).squeeze(1) - torch.logsumexp(logits, -1)
+    general = logits.gather(1, logits.argmax(-1, keepdim=True)).squeeze(1) - cpu_ops.argmax_logsumexp(logits)[1]
+    assert out.logprobs == general.tolist()  # the bits the general path reports
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected, rtol=1e-6, atol=1e-5)
+    for params in (
+        SamplingParams(temperature=0.0, logit_bias={0: 50.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]),
+        SamplingParams(temperature=0.7),
+    ):
+        assert sampler_module._has_processors([row(params)]) or not params.is_greedy
+        before = len(picks)
+        sampler(logits, [row(params, prompt=[0], output=[1]) for _ in range(5)])
+        assert len(picks) == before, params
+    biased = sampler(logits, [row(SamplingParams(temperature=0.0, logit_bias={0: 100.0})) for _ in range(5)])
+    assert biased.token_ids == [0] * 5
+
+
 def test_does_not_modify_input_logits(sampler):
     logits = random_logits(2)
     before = logits.clone()

@@ -90,6 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan: StepPlan | None = None
         self._tiles_key: tuple[AttentionMetadata, HeadRows | None] | None = None
         self._tiles: tuple[torch.Tensor, int, torch.Tensor | None] | None = None  # see _work
+        self._native_known: tuple[torch.Tensor, tuple, bool] | None = None  # see native_work
 
     # ---- per-step plan ----------------------------------------------------
 
@@ -209,7 +210,16 @@ class TorchAttentionBackend(AttentionBackend):
         queries like ``query`` (only its device, dtype, heads and head size are read).
         With ``head_rows`` no tile straddles a range's bound (the ranges' per-tile heads:
         ``cpu_ops.tile_head_ranges``)."""
-        if not self._native_enabled(query, k_cache, md):
+        # the checks depend on the cache, the queries' dtype and shape, and (for the portable build)
+        # whether the step decodes: the same from step to step, so asked once
+        key = (self.use_native, query.dtype, query.device, query.shape[1:], md.max_query_len == 1)
+        known = self._native_known
+        if known is not None and known[0] is k_cache and known[1] == key:
+            enabled = known[2]
+        else:
+            enabled = self._native_enabled(query, k_cache, md)
+            self._native_known = (k_cache, key, enabled)
+        if not enabled:
             return None
         tiles, num_rows, _ = self._work(query, k_cache, md, head_rows)
         return tiles, num_rows

@@ -1835,8 +1835,10 @@ DEFINE_ROTARY(rotary_f32, float, vloadn_f32, vstoren_f32)
 DEFINE_ROTARY(rotary_bf16, bf16_t, vloadn_bf16, vstoren_bf16)
 
 /* Per row of float32 logits [rows, n]: the first index of the maximum and
-   log(sum(exp(x))), for greedy picks and the chosen token's logprob. */
-void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse) {
+   log(sum(exp(x))), for greedy picks and the chosen token's logprob; and, where
+   top_logprob is not NULL, that logprob of the maximum (max - lse). */
+void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse,
+                          float *top_logprob) {
     _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * n;
@@ -1859,6 +1861,7 @@ void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argm
             sum = vadd(sum, vselect(vfirst(n - i), vexp(vsub(vloadn_f32(row + i, n - i), vtop)), vzero()));
         argmax[r] = first;
         lse[r] = top + logf(vsum(sum));
+        if (top_logprob) top_logprob[r] = top - lse[r]; /* in float32, as torch subtracts */
     }
 }
 
@@ -1976,7 +1979,8 @@ void NAME(const T *gate_up, int64_t rows, int64_t n, T *out) {                  
 }
 
 
-void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse) {
+void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argmax, float *lse,
+                          float *top_logprob) {
     _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * n;
@@ -1988,6 +1992,7 @@ void row_argmax_logsumexp(const float *x, int64_t rows, int64_t n, int64_t *argm
         for (int64_t i = 0; i < n; ++i) sum += expf(row[i] - top);
         argmax[r] = first;
         lse[r] = top + logf(sum);
+        if (top_logprob) top_logprob[r] = top - lse[r];
     }
 }
 

@@ -216,6 +216,9 @@ def make_tiles(
     sides of one), so that the tiles either side of a head range's bound can
     compute different KV heads (:func:`tile_head_ranges`).
     """
+    if not breaks and all(q == 1 for q in query_lens):  # a decode step: one row per sequence
+        order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)  # stable, as below
+        return torch.tensor([v for i in order for v in (i, i, seq_lens[i], 1)], dtype=torch.int32).reshape(-1, 4)
     tiles = []
     row = 0
     cuts = sorted(set(breaks))
@@ -463,8 +466,22 @@ def argmax_logsumexp(
     rows, n = logits.shape
     argmax = torch.empty(rows, dtype=torch.int64)
     lse = torch.empty(rows, dtype=torch.float32)
-    library.row_argmax_logsumexp(logits.data_ptr(), rows, n, argmax.data_ptr(), lse.data_ptr())
+    library.row_argmax_logsumexp(logits.data_ptr(), rows, n, argmax.data_ptr(), lse.data_ptr(), None)
     return argmax, lse
+
+
+def greedy_pick(logits: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of float32 ``[rows, n]`` logits: the first index of the maximum (int64) and its
+    logprob, ``max - logsumexp`` in float32 (the bits of ``logits.gather(argmax) - logsumexp``),
+    in one pass over each row."""
+    library = library or _library
+    assert library is not None, "call available() first"
+    logits = logits.contiguous()
+    rows, n = logits.shape
+    argmax = torch.empty(rows, dtype=torch.int64)
+    lse, logprob = torch.empty(2, rows, dtype=torch.float32)
+    library.row_argmax_logsumexp(logits.data_ptr(), rows, n, argmax.data_ptr(), lse.data_ptr(), logprob.data_ptr())
+    return argmax, logprob
 
 
 # Bytes a block move must have before its copies are shared between threads.
@@ -717,7 +734,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.hadamard_f32.restype = None
     library.hadamard_bf16.argtypes = [pointer, i64, i64, i64, i64, f32, i64, pointer, i64]
     library.hadamard_bf16.restype = None
-    library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer]
+    library.row_argmax_logsumexp.argtypes = [pointer, i64, i64, pointer, pointer, pointer]
     library.row_argmax_logsumexp.restype = None
     for name in ("scatter_blocks", "gather_blocks"):
         getattr(library, name).argtypes = [i64, pointer, pointer, i64, pointer, pointer, pointer, pointer, i64]

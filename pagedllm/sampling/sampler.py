@@ -135,7 +135,10 @@ class Sampler:
         # Only the chosen tokens' logprobs are reported: logit - logsumexp, without
         # materialising the whole log-softmax.
         argmax = None
-        if cpu_ops.usable_for(logits):  # a float32 CPU tensor here
+        native = cpu_ops.usable_for(logits)  # a float32 CPU tensor here
+        if native and all(r.params.is_greedy for r in rows) and not _has_processors(rows):
+            return cpu_ops.greedy_pick(logits)  # one pass over each row: the maximum and its logprob
+        if native:
             argmax, normaliser = cpu_ops.argmax_logsumexp(logits)  # one pass over each row
         else:
             normaliser = torch.logsumexp(logits, dim=-1)  # [rows]
@@ -173,6 +176,16 @@ def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- logit processors
+
+
+def _has_processors(rows: Sequence[SamplingRow]) -> bool:
+    """Whether any row asks for a logit processor (:func:`_apply_logit_processors` leaves the
+    logits as they are where none does)."""
+    return any(
+        p.logit_bias or p.allowed_token_ids or p.min_tokens or p.bad_words_token_ids
+        or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        for p in (r.params for r in rows)
+    )
 
 
 def _apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -352,7 +352,8 @@ class Worker:
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
             return chunks, inputs, self.decode_graphs.run(inputs)
         logits = self.model(
-            inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.metadata, inputs.logits_indices
+            inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.metadata,
+            None if inputs.every_row else inputs.logits_indices,  # None: no row selection (a decode step)
         )
         return chunks, inputs, logits
 
