@@ -199,10 +199,48 @@ __attribute__((target("avx2,fma,f16c"))) static void quantize_row_avx2(const flo
     for (; b + 32 <= K; b += 32) quantize_block_avx2(xr, b, out);
     for (; b < Kp; b += 32) quantize_block_portable(xr, b, K, out);
 }
+
+#define TARGET_AVX512_QUANT __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+/* quantize_block_avx2 with two 16-float vectors: the same bytes (the same products, the same
+ * rounding to nearest even; the codes are in [-127, 127], so the saturating narrowing keeps them). */
+TARGET_AVX512_QUANT static void quantize_block_avx512(const float *xr, int64_t b, ActivationRow out) {
+    const __m512 v0 = _mm512_loadu_ps(xr + b), v1 = _mm512_loadu_ps(xr + b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 t0 = _mm512_mul_ps(v0, _mm512_set1_ps(inv)), t1 = _mm512_mul_ps(v1, _mm512_set1_ps(inv));
+    const __m512i q0 = _mm512_cvtps_epi32(t0), q1 = _mm512_cvtps_epi32(t1);
+    _mm_storeu_si128((__m128i *)(out.xq + b), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(out.xq + b + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum1 = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    if (!out.xq2) {
+        out.dx[b / 32] = d;
+        out.xsum[b / 32] = sum1;
+        return;
+    }
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512 by256 = _mm512_set1_ps(256.0f);
+    /* t - q1 is exact, and so is its product by 256 */
+    const __m512i r0 = _mm512_min_epi32(_mm512_max_epi32(
+        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(t0, _mm512_cvtepi32_ps(q0)), by256)), lo), hi);
+    const __m512i r1 = _mm512_min_epi32(_mm512_max_epi32(
+        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(t1, _mm512_cvtepi32_ps(q1)), by256)), lo), hi);
+    _mm_storeu_si128((__m128i *)(out.xq2 + b), _mm512_cvtsepi32_epi8(r0));
+    _mm_storeu_si128((__m128i *)(out.xq2 + b + 16), _mm512_cvtsepi32_epi8(r1));
+    out.dx[b / 32] = d * (1.0f / 256.0f);
+    out.xsum[b / 32] = 256 * sum1 + _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+}
+
+TARGET_AVX512_QUANT static void quantize_row_avx512(const float *xr, int64_t K, int64_t Kp, ActivationRow out) {
+    int64_t b = 0;
+    for (; b + 32 <= K; b += 32) quantize_block_avx512(xr, b, out);
+    for (; b < Kp; b += 32) quantize_block_portable(xr, b, K, out);
+}
 #endif
 
-/* isa >= 1 takes the AVX2 code for whole blocks (every CPU with a vector path has AVX2).
- * xq2: the second level's codes [rows, Kp], or NULL for one level. */
+/* isa >= 1 takes the AVX2 code for whole blocks (every CPU with a vector path has AVX2), isa >= 2
+ * (AVX-512 VNNI and up) the AVX-512 code. xq2: the second level's codes [rows, Kp], or NULL for one
+ * level. */
 void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int64_t Kp, int8_t *xq, int8_t *xq2,
                           float *dx, int32_t *xsum) {
     _Pragma("omp parallel for schedule(static) if(rows >= 8)")
@@ -210,6 +248,10 @@ void quantize_activations(int isa, const float *x, int64_t rows, int64_t K, int6
         const float *xr = x + r * K;
         ActivationRow out = {xq + r * Kp, xq2 ? xq2 + r * Kp : 0, dx + r * (Kp / 32), xsum + r * (Kp / 32)};
 #ifdef QUANT_X86
+        if (isa >= 2) {
+            quantize_row_avx512(xr, K, Kp, out);
+            continue;
+        }
         if (isa >= 1) {
             quantize_row_avx2(xr, K, Kp, out);
             continue;
