@@ -1793,17 +1793,22 @@ void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows,
 
 /* out[r, :] = silu(gate_up[r, :n]) * gate_up[r, n:2n] */
 #define DEFINE_SILU_MUL(NAME, T, LOADN, STOREN, ROUND)                                            \
+static inline void NAME##_row(const T *gate, const T *up, int64_t n, T *out) {                    \
+    for (int64_t i = 0; i < n; i += VW) {                                                         \
+        const vf g = LOADN(gate + i, n - i);                                                      \
+        const vf e = vexp_any(vsub(vzero(), g));                                                  \
+        const vf s = ROUND(vdiv(g, vadd(vset1(1.0f), e)));                                        \
+        STOREN(out + i, vmul(s, LOADN(up + i, n - i)), n - i);                                    \
+    }                                                                                             \
+}                                                                                                 \
 void NAME(const T *gate_up, int64_t rows, int64_t n, T *out) {                                   \
     _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
-    for (int64_t r = 0; r < rows; ++r) {                                                          \
-        const T *gate = gate_up + r * 2 * n, *up = gate + n;                                      \
-        for (int64_t i = 0; i < n; i += VW) {                                                     \
-            const vf g = LOADN(gate + i, n - i);                                                  \
-            const vf e = vexp_any(vsub(vzero(), g));                                              \
-            const vf s = ROUND(vdiv(g, vadd(vset1(1.0f), e)));                                    \
-            STOREN(out + r * n + i, vmul(s, LOADN(up + i, n - i)), n - i);                        \
-        }                                                                                         \
-    }                                                                                             \
+    for (int64_t r = 0; r < rows; ++r) NAME##_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, n, out + r * n); \
+}                                                                                                 \
+/* the same rows on the calling thread alone (no parallel region, not even an empty one): for    \
+   callers inside a parallel region (quant_ops' fused SwiGLU, per tile) */                        \
+void NAME##_serial(const T *gate_up, int64_t rows, int64_t n, T *out) {                          \
+    for (int64_t r = 0; r < rows; ++r) NAME##_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, n, out + r * n); \
 }
 
 /* Rotary embedding in place, "rotate half" convention (see the scalar version). */
@@ -1969,13 +1974,18 @@ void NAME(T *residual, const T *delta, const T *weight, float eps, int64_t rows,
 }
 
 #define DEFINE_SILU_MUL(NAME, T, TO_F32, FROM_F32, ROUND)                                         \
+static inline void NAME##_row(const T *gate, const T *up, int64_t n, T *out) {                    \
+    for (int64_t i = 0; i < n; ++i) {                                                             \
+        const float s = ROUND(silu_f32(TO_F32(gate[i])));                                         \
+        out[i] = FROM_F32(s * TO_F32(up[i]));                                                     \
+    }                                                                                             \
+}                                                                                                 \
 void NAME(const T *gate_up, int64_t rows, int64_t n, T *out) {                                   \
     _Pragma("omp parallel for schedule(static) if(rows * n >= PARALLEL_MIN_ELEMENTS)")            \
-    for (int64_t r = 0; r < rows; ++r)                                                            \
-        for (int64_t i = 0; i < n; ++i) {                                                         \
-            const float s = ROUND(silu_f32(TO_F32(gate_up[r * 2 * n + i])));                      \
-            out[r * n + i] = FROM_F32(s * TO_F32(gate_up[r * 2 * n + n + i]));                     \
-        }                                                                                         \
+    for (int64_t r = 0; r < rows; ++r) NAME##_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, n, out + r * n); \
+}                                                                                                 \
+void NAME##_serial(const T *gate_up, int64_t rows, int64_t n, T *out) {                          \
+    for (int64_t r = 0; r < rows; ++r) NAME##_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, n, out + r * n); \
 }
 
 

@@ -1434,19 +1434,29 @@ static const TileShape AVX2_Q8_TILE = {tile_avx2_q8, tile_store_avx2, AVX2_TILE_
 #define TILE_BAND_BYTES (384 * 1024) /* activations per band of row tiles: half of a 768 KB-1 MB L2 */
 #endif
 
+/* silu(gate) * up, row by row (cpu_ops' silu_mul_f32_serial: no parallel region, since it runs
+ * inside one, per tile): gate_up [rows, 2 n] (each row n gates then n ups), out [rows, n]. */
+typedef void (*GluFn)(const void *gate_up, int64_t rows, int64_t n, void *out);
+
 /* y [rows, N] through a tile kernel: groups of `cols` outputs are the parallel work items;
  * each unpacks its outputs once per band of row tiles and runs the band's tiles on them.
- * Returns 0 when out of memory (y then incomplete: the caller recomputes it another way). */
+ * With `glu` (a SwiGLU's fused gate | up matrix: N = 2 glu_n, glu_n a multiple of cols, and of
+ * LANE_COLS for a lane-layout matrix) y is [rows, glu_n] = glu of the product instead: an item is
+ * a group of gate outputs and the same group of up outputs, and each tile's two results go
+ * through glu at once (the bits of the product stored, then glu on the rows), so the product
+ * is never written whole. Returns 0 when out of memory (y then incomplete: the caller
+ * recomputes it another way). */
 static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N,
                       int64_t Kp, int bits, int r, int zero, int lanes, const int8_t *xq, const int8_t *xq2, const float *dx,
-                      const int32_t *xsum, int64_t rows, float *y) {
+                      const int32_t *xsum, int64_t rows, float *y, int64_t glu_n, GluFn glu) {
     const int64_t tile_rows = shape.rows, cols = shape.cols;
+    const int64_t out_n = glu ? glu_n : N; /* y's row length; the outputs the groups cover */
     RowTiles rt;
     if (!row_tiles_alloc(&rt, tile_rows, xq2 != 0, shape.wide, rows, Kp)) {
         row_tiles_free(&rt);
         return 0;
     }
-    const int64_t num_groups = (N + cols - 1) / cols, blocks = Kp / 32;
+    const int64_t num_groups = (out_n + cols - 1) / cols, blocks = Kp / 32;
     const int64_t tile_bytes = tile_rows * Kp * (xq2 || shape.wide ? 2 : 1);
     const int64_t band = TILE_BAND_BYTES / tile_bytes > 4 ? TILE_BAND_BYTES / tile_bytes : 4;
     int failed = 0;
@@ -1460,10 +1470,13 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
         const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
         /* a lane-layout matrix's codes are unpacked a pass at a time: the groups of the pass
            (consecutive, so mostly on one thread) take theirs from it */
-        uint8_t *codes = malloc((size_t)((lanes ? LANE_COLS : cols) * Kp * (shape.wide ? 2 : 1)));
-        int64_t unpacked_pass = -1;
-        float *dw = malloc((size_t)(2 * blocks * cols) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
-        float out[MAX_TILE_OUT];
+        const int64_t codes_bytes = (lanes ? LANE_COLS : cols) * Kp * (shape.wide ? 2 : 1);
+        /* with glu: a second set (the up outputs') after the first */
+        uint8_t *codes = malloc((size_t)(codes_bytes * (glu ? 2 : 1)));
+        int64_t unpacked_pass[2] = {-1, -1};
+        float *dw = malloc((size_t)(2 * blocks * cols * (glu ? 2 : 1)) * sizeof(float)), *mw = m ? dw + blocks * cols : 0;
+        float out[MAX_TILE_OUT], out_up[MAX_TILE_OUT];
+        float pair[MAX_TILE_OUT * 2], act[MAX_TILE_OUT]; /* a tile's gate | up rows, and their glu */
         if (!codes || !dw) {
             _Pragma("omp atomic write")
             failed = 1;
@@ -1479,25 +1492,41 @@ static int gemm_tiled(TileShape shape, const uint8_t *q, const uint16_t *d, cons
         while (work_share_next(&ws, me, nth, &it)) {
             const int64_t g = it.unit, t0 = it.round * band, t1 = t0 + band < rt.num_tiles ? t0 + band : rt.num_tiles;
             if (!codes || !dw) continue;
-            const int64_t n0 = g * cols, count = N - n0 < cols ? N - n0 : cols;
-            const uint8_t *group_codes = codes;
-            if (shape.wide) {
-                unpack_outputs16(q, d, m, n0, count, cols, Kp, r, (int16_t *)codes, dw, mw);
-            } else if (lanes) { /* N is a multiple of LANE_COLS: every group is whole */
-                const int64_t pass = n0 / LANE_COLS;
-                if (pass != unpacked_pass) unpack_lane_outputs(q, pass * LANE_COLS, LANE_COLS, Kp, codes);
-                unpacked_pass = pass;
-                group_codes = codes + (n0 % LANE_COLS) * Kp;
-                unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, NULL, dw, mw);
-            } else {
-                unpack_outputs(q, d, m, n0, count, cols, Kp, bits, r, codes, dw, mw);
+            const int64_t n0 = g * cols, count = out_n - n0 < cols ? out_n - n0 : cols;
+            const uint8_t *group_codes[2];
+            for (int half = 0; half < (glu ? 2 : 1); half++) { /* the gate group, then (glu) the up group */
+                const int64_t at = n0 + half * glu_n;
+                uint8_t *set = codes + half * codes_bytes;
+                float *hdw = dw + half * 2 * blocks * cols, *hmw = m ? hdw + blocks * cols : 0;
+                group_codes[half] = set;
+                if (shape.wide) {
+                    unpack_outputs16(q, d, m, at, count, cols, Kp, r, (int16_t *)set, hdw, hmw);
+                } else if (lanes) { /* N (and glu_n) a multiple of LANE_COLS: every group is whole */
+                    const int64_t pass = at / LANE_COLS;
+                    if (pass != unpacked_pass[half]) unpack_lane_outputs(q, pass * LANE_COLS, LANE_COLS, Kp, set);
+                    unpacked_pass[half] = pass;
+                    group_codes[half] = set + (at % LANE_COLS) * Kp;
+                    unpack_outputs(q, d, m, at, count, cols, Kp, bits, r, NULL, hdw, hmw);
+                } else {
+                    unpack_outputs(q, d, m, at, count, cols, Kp, bits, r, set, hdw, hmw);
+                }
             }
+            float *up_dw = dw + 2 * blocks * cols, *up_mw = m ? up_dw + blocks * cols : 0;
             for (int64_t step = 0; step < t1 - t0; step++) {
                 /* odd groups walk the row tiles backwards: the tiles used last are still in L1 */
                 const int64_t t = g % 2 ? t1 - 1 - step : t0 + step;
-                shape.kernel(&rt, t, group_codes, dw, mw, Kp, zero, out);
+                shape.kernel(&rt, t, group_codes[0], dw, mw, Kp, zero, out);
                 const int64_t num = rows - t * tile_rows < tile_rows ? rows - t * tile_rows : tile_rows;
-                shape.store(out, num, count, y + t * tile_rows * N + n0, N);
+                if (!glu) {
+                    shape.store(out, num, count, y + t * tile_rows * N + n0, N);
+                    continue;
+                }
+                shape.kernel(&rt, t, group_codes[1], up_dw, up_mw, Kp, zero, out_up);
+                shape.store(out, num, count, pair, 2 * count);
+                shape.store(out_up, num, count, pair + count, 2 * count);
+                glu(pair, num, count, act);
+                for (int64_t i = 0; i < num; i++)
+                    memcpy(y + (t * tile_rows + i) * glu_n + n0, act + i * count, (size_t)count * sizeof(float));
             }
         }
         free(codes);
@@ -2415,14 +2444,14 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
     }
     if (isa == 2) {
         if (rows >= tiled_min_rows &&
-            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y))
+            gemm_tiled(VNNI_TILE, q, d, m, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y, 0, NULL))
             return;
         gemm_rows(lanes ? VNNI_LANES : VNNI_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
         return;
     }
     if (isa == 1 && (bits == 4 || zero == 128)) {
         if (rows >= tiled_min_rows && gemm_tiled(bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE, q, d, m, N, Kp, bits, r,
-                                                 zero, lanes, xq, xq2, dx, xsum, rows, y))
+                                                 zero, lanes, xq, xq2, dx, xsum, rows, y, 0, NULL))
             return;
         gemm_rows(lanes ? AVX2_LANES : AVX2_ROWS, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
         return;
@@ -2448,6 +2477,58 @@ int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, in
     quant_gemm(isa, tiled_min_rows, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
     free(scratch);
     return 1;
+}
+
+/* Whether the layer stack takes quant_linear_glu: 1 (the default) where the product it saves
+ * writing, rows x 2 inter floats, is GLU_FUSION_MIN_BYTES or more (smaller, it stays in the L2s,
+ * and the one pass measured no faster: benchmarks/glu_fusion_bench.py), 2 at any size, 0 never
+ * (the product then silu_mul). The same bits in every case. */
+#define GLU_FUSION_MIN_BYTES (4 << 20)
+static int glu_fusion = 1;
+static int64_t glu_fused_calls; /* quant_linear_glu calls that did the work (quant_glu_fused_calls) */
+void quant_set_glu_fusion(int on) { glu_fusion = on; }
+int64_t quant_glu_fused_calls(void) { return __atomic_load_n(&glu_fused_calls, __ATOMIC_RELAXED); }
+
+/* act [rows, inter] = glu(x . [gate | up]^T) for a SwiGLU's fused gate | up matrix (N = 2 inter
+ * outputs: inter gates, then inter ups), where a tiled kernel takes these rows: the gate and
+ * up groups of each item go through glu tile by tile (gemm_tiled), and the product [rows, 2 inter]
+ * is never written. The same bits as quant_linear followed by glu on the rows. Returns 1 when
+ * done, -1 where this path does not apply (few rows, an AMX-tiled matrix, inter not a multiple of
+ * the tile's outputs, out of memory): the caller runs quant_linear and glu then. */
+int quant_linear_glu(int isa, int64_t tiled_min_rows, int levels, const float *x, int64_t rows, int64_t K,
+                     const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t inter, int64_t Kp, int bits, int r,
+                     int32_t zero, int lanes, GluFn glu, float *act) {
+#ifdef QUANT_X86
+    lanes = lanes && bits == 4;
+    TileShape shape;
+    if (isa == 2 || (isa == 3 && lanes)) { /* AMX hands a lane-layout matrix to path 2 (quant_gemm) */
+        if (isa == 3) tiled_min_rows = levels == 2 ? VNNI_TILED_MIN_ROWS_TWO_LEVELS : VNNI_TILED_MIN_ROWS;
+        shape = VNNI_TILE;
+    } else if (isa == 1 && (bits == 4 || zero == 128)) {
+        shape = bits == 4 ? AVX2_Q4_TILE : AVX2_Q8_TILE;
+    } else {
+        return -1;
+    }
+    const int tile_lanes = lanes && !shape.wide && LANE_COLS % shape.cols == 0;
+    if (!glu || rows < tiled_min_rows || rows < 1 || inter % shape.cols || (tile_lanes && inter % LANE_COLS))
+        return -1;
+    const int64_t blocks = Kp / 32, code_bytes = (levels == 2 ? 2 : 1) * rows * Kp;
+    char *scratch = malloc((size_t)(code_bytes + rows * blocks * 8));
+    if (!scratch) return -1;
+    int8_t *xq = (int8_t *)scratch, *xq2 = levels == 2 ? xq + rows * Kp : 0;
+    float *dx = (float *)(scratch + code_bytes);
+    int32_t *xsum = (int32_t *)(dx + rows * blocks);
+    quantize_activations(isa, x, rows, K, Kp, xq, xq2, dx, xsum);
+    const int done = gemm_tiled(shape, q, d, m, 2 * inter, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, act,
+                                inter, glu);
+    free(scratch);
+    if (done) __atomic_fetch_add(&glu_fused_calls, 1, __ATOMIC_RELAXED);
+    return done ? 1 : -1;
+#else
+    (void)isa, (void)tiled_min_rows, (void)levels, (void)x, (void)rows, (void)K, (void)q, (void)d, (void)m,
+        (void)inter, (void)Kp, (void)bits, (void)r, (void)zero, (void)lanes, (void)glu, (void)act;
+    return -1;
+#endif
 }
 
 /* Whether quant_linear_bf16 runs here (AMX-BF16 and its tile data granted); probed once. */
@@ -2581,6 +2662,7 @@ typedef struct {
                        packed codes on a CPU without AMX-BF16) */
     void *hadamard16; /* cpu_ops' hadamard_bf16 */
     int64_t kv_layout; /* the caches' layout, cpu_ops.c's KV_LAYOUT_TOKEN (0) or KV_LAYOUT_HEAD (1) */
+    void *silu_mul_serial; /* silu_mul on the calling thread only (the fused SwiGLU's, per tile), or NULL */
 } LayerStack;
 
 /* cpu_ops.c's bf16_to_f32 and f32_to_bf16 (each library is built from its one source). */
@@ -2708,8 +2790,19 @@ int quant_run_layers(const LayerStack *s, int64_t rows, void *residual, void *de
             ok = dense_linear_bf16_silu_mul((const uint16_t *)x, rows, L->gate_up.K, L->gate_up.w16, inter, L->gate_up.Kp,
                                             (uint16_t *)act);
         } else {
-            ok = stack_linear(s, &L->gate_up, x, rows, gate_up, wide);
-            if (ok) ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
+            const StackLinear *l = &L->gate_up;
+            /* float32 activations, a packed matrix on a tiled kernel: the product through silu_mul
+               tile by tile (the same bits); otherwise the product, then silu_mul */
+            const int fused = s->elem == 4 && !l->w16 && !l->bias && s->silu_mul_serial &&
+                              (glu_fusion == 2 ||
+                               (glu_fusion == 1 && rows * 2 * inter * (int64_t)sizeof(float) >= GLU_FUSION_MIN_BYTES)) &&
+                              quant_linear_glu((int)s->isa, l->tiled_min_rows, (int)l->levels, (const float *)x, rows, l->K, l->q, l->d,
+                                               l->m, inter, l->Kp, (int)l->bits, (int)l->r, (int32_t)l->zero,
+                                               (int)l->lanes, (GluFn)s->silu_mul_serial, (float *)act) == 1;
+            if (!fused) {
+                ok = stack_linear(s, l, x, rows, gate_up, wide);
+                if (ok) ((SiluMulFn)s->silu_mul)(gate_up, rows, inter, act);
+            }
         }
         if (!ok) break;
         ok = stack_linear(s, &L->down, act, rows, delta, wide);

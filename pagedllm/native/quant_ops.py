@@ -65,6 +65,11 @@ ACTIVATION_LEVELS = {"int16": 2, "int8": 1}
 ROW_TABLES_ENV = "PAGEDLLM_QUANT_ROW_TABLES"
 ROW_TABLE_COLS = {1: 8, 2: 16, 3: 16}  # path -> outputs per pass of the per-row kernel that reads row-scale tables
 LANES_ENV = "PAGEDLLM_QUANT_LANES"
+# How the layer stack runs a SwiGLU's packed gate | up product and silu_mul on the tiled kernels:
+# 1 in one pass where the product would be 4 MiB or more (quant_linear_glu), 2 in one pass at any
+# size, 0 the product and then silu_mul (the same bits in every case; for A/Bs and tests)
+GLU_FUSION_ENV = "PAGEDLLM_QUANT_GLU_FUSION"
+GLU_FUSION_MODES = ("0", "1", "2")
 LANE_COLS = {1: 8, 2: 8}  # path -> outputs interleaved per pass of the lane layout, where the path has one
 
 
@@ -132,6 +137,7 @@ def _load() -> ctypes.CDLL | None:
     _tiled_from = {(path, bits, levels): library.quant_tiled_min_rows(path, bits, levels)
                    for path in _runnable for bits in (4, 8) for levels in ACTIVATION_LEVELS.values()}
     _isa = requested_isa(_runnable[-1])  # a bad PAGEDLLM_QUANT_ISA is the user's to fix: raise
+    library.quant_set_glu_fusion(_glu_fusion_mode())
     logger.debug("native quantized kernels: %s path", ISA_NAMES[_isa])
     return library
 
@@ -154,6 +160,12 @@ def build_library() -> ctypes.CDLL:
     library.quant_dequantize_rows.argtypes = [p, p, p, i64, i64, c_int, c_int, i32, c_int, p, i64, p]
     library.quant_linear.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, p, p, i64, i64, c_int, c_int, i32, c_int, p]
     library.quant_linear.restype = c_int
+    library.quant_linear_glu.argtypes = [c_int, i64, c_int, p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, c_int, p, p]
+    library.quant_linear_glu.restype = c_int
+    library.quant_set_glu_fusion.argtypes = [c_int]
+    library.quant_set_glu_fusion.restype = None
+    library.quant_glu_fused_calls.argtypes = []
+    library.quant_glu_fused_calls.restype = i64
     library.quant_linear_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, c_int, c_int, i32, p]
     library.quant_linear_bf16.restype = library.quant_amx_bf16.restype = c_int
     library.quant_amx_bf16.argtypes = library.dense_bf16_kernel.argtypes = []
@@ -216,12 +228,45 @@ def gemm(
     return y
 
 
+def gemm_glu(
+    x: torch.Tensor,  # [T, K] float32, contiguous
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,  # a fused [gate | up] matrix
+    bits: int, group_size: int, zero: int, padded_in: int, glu: int,
+    isa_override: int | None = None, tiled: bool | None = None, levels: int = 2,
+) -> torch.Tensor | None:  # [T, N / 2] float32
+    """``glu(x @ [gate | up]^T)`` in one pass on the tiled kernels (the layer stack's SwiGLU):
+    ``glu`` is the address of a ``silu_mul(gate_up, rows, n, out)`` for float32 rows that opens
+    no parallel region (cpu_ops' ``silu_mul_f32_serial``), applied to each tile's gate and up
+    outputs. The bits of :func:`gemm`
+    followed by that function on the rows; None where the path does not apply (fewer rows than
+    the tiled kernel takes, the AMX kernel's row layout, N / 2 not a multiple of its outputs)."""
+    path = _check_path(isa_override, levels)
+    rows, in_features = x.shape
+    inter = scales.shape[0] // 2
+    act = torch.empty((rows, inter), dtype=torch.float32)
+    done = _library.quant_linear_glu(
+        path, _tiled_from[(path, bits, levels)] if tiled is None else _FORCED_TILED_FROM[tiled], levels, x.data_ptr(),
+        rows, in_features, qweight.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(), inter,
+        padded_in, bits, group_size // 32, zero, int(_lanes_of(qweight, bits)), glu, act.data_ptr(),
+    )
+    return act if done == 1 else None
+
+
 def lanes_wanted(bits: int, out_features: int, path: int | None = None) -> bool:
     """Whether a ``bits``-bit matrix of ``out_features`` outputs takes the lane layout on ``path``
     (default: :func:`isa`): 4-bit codes, whole passes of outputs, a path with a lane kernel, and
     ``PAGEDLLM_QUANT_LANES`` not 0."""
     cols = LANE_COLS.get(_isa if path is None else path) if available() else None
     return cols is not None and _switched_on(LANES_ENV) and bits == 4 and out_features % cols == 0
+
+
+def _glu_fusion_mode() -> int:
+    value = os.environ.get(GLU_FUSION_ENV, "1")
+    if value not in GLU_FUSION_MODES:
+        from pagedllm.errors import ConfigError
+
+        raise ConfigError(f"{GLU_FUSION_ENV}={value!r}: use 0 (never), 1 (by size, the default) or 2 (always)")
+    return int(value)
 
 
 def _switched_on(name: str) -> bool:

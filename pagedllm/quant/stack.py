@@ -60,7 +60,8 @@ class _Stack(ctypes.Structure):
                 ("isa", _i64), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
                 ("kv8", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", _p),
-                ("hadamard", _p), ("rotate", _i64), ("elem", _i64), ("hadamard16", _p), ("kv_layout", _i64)]
+                ("hadamard", _p), ("rotate", _i64), ("elem", _i64), ("hadamard16", _p), ("kv_layout", _i64),
+                ("silu_mul_serial", _p)]
 
 
 def _address(fn) -> int:
@@ -179,7 +180,8 @@ class LayerStack:
             None, _address(getattr(library, f"silu_mul_{suffix}")), self.isa, len(layers), attn.o_proj.output_size,
             self.num_heads, self.num_kv_heads, self.head_dim, first.mlp.down_proj.input_size, 0, 0, self.eps,
             attn.scale, ctypes.addressof(self._layers), _address(library.hadamard_f32), 0,
-            torch.empty((), dtype=self.dtype).element_size(), _address(library.hadamard_bf16),
+            torch.empty((), dtype=self.dtype).element_size(), _address(library.hadamard_bf16), 0,
+            _address(getattr(library, f"silu_mul_{suffix}_serial")),
         )
         self._cache_tensors: list[tuple[Tensor, ...]] | None = None  # the caches the layers point at now
         self._run = quant_ops._library.quant_run_layers
