@@ -185,7 +185,8 @@ class QuantizedWeight:
         """Rows ``ids`` [T] in float32 ``[T, in]``: an embedding lookup that never unpacks the whole matrix."""
         if not quant_ops.available():
             return self.dequantize_rows(ids)
-        return quant_ops.dequantize_rows(ids.to(torch.int64), *self._kernel_args(), self.in_features)
+        ids = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+        return quant_ops.dequantize_rows(ids, *self._kernel_args(), self.in_features)
 
     def _kernel_args(self) -> tuple:
         return (self.qweight, self.scales, self.mins, self.bits, self.group_size, self.zero, self.padded_in)

@@ -108,7 +108,9 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         def lookup(ids: Tensor) -> Tensor:
-            return self.quantized.embed(ids).to(self.weight.dtype)
+            rows = self.quantized.embed(ids)  # float32
+            # a same-dtype .to() is no copy, but costs a decode step tens of microseconds with cold caches
+            return rows if rows.dtype == self.weight.dtype else rows.to(self.weight.dtype)
 
         if self.tp.size == 1:
             return lookup(input_ids)
