@@ -460,13 +460,7 @@ def argmax_logsumexp(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of float32 ``[rows, n]`` logits: the first index of the maximum (int64,
     as ``argmax``) and ``logsumexp`` (float32), in one pass over the row."""
-    library = library or _library
-    assert library is not None, "call available() first"
-    logits = logits.contiguous()
-    rows, n = logits.shape
-    argmax = torch.empty(rows, dtype=torch.int64)
-    lse = torch.empty(rows, dtype=torch.float32)
-    library.row_argmax_logsumexp(logits.data_ptr(), rows, n, argmax.data_ptr(), lse.data_ptr(), None)
+    argmax, lse, _ = _row_argmax_logsumexp(logits, library, top_logprob=False)
     return argmax, lse
 
 
@@ -474,14 +468,23 @@ def greedy_pick(logits: torch.Tensor, library: ctypes.CDLL | None = None) -> tup
     """Per row of float32 ``[rows, n]`` logits: the first index of the maximum (int64) and its
     logprob, ``max - logsumexp`` in float32 (the bits of ``logits.gather(argmax) - logsumexp``),
     in one pass over each row."""
+    argmax, _, logprob = _row_argmax_logsumexp(logits, library, top_logprob=True)
+    return argmax, logprob
+
+
+def _row_argmax_logsumexp(
+    logits: torch.Tensor, library: ctypes.CDLL | None, top_logprob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     library = library or _library
     assert library is not None, "call available() first"
     logits = logits.contiguous()
     rows, n = logits.shape
     argmax = torch.empty(rows, dtype=torch.int64)
-    lse, logprob = torch.empty(2, rows, dtype=torch.float32)
-    library.row_argmax_logsumexp(logits.data_ptr(), rows, n, argmax.data_ptr(), lse.data_ptr(), logprob.data_ptr())
-    return argmax, logprob
+    lse = torch.empty(rows, dtype=torch.float32)
+    logprob = torch.empty(rows, dtype=torch.float32) if top_logprob else None
+    library.row_argmax_logsumexp(logits.data_ptr(), rows, n, argmax.data_ptr(), lse.data_ptr(),
+                                 None if logprob is None else logprob.data_ptr())
+    return argmax, lse, logprob
 
 
 # Bytes a block move must have before its copies are shared between threads.

@@ -2464,18 +2464,32 @@ void quant_gemm(int isa, int64_t tiled_min_rows, const uint8_t *q, const uint16_
 
 /* quantize_activations (levels: 1 or 2) then quant_gemm, scratch from the heap: one call per
  * matmul. Returns 0 when out of memory (y not written). */
-int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, int64_t rows, int64_t K,
-                 const uint8_t *q, const uint16_t *d, const uint16_t *m, const uint16_t *dt, const uint16_t *mt,
-                 int64_t N, int64_t Kp, int bits, int r, int32_t zero, int lanes, float *y) {
+/* A call's activations quantized (quantize_activations) into one heap block: free(a->xq) releases it. */
+typedef struct {
+    int8_t *xq, *xq2; /* xq2: NULL for one level */
+    float *dx;
+    int32_t *xsum;
+} QuantizedRows;
+
+static int quantize_rows(int isa, int levels, const float *x, int64_t rows, int64_t K, int64_t Kp, QuantizedRows *a) {
     const int64_t blocks = Kp / 32, code_bytes = (levels == 2 ? 2 : 1) * rows * Kp;
     char *scratch = malloc((size_t)(code_bytes + rows * blocks * 8));
     if (!scratch) return 0;
-    int8_t *xq = (int8_t *)scratch, *xq2 = levels == 2 ? xq + rows * Kp : 0;
-    float *dx = (float *)(scratch + code_bytes); /* Kp is a multiple of 64: aligned */
-    int32_t *xsum = (int32_t *)(dx + rows * blocks);
-    quantize_activations(isa, x, rows, K, Kp, xq, xq2, dx, xsum);
-    quant_gemm(isa, tiled_min_rows, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, y);
-    free(scratch);
+    a->xq = (int8_t *)scratch;
+    a->xq2 = levels == 2 ? a->xq + rows * Kp : 0;
+    a->dx = (float *)(scratch + code_bytes); /* Kp is a multiple of 64: aligned */
+    a->xsum = (int32_t *)(a->dx + rows * blocks);
+    quantize_activations(isa, x, rows, K, Kp, a->xq, a->xq2, a->dx, a->xsum);
+    return 1;
+}
+
+int quant_linear(int isa, int64_t tiled_min_rows, int levels, const float *x, int64_t rows, int64_t K,
+                 const uint8_t *q, const uint16_t *d, const uint16_t *m, const uint16_t *dt, const uint16_t *mt,
+                 int64_t N, int64_t Kp, int bits, int r, int32_t zero, int lanes, float *y) {
+    QuantizedRows a;
+    if (!quantize_rows(isa, levels, x, rows, K, Kp, &a)) return 0;
+    quant_gemm(isa, tiled_min_rows, q, d, m, dt, mt, N, Kp, bits, r, zero, lanes, a.xq, a.xq2, a.dx, a.xsum, rows, y);
+    free(a.xq);
     return 1;
 }
 
@@ -2512,16 +2526,11 @@ int quant_linear_glu(int isa, int64_t tiled_min_rows, int levels, const float *x
     const int tile_lanes = lanes && !shape.wide && LANE_COLS % shape.cols == 0;
     if (!glu || rows < tiled_min_rows || rows < 1 || inter % shape.cols || (tile_lanes && inter % LANE_COLS))
         return -1;
-    const int64_t blocks = Kp / 32, code_bytes = (levels == 2 ? 2 : 1) * rows * Kp;
-    char *scratch = malloc((size_t)(code_bytes + rows * blocks * 8));
-    if (!scratch) return -1;
-    int8_t *xq = (int8_t *)scratch, *xq2 = levels == 2 ? xq + rows * Kp : 0;
-    float *dx = (float *)(scratch + code_bytes);
-    int32_t *xsum = (int32_t *)(dx + rows * blocks);
-    quantize_activations(isa, x, rows, K, Kp, xq, xq2, dx, xsum);
-    const int done = gemm_tiled(shape, q, d, m, 2 * inter, Kp, bits, r, zero, lanes, xq, xq2, dx, xsum, rows, act,
-                                inter, glu);
-    free(scratch);
+    QuantizedRows a;
+    if (!quantize_rows(isa, levels, x, rows, K, Kp, &a)) return -1;
+    const int done = gemm_tiled(shape, q, d, m, 2 * inter, Kp, bits, r, zero, lanes, a.xq, a.xq2, a.dx, a.xsum, rows,
+                                act, inter, glu);
+    free(a.xq);
     if (done) __atomic_fetch_add(&glu_fused_calls, 1, __ATOMIC_RELAXED);
     return done ? 1 : -1;
 #else

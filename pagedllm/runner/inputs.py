@@ -71,8 +71,8 @@ def _decode_inputs(chunks: Sequence, block_size: int, device: torch.device) -> M
     positions = [c.start_pos for c in chunks]
     slots = [c.block_table[p // block_size] * block_size + p % block_size for c, p in zip(chunks, positions)]
     seq_lens = [p + 1 for p in positions]
-    rows = [i for i, c in enumerate(chunks) if c.needs_logits or c.all_logits]
     row_counts = [1 if c.needs_logits or c.all_logits else 0 for c in chunks]
+    rows = [i for i, count in enumerate(row_counts) if count]
     n = len(chunks)
     flat = np.array(slots + [c.token_ids[0] for c in chunks] + positions + rows, dtype=np.int64)
     return _model_inputs(

@@ -179,8 +179,8 @@ def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _has_processors(rows: Sequence[SamplingRow]) -> bool:
-    """Whether any row asks for a logit processor (:func:`_apply_logit_processors` leaves the
-    logits as they are where none does)."""
+    """Whether any row asks for a logit processor: the fields :func:`_apply_logit_processors`
+    reads (it returns the logits untouched where this is False; a new processor's field goes here)."""
     return any(
         p.logit_bias or p.allowed_token_ids or p.min_tokens or p.bad_words_token_ids
         or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
@@ -196,6 +196,8 @@ def _apply_logit_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -
     before, is one more ban at this point), then penalties. A ban that would
     leave a row without a token is not applied to it (``_ban``).
     """
+    if not _has_processors(rows):
+        return logits
     vocab = logits.shape[1]
     bias = _sparse_entries(rows, vocab, _bias_entries)
     allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
