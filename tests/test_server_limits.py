@@ -12,10 +12,10 @@ import httpx
 import pytest
 from server_fixture import FakeEngine
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import MAX_UNREAD_OUTPUTS, AsyncLLMEngine
 from pagedllm.errors import ConfigError, RequestError
 from pagedllm.limits import INT64_MAX, RequestLimits, ServerLimits, check_token_ids
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.server import launcher
 from pagedllm.server.app import build_app, check_json_value
 
@@ -310,24 +310,49 @@ def test_serve_flags_build_the_limits():
 
 
 # ---------------------------------------------------------------------------
-# A consumer that does not read holds one output, not one per step
+# A consumer that does not read holds a few outputs, not one per step
 # ---------------------------------------------------------------------------
 
 
-def test_an_unread_stream_keeps_only_the_latest_output():
+def _read_after_the_engine_ran(params_by_id: dict[str, SamplingParams], steps: int):
+    """Submit the requests, let the fake engine run ``steps`` steps with nobody reading, then read."""
     async def main():
         fake = FakeEngine()
         engine = AsyncLLMEngine(fake)
         try:
-            stream = await engine.add_request("slow", "hi", SamplingParams(max_tokens=300))
-            while fake.requests or fake.num_steps < 300:
+            streams = {rid: await engine.add_request(rid, "hi", params) for rid, params in params_by_id.items()}
+            while fake.requests or fake.num_steps < steps:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)  # the last hand-offs to the loop
-            outputs = [output async for output in stream]
+            outputs = {}
+            for rid, stream in streams.items():
+                outputs[rid] = [output async for output in stream]
+            return outputs
         finally:
             await engine.shutdown(0)
-        return outputs
 
-    outputs = run(main())
-    assert len(outputs) == 1  # 300 steps ran while nobody read: only the last output was kept
-    assert outputs[0].finished and len(outputs[0].outputs[0].token_ids) == 300
+    return run(main())
+
+
+def test_an_unread_stream_keeps_a_bounded_queue_and_loses_nothing():
+    outputs = _read_after_the_engine_ran({
+        "cumulative": SamplingParams(max_tokens=300),
+        "delta": SamplingParams(max_tokens=300, output_kind=RequestOutputKind.DELTA),
+        "final": SamplingParams(max_tokens=300, output_kind=RequestOutputKind.FINAL_ONLY),
+    }, steps=300)
+    cumulative, delta, final = outputs["cumulative"], outputs["delta"], outputs["final"]
+    # 300 steps ran while nobody read: the first outputs queued one per step, the rest merged into the last
+    assert len(cumulative) == MAX_UNREAD_OUTPUTS
+    lengths = [len(o.outputs[0].token_ids) for o in cumulative]
+    assert lengths == [*range(1, MAX_UNREAD_OUTPUTS), 300]
+    assert [o.finished for o in cumulative] == [False] * (MAX_UNREAD_OUTPUTS - 1) + [True]
+    whole = cumulative[-1].outputs[0]
+    assert [len(o.outputs[0].token_ids) for o in delta] == [1] * (MAX_UNREAD_OUTPUTS - 1) + [300 - MAX_UNREAD_OUTPUTS + 1]
+    assert [t for o in delta for t in o.outputs[0].token_ids] == whole.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == whole.text
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == whole.token_ids
+
+
+def test_a_reader_a_few_steps_behind_gets_one_output_per_step():
+    outputs = _read_after_the_engine_ran({"r": SamplingParams(max_tokens=MAX_UNREAD_OUTPUTS - 2)}, steps=1)
+    assert [len(o.outputs[0].token_ids) for o in outputs["r"]] == list(range(1, MAX_UNREAD_OUTPUTS - 1))

@@ -18,6 +18,7 @@ for that request are dropped.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING = 512
+# Unread outputs a request's stream holds before it merges them (see RequestStream).
+MAX_UNREAD_OUTPUTS = 8
 # Back-off after consecutive failed steps, so a broken engine does not spin a core.
 _MAX_FAILURE_BACKOFF_S = 1.0
 
@@ -96,13 +99,16 @@ class _Timing:
 class RequestStream:
     """The outputs of one request, consumed on the event loop.
 
-    Iterating yields the latest :class:`RequestOutput`. The stream holds one
-    output at most: the engine sends it cumulative outputs, so a newer one
-    replaces an unread older one and nothing is lost, and a consumer that reads
-    slowly (a client that does not read its socket) costs one output of memory,
-    not one per engine step. The request's ``output_kind`` applies as they are
-    read: DELTA yields what is new since the last output read, FINAL_ONLY only
-    the finished one. Iteration ends after the output with ``finished=True``; an
+    Iterating yields the engine's outputs in order. The stream holds
+    ``MAX_UNREAD_OUTPUTS`` unread outputs at most: a consumer that falls a few
+    steps behind (an event loop busy for a moment) still gets one output per
+    step, and one that stops reading (a client that does not read its socket)
+    costs that many outputs of memory, not one per engine step: the engine
+    sends cumulative outputs, so once the queue is full the newest output
+    replaces the newest unread one and nothing is lost, only merged. The
+    request's ``output_kind`` applies as they are read: DELTA yields what is new
+    since the last output read, FINAL_ONLY only the finished one (so only the
+    newest is kept). Iteration ends after the output with ``finished=True``; an
     error is raised after the output that preceded it. Closing the stream
     before the end aborts the request.
     """
@@ -111,7 +117,7 @@ class RequestStream:
         self.request_id = request_id
         self._loop = loop
         self._owner = owner
-        self._latest: RequestOutput | None = None  # event loop only
+        self._unread: collections.deque[RequestOutput] = collections.deque()  # event loop only
         self._error: BaseException | None = None  # event loop only
         self._ready = asyncio.Event()
         self._accepted: asyncio.Future[None] = loop.create_future()
@@ -146,12 +152,17 @@ class RequestStream:
             self._accepted.set_exception(error)
 
     def _deliver(self, item: RequestOutput | BaseException) -> None:
-        """On the loop: keep the newest output (a finished one is never replaced) or the first error."""
+        """On the loop: queue the output (a finished one is never followed or replaced) or keep the
+        first error."""
+        unread = self._unread
         if isinstance(item, BaseException):
             if self._error is None:
                 self._error = item
-        elif self._latest is None or not self._latest.finished:
-            self._latest = item
+        elif not (unread and unread[-1].finished):
+            if unread and (len(unread) >= MAX_UNREAD_OUTPUTS
+                           or self.output_kind == RequestOutputKind.FINAL_ONLY):
+                unread.pop()  # cumulative outputs: the new one carries everything the dropped one did
+            unread.append(item)
         self._ready.set()
 
     # -- event loop side ------------------------------------------------------
@@ -169,18 +180,18 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self._closed:
             raise StopAsyncIteration
+        unread = self._unread
         while True:
-            while self._latest is None and self._error is None:
+            while not unread and self._error is None:
                 self._ready.clear()
                 await self._ready.wait()
-            latest = self._latest
-            if latest is None or latest.finished:
+            if not unread or unread[0].finished:
                 break
-            if self.output_kind != RequestOutputKind.FINAL_ONLY and stream_due(self._progress, latest):
+            if self.output_kind != RequestOutputKind.FINAL_ONLY and stream_due(self._progress, unread[0]):
                 break
-            self._latest = None  # not this one: FINAL_ONLY, or fewer new tokens than stream_interval
-        if self._latest is not None:
-            item, self._latest = self._latest, None
+            unread.popleft()  # not this one: FINAL_ONLY, or fewer new tokens than stream_interval
+        if unread:
+            item = unread.popleft()
             if item.finished:
                 self._mark_done()
             if self.output_kind == RequestOutputKind.DELTA:
