@@ -18,12 +18,19 @@
  * change), LAYOUT=token (the default) as [block][token][head][dim]. 30 64 340 4 streams 1 GB (float32) from
  * memory, as a W64 decode step's attention does; 1 4 340 1500 keeps the caches in L2 and
  * times the arithmetic alone. HUGE=1 in the environment puts the caches on 2 MiB pages.
- * docs/profile.md, "Eleventh round", has what it showed on AMD Zen 3. */
+ * docs/profile.md, "Eleventh round", has what it showed on AMD Zen 3.
+ *
+ * B_SO=path.so (float32 only) compares two builds in one process: this binary's kernel (A) and
+ * paged_attention_f32 of a shared build of another cpu_ops.c (B, `gcc ... -fPIC -shared`), each
+ * round running all layers with A then B (B then A on odd rounds); it prints both rates and in how
+ * many rounds B was faster. On a VM whose read bandwidth drifts by tens of percent within minutes
+ * this pairs each of B's rounds with one of A's a second apart (docs/profile.md, twenty-first round). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <dlfcn.h>
 #include KERNEL_SOURCE
 #ifndef KV8
 #define KV8 0
@@ -96,6 +103,43 @@ int main(int argc, char **argv) {
     for (int64_t s = 0; s < seqs; ++s) tiles[s] = (tile_t){(int32_t)s, (int32_t)s, (int32_t)ctx, 1};
     const double bytes = 2.0 * seqs * ctx * KVH * (KV8 ? D + 2 : BF16 ? D * 2 : D * 4) * layers;
     const int32_t split = getenv("SPLIT") ? atoi(getenv("SPLIT")) : 0; /* split_heads, as the engine sets it for few sequences */
+    if (getenv("B_SO")) {
+        if (KV8 || BF16 || rounds > 1000) {
+            fprintf(stderr, "B_SO compares float32 builds, at most 1000 rounds\n");
+            return 2;
+        }
+        typedef void (*attention_fn)(const float *, int64_t, const float *, const float *, const uint16_t *,
+                                     const uint16_t *, const int32_t *, int64_t, const tile_t *, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, int32_t, float, int32_t, const int32_t *, float *);
+        void *other = dlopen(getenv("B_SO"), RTLD_NOW | RTLD_LOCAL);
+        if (!other) {
+            fprintf(stderr, "%s\n", dlerror());
+            return 1;
+        }
+        const attention_fn fns[2] = {paged_attention_f32, (attention_fn)dlsym(other, "paged_attention_f32")};
+        static double ts[2][1000];
+        int b_faster = 0;
+        for (int64_t r = 0; r < rounds; ++r) {
+            for (int i = 0; i < 2; ++i) {
+                const int which = (r & 1) ? 1 - i : i;
+                const double t0 = now();
+                for (int64_t l = 0; l < layers; ++l)
+                    fns[which](q, H * D, k[l], v[l], 0, 0, tables, bps, tiles, seqs, H, KVH, D, BS, layout, 0.125f,
+                               split, 0, out);
+                ts[which][r] = now() - t0;
+            }
+            b_faster += ts[1][r] < ts[0][r];
+        }
+        double ratio = 0;
+        for (int w = 0; w < 2; ++w) {
+            double best = 1e30, sum = 0;
+            for (int64_t r = 0; r < rounds; ++r) best = ts[w][r] < best ? ts[w][r] : best, sum += ts[w][r];
+            printf("%s: best %.2f GB/s, mean %.2f GB/s\n", w ? "B" : "A", bytes / best / 1e9, bytes / (sum / rounds) / 1e9);
+        }
+        for (int64_t r = 0; r < rounds; ++r) ratio += ts[0][r] / ts[1][r];
+        printf("B faster in %d of %ld rounds; mean time A / B %.3f\n", b_faster, (long)rounds, ratio / rounds);
+        return 0;
+    }
     double best = 1e30;
     for (int64_t r = 0; r < rounds; ++r) {
         const double t0 = now();

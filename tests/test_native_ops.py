@@ -21,6 +21,7 @@ from native_paths import AMX, ISA_PATHS, LIBRARY_PARAMS, amx_and_vector_outputs,
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.errors import ConfigError
+from pagedllm.kv.kv_cache import in_layout
 from pagedllm.models.llama import rotate
 from pagedllm.native import cpu_ops
 
@@ -186,11 +187,13 @@ def test_paged_attention_matches_oracle(library, dtype, block_size, num_heads, n
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_paged_attention_never_reads_unwritten_slots(library, dtype, block_size):
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("kv_layout", ["token", "head"])
+def test_paged_attention_never_reads_unwritten_slots(library, dtype, block_size, kv_layout):
     """The CPU pools are allocated uninitialised: every slot past a sequence's length holds NaN
-    here, and on every path none of it reaches the output, with chunks that end at odd lengths
-    (the bfloat16 pair kernels take value rows two tokens at a time)."""
+    here, and on every path and in both pool layouts none of it reaches the output, with chunks
+    that end at odd lengths (the bfloat16 pair kernels take value rows two tokens at a time; the
+    head layout reads a short chunk's float32 keys in place, its lanes past the end included)."""
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     batch = make_paged_batch(
         ATTENTION_SPECS, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -202,8 +205,11 @@ def test_paged_attention_never_reads_unwritten_slots(library, dtype, block_size)
         for pos in range(seq_len - q_len):  # the context already written; the new tokens come next
             block, offset = md.block_tables[i, pos // block_size].item(), pos % block_size
             k_cache[block, offset], v_cache[block, offset] = batch.k_cache[block, offset], batch.v_cache[block, offset]
+    k_cache, v_cache = in_layout(k_cache, kv_layout, values=False), in_layout(v_cache, kv_layout, values=True)
     batch.k_cache, batch.v_cache = k_cache, v_cache
     TorchAttentionBackend().write_kv(batch.new_key, batch.new_value, k_cache, v_cache, md.slot_mapping)
+    expected_layout = cpu_ops.KV_LAYOUT_HEAD if kv_layout == "head" else cpu_ops.KV_LAYOUT_TOKEN
+    assert cpu_ops.kv_layout(k_cache, v_cache) == expected_layout
     tiles = cpu_ops.make_tiles(md.seq_lens_host, md.query_lens_host,
                                cpu_ops.tile_tokens(num_heads, num_kv_heads, head_dim))
     expected = naive_attention(batch.query.double(), batch)

@@ -867,16 +867,20 @@ static inline __attribute__((always_inline)) void NAME(                         
             kts[sub] = kt;                                                                        \
             kstr[sub] = VW;                                                                       \
             if (layout && ns[sub] > 0) {                                                          \
-                /* the cache holds a block's keys of a head as [d][token]: a whole chunk of      \
-                   float32 keys is read in place, others are converted (a short chunk's missing  \
-                   tokens as 0, as the transposes below give them). Not prefetched: on AMD Zen 3 \
-                   these reads ran as fast without. */                                            \
+                /* the cache holds a block's keys of a head as [d][token]: float32 keys are read \
+                   in place wherever a vector from the chunk's first slot stays within the block \
+                   row (a short chunk's lanes past its end then hold other slots, whatever they  \
+                   are: score_rows masks those lanes out of the maximum and the weights, and    \
+                   each lane's score is its own dot product, so the chunk's own lanes are the    \
+                   same bits); others are converted (a short chunk's missing tokens as 0, as the \
+                   transposes below give them). Not prefetched: on AMD Zen 3 these reads ran as  \
+                   fast without, and on Zen 5 slower with. */                                     \
                 const T *kb = kbs[sub];                                                           \
                 if (dp) {                                                                         \
                     for (int64_t i = 0; i < D / 2; ++i)                                           \
                         vstore(kt + i * VW, interleave_bf16_rows((const bf16_t *)kb + 2 * i * k_dim, \
                                                                  (const bf16_t *)kb + (2 * i + 1) * k_dim, ns[sub])); \
-                } else if (ns[sub] == VW && sizeof(T) == sizeof(float)) {                         \
+                } else if (sizeof(T) == sizeof(float) && slots[sub] % block_size + VW <= block_size) { \
                     kts[sub] = (const float *)kb;                                                 \
                     kstr[sub] = k_dim;                                                            \
                 } else if (ns[sub] == VW) {                                                       \
