@@ -20,8 +20,8 @@
  * times the arithmetic alone. HUGE=1 in the environment puts the caches on 2 MiB pages.
  * docs/profile.md, "Eleventh round", has what it showed on AMD Zen 3.
  *
- * B_SO=path.so (float32 only) compares two builds in one process: this binary's kernel (A) and
- * paged_attention_f32 of a shared build of another cpu_ops.c (B, `gcc ... -fPIC -shared`), each
+ * B_SO=path.so (float32, or bfloat16 with -DBF16=1) compares two builds in one process: this binary's kernel (A) and
+ * paged_attention_f32 (_bf16) of a shared build of another cpu_ops.c (B, `gcc ... -fPIC -shared`), each
  * round running all layers with A then B (B then A on odd rounds); it prints both rates and in how
  * many rounds B was faster. On a VM whose read bandwidth drifts by tens of percent within minutes
  * this pairs each of B's rounds with one of A's a second apart (docs/profile.md, twenty-first round). */
@@ -104,19 +104,24 @@ int main(int argc, char **argv) {
     const double bytes = 2.0 * seqs * ctx * KVH * (KV8 ? D + 2 : BF16 ? D * 2 : D * 4) * layers;
     const int32_t split = getenv("SPLIT") ? atoi(getenv("SPLIT")) : 0; /* split_heads, as the engine sets it for few sequences */
     if (getenv("B_SO")) {
-        if (KV8 || BF16 || rounds > 1000) {
-            fprintf(stderr, "B_SO compares float32 builds, at most 1000 rounds\n");
+        if (KV8 || rounds > 1000) {
+            fprintf(stderr, "B_SO compares float32 or bfloat16 builds, at most 1000 rounds\n");
             return 2;
         }
-        typedef void (*attention_fn)(const float *, int64_t, const float *, const float *, const uint16_t *,
+        /* paged_attention_f32 or _bf16: the same arguments, pointers to float or bf16_t */
+        typedef void (*attention_fn)(const void *, int64_t, const void *, const void *, const uint16_t *,
                                      const uint16_t *, const int32_t *, int64_t, const tile_t *, int64_t, int64_t,
-                                     int64_t, int64_t, int64_t, int32_t, float, int32_t, const int32_t *, float *);
+                                     int64_t, int64_t, int64_t, int32_t, float, int32_t, const int32_t *, void *);
+        const char *name = BF16 ? "paged_attention_bf16" : "paged_attention_f32";
         void *other = dlopen(getenv("B_SO"), RTLD_NOW | RTLD_LOCAL);
         if (!other) {
             fprintf(stderr, "%s\n", dlerror());
             return 1;
         }
-        const attention_fn fns[2] = {paged_attention_f32, (attention_fn)dlsym(other, "paged_attention_f32")};
+        const attention_fn fns[2] = {BF16 ? (attention_fn)paged_attention_bf16 : (attention_fn)paged_attention_f32,
+                                     (attention_fn)dlsym(other, name)};
+        const void *qa = BF16 ? (const void *)qb : (const void *)q;
+        void *oa = BF16 ? (void *)outb : (void *)out;
         static double ts[2][1000];
         int b_faster = 0;
         for (int64_t r = 0; r < rounds; ++r) {
@@ -124,8 +129,8 @@ int main(int argc, char **argv) {
                 const int which = (r & 1) ? 1 - i : i;
                 const double t0 = now();
                 for (int64_t l = 0; l < layers; ++l)
-                    fns[which](q, H * D, k[l], v[l], 0, 0, tables, bps, tiles, seqs, H, KVH, D, BS, layout, 0.125f,
-                               split, 0, out);
+                    fns[which](qa, H * D, k[l], v[l], 0, 0, tables, bps, tiles, seqs, H, KVH, D, BS, layout, 0.125f,
+                               split, 0, oa);
                 ts[which][r] = now() - t0;
             }
             b_faster += ts[1][r] < ts[0][r];
