@@ -17,7 +17,8 @@
  * in cpu_ops.c's KV_LAYOUT_HEAD (the same random values, rearranged: the check value must not
  * change), LAYOUT=token (the default) as [block][token][head][dim]. 30 64 340 4 streams 1 GB (float32) from
  * memory, as a W64 decode step's attention does; 1 4 340 1500 keeps the caches in L2 and
- * times the arithmetic alone. HUGE=1 in the environment puts the caches on 2 MiB pages.
+ * times the arithmetic alone. HUGE=1 in the environment puts the caches on 2 MiB pages; CONTIGUOUS=1
+ * gives each sequence its blocks side by side instead of drawn at random.
  * docs/profile.md, "Eleventh round", has what it showed on AMD Zen 3.
  *
  * B_SO=path.so (float32, or bfloat16 with -DBF16=1) compares two builds in one process: this binary's kernel (A) and
@@ -62,10 +63,11 @@ int main(int argc, char **argv) {
     int64_t *perm = malloc(nblocks * sizeof(int64_t));
     srand(1);
     for (int64_t i = 0; i < nblocks; ++i) perm[i] = i;
-    for (int64_t i = nblocks - 1; i > 0; --i) {
-        const int64_t j = rand() % (i + 1), t = perm[i];
-        perm[i] = perm[j], perm[j] = t;
-    }
+    if (!getenv("CONTIGUOUS")) /* CONTIGUOUS=1: each sequence's blocks side by side, in order */
+        for (int64_t i = nblocks - 1; i > 0; --i) {
+            const int64_t j = rand() % (i + 1), t = perm[i];
+            perm[i] = perm[j], perm[j] = t;
+        }
     for (int64_t i = 0; i < seqs * bps; ++i) tables[i] = (int32_t)perm[i];
     for (int64_t l = 0; l < layers; ++l) {
         k[l] = aligned_alloc(huge, bytes_each), v[l] = aligned_alloc(huge, bytes_each);
