@@ -260,23 +260,23 @@ def lanes_wanted(bits: int, out_features: int, path: int | None = None) -> bool:
     return cols is not None and _switched_on(LANES_ENV) and bits == 4 and out_features % cols == 0
 
 
-def _glu_fusion_mode() -> int:
-    value = os.environ.get(GLU_FUSION_ENV, "1")
-    if value not in GLU_FUSION_MODES:
+def _env_setting(name: str, choices: tuple[str, ...], expected: str) -> str:
+    """``$name`` (unset: "1"), one of ``choices``; anything else is a ConfigError saying ``expected``."""
+    value = os.environ.get(name, "1")
+    if value not in choices:
         from pagedllm.errors import ConfigError
 
-        raise ConfigError(f"{GLU_FUSION_ENV}={value!r}: use 0 (never), 1 (by size, the default) or 2 (always)")
-    return int(value)
+        raise ConfigError(f"{name} must be {expected}, got {value!r}")
+    return value
+
+
+def _glu_fusion_mode() -> int:
+    return int(_env_setting(GLU_FUSION_ENV, GLU_FUSION_MODES, "0 (never), 1 (by size, the default) or 2 (always)"))
 
 
 def _switched_on(name: str) -> bool:
     """``$name`` as a switch: unset or 1 is on, 0 off; anything else is a ConfigError."""
-    value = os.environ.get(name, "1")
-    if value not in ("0", "1"):
-        from pagedllm.errors import ConfigError
-
-        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _env_setting(name, ("0", "1"), "0 or 1") == "1"
 
 
 def _lanes_of(qweight: torch.Tensor, bits: int) -> bool:
